@@ -1,0 +1,44 @@
+"""Engine configuration: every field has a default; `paged_hf.wrap(model, **fields)` fills it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class PagedConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_memory
+    kv_cache_memory: float | int = 0.25  # bytes (int > 1) or a fraction of free device memory (float <= 1)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget = chunk size of chunked prefill
+    max_model_len: int | None = None  # default: the model's max positions
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
+    adapters: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 64
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.block_size, int) and self.block_size >= 1):
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if self.num_blocks is not None and not (isinstance(self.num_blocks, int) and self.num_blocks >= 1):
+            raise ValueError(f"num_blocks must be an int >= 1 or None, got {self.num_blocks!r}")
+        if not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):
+            raise ValueError(f"kv_cache_memory must be bytes or a fraction in (0, 1], got {self.kv_cache_memory!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
+            raise ValueError(f"max_model_len must be an int >= 1 or None, got {self.max_model_len!r}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', got {self.attention_backend!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "PagedConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown PagedConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)

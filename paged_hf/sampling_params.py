@@ -1,0 +1,59 @@
+"""Per-request sampling parameters, validated when they are made (a bad field never reaches the engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples its tokens; the fields follow vLLM's and HF's names and meanings."""
+
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    n: int = 1
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    # Not in the public contract: extra token ids that end the request like EOS (HF's eos_token_id list).
+    eos_token_ids: list[int] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an int >= 1")
+        _check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", self.min_new_tokens, "an int in [0, max_new_tokens]")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k, "an int >= -1 (0 or -1 = off)")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
+        _check(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "a list of non-empty strings")
+        _check(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "a list of token ids")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs", self.logprobs, "an int >= 0 or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # rejects NaN
+
+
+def _check(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
