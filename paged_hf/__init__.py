@@ -1,0 +1,21 @@
+"""paged_hf: serve any HuggingFace causal LM like vLLM does, without leaving transformers."""
+
+from .config import PagedConfig
+from .generator import ContinuousBatchGenerator
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .paged_cache import PagedCache
+from .paged_model import PagedModel, wrap
+from .sampling_params import SamplingParams
+
+__all__ = [
+    "CompletionOutput",
+    "ContinuousBatchGenerator",
+    "PagedCache",
+    "PagedConfig",
+    "PagedModel",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "wrap",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,229 @@
+"""`ContinuousBatchGenerator`: wraps `model.forward` with a scheduler, a paged cache and a sampler.
+
+One step is three calls (nano-vllm's shape): schedule -> run the model once on the packed row -> postprocess
+(append sampled tokens, check stops, free what finished). The model runner never touches the block manager.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers.utils import logging
+
+from .block_pool import BlockPool
+from .config import PagedConfig
+from .kv_cache_manager import KVCacheManager, cdiv
+from .model_info import free_memory_bytes, inspect_model
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .request import Request
+from .request_group import RequestGroup
+from .sampler import Sampler, SamplingRow, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .stopping import StopChecker
+
+logger = logging.get_logger(__name__)
+
+
+class ContinuousBatchGenerator:
+    def __init__(self, model: torch.nn.Module, config: PagedConfig | None = None, tokenizer=None):
+        self.config = config or PagedConfig()
+        self.tokenizer = tokenizer
+        self.info = inspect_model(model)
+        self.max_model_len = self.config.max_model_len or self.info.max_positions or 2048
+        num_blocks = self.config.num_blocks or self._num_blocks_from_memory()
+        self.runner = ModelRunner(model, self.info, num_blocks, self.config)
+        self.block_pool = BlockPool(num_blocks, self.config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size)
+        self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.sampler = Sampler(self.info.eos_token_ids)
+        self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len, tokenizer)
+        self.groups: dict[str, RequestGroup] = {}
+        self._finished_aborts: list[RequestGroup] = []
+        self._ids = itertools.count()
+
+    def _num_blocks_from_memory(self) -> int:
+        budget = self.config.kv_cache_memory
+        if budget <= 1:
+            budget = int(budget * free_memory_bytes(self.info.layer_devices[0]))
+        per_block = self.runner_bytes_per_block()
+        num_blocks = max(1, int(budget) // per_block)
+        # no point in more blocks than every sequence at full length can use
+        return min(num_blocks, self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size))
+
+    def runner_bytes_per_block(self) -> int:
+        from .paged_cache import PagedCache  # noqa: PLC0415
+
+        return PagedCache.bytes_per_block(self.config.block_size, self.info.num_kv_heads, self.info.head_dim, self.info.dtype)
+
+    # --- submission -----------------------------------------------------------------------------------
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, adapter: str | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue one request (n > 1: n sequences). Bad input raises ValueError and queues nothing."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_token_ids(prompt)
+        self._check_fits(prompt_ids, params)
+        if adapter is not None:
+            raise ValueError(f"unknown adapter {adapter!r}: no adapters are loaded")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        device = self.runner.logits_device
+        children = [
+            Request(request_id, i, list(prompt_ids), params, adapter,
+                    generator=make_generator(params.seed, i, device) if params.seed is not None else None)
+            for i in range(params.n)
+        ]
+        self.groups[request_id] = RequestGroup(request_id, prompt_ids, children, self.tokenizer)
+        for child in children:
+            self.scheduler.add(child)
+        return request_id
+
+    def _prompt_token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to wrap() or give token ids")
+            prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of token ids")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
+        return list(prompt)
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                             f"is longer than max_model_len={self.max_model_len}")
+        needed = cdiv(total, self.config.block_size)
+        if needed > self.block_pool.num_blocks:
+            raise ValueError(f"a request of {total} tokens needs {needed} KV blocks but the whole cache has "
+                             f"{self.block_pool.num_blocks}; raise num_blocks/kv_cache_memory")
+
+    # --- running --------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._finished_aborts)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration; the outputs (cumulative) of every request that changed."""
+        touched = self._step()
+        return [group.output() for group in touched]
+
+    def _step(self) -> list[RequestGroup]:
+        touched = dict.fromkeys(self._finished_aborts)
+        self._finished_aborts = []
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return list(touched)
+        logits, inputs = self.runner.run(out)  # [num_sampled, vocab_size]
+        for scheduled in out.scheduled:
+            self.scheduler.advance(scheduled)
+        requests = [scheduled.request for scheduled in inputs.sampled]
+        if not requests:
+            return list(touched)
+        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in requests]
+        sampled = self.sampler(logits, rows)
+        now = time.monotonic()
+        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
+            request.append_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            reason = self.stop_checker.check(request)
+            if reason is not None:
+                request.finish_time = now
+                self.scheduler.finish(request, reason)
+            touched[self.groups[request.request_id]] = None
+        for group in touched:
+            if group.finished:
+                self.groups.pop(group.request_id, None)
+        return list(touched)
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's blocks now; its final output (finish_reason "abort") comes with the next step."""
+        group = self.groups.pop(str(request_id), None)
+        if group is None:
+            return
+        for child in group.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, "abort")
+        self._finished_aborts.append(group)
+
+    def generate(self, prompts: Sequence, sampling_params=None, adapters=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order. On any error the call's requests are aborted."""
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        adapter_names = _per_prompt(adapters, len(prompts), "adapters")
+        request_ids: list[str] = []
+        try:
+            for prompt, p, adapter in zip(prompts, params, adapter_names):
+                request_ids.append(self.add_request(prompt, p, adapter))
+            return self._run_to_completion(request_ids, use_tqdm)
+        except BaseException:
+            for request_id in request_ids:
+                self.abort(request_id)
+            self._finished_aborts = [g for g in self._finished_aborts if g.request_id not in set(request_ids)]
+            raise
+
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        pending = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="paged_hf", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                for group in self._step():
+                    if group.finished and group.request_id in pending:
+                        results[group.request_id] = group.output()
+                        pending.discard(group.request_id)
+                        bar.update(1)
+        return [results[request_id] for request_id in request_ids]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, adapter: str | None = None) -> Iterator[list[int]]:
+        """Yield the new token ids of one request as they are generated (other requests keep running too)."""
+        if sampling_params is not None and sampling_params.n != 1:
+            raise ValueError("stream() serves one sequence: use n=1 (or step() for n > 1)")
+        request_id = self.add_request(prompt, sampling_params, adapter)
+        group = self.groups[request_id]
+        num_seen = 0
+        try:
+            while not group.finished:
+                self._step()
+                tokens = group.children[0].output_token_ids
+                if len(tokens) > num_seen:
+                    yield tokens[num_seen:]
+                    num_seen = len(tokens)
+        finally:
+            if not group.finished:
+                self.abort(request_id)
+
+    def stats(self) -> dict:
+        return {
+            "num_blocks": self.block_pool.num_blocks,
+            "num_free_blocks": self.block_pool.num_free_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+        }
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,83 @@
+"""What the engine needs to know about an HF causal LM: cache shapes, layer devices, limits, EOS ids."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ModelInfo:
+    num_layers: int
+    num_kv_heads: list[int]  # per layer
+    head_dim: list[int]  # per layer
+    dtype: torch.dtype
+    layer_devices: list[torch.device]
+    input_device: torch.device  # where input_ids go (the embedding's device)
+    vocab_size: int
+    max_positions: int | None
+    eos_token_ids: list[int]
+    accepts_logits_to_keep: bool
+
+
+def text_config(config):
+    """Multimodal wrappers keep the LM's fields in a sub-config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def inspect_model(model: torch.nn.Module) -> ModelInfo:
+    config = text_config(model.config)
+    num_layers = config.num_hidden_layers
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    layer_devices = _layer_devices(model, num_layers)
+    embeddings = model.get_input_embeddings()
+    return ModelInfo(
+        num_layers=num_layers,
+        num_kv_heads=[num_kv_heads] * num_layers,
+        head_dim=[head_dim] * num_layers,
+        dtype=embeddings.weight.dtype,
+        layer_devices=layer_devices,
+        input_device=embeddings.weight.device,
+        vocab_size=model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else config.vocab_size,
+        max_positions=getattr(config, "max_position_embeddings", None),
+        eos_token_ids=eos_token_ids(model),
+        accepts_logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
+    )
+
+
+def eos_token_ids(model) -> list[int]:
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(text_config(model.config), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
+    """The device of each attention layer's weights (accelerate device maps put layers on many devices)."""
+    fallback = next(model.parameters()).device
+    devices: dict[int, torch.device] = {}
+    for module in model.modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if isinstance(layer_idx, int) and layer_idx not in devices:
+            param = next(module.parameters(recurse=True), None)
+            if param is not None:
+                devices[layer_idx] = param.device if param.device.type != "meta" else fallback
+    return [devices.get(i, fallback) for i in range(num_layers)]
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,72 @@
+"""Runs the HF model once per step on the packed row, with the `PagedCache` holding the step's metadata."""
+
+from __future__ import annotations
+
+import torch
+
+from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
+from paged_hf.kernels import select_kernel
+
+from .config import PagedConfig
+from .model_info import ModelInfo
+from .paged_cache import PagedCache
+from .scheduler import SchedulerOutput
+from .step_inputs import StepInputs, build_step_inputs
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, config: PagedConfig):
+        register()
+        self.model = model
+        self.info = info
+        self.block_size = config.block_size
+        self.kernel = select_kernel(config.attention_backend, info.layer_devices[0], info.dtype, info.head_dim[0])
+        self.cache = PagedCache(num_blocks, config.block_size, info.num_kv_heads, info.head_dim, info.dtype,
+                                info.layer_devices, self.kernel)
+        output_embeddings = model.get_output_embeddings()
+        self.logits_device = output_embeddings.weight.device if output_embeddings is not None else info.input_device
+        self.attention_switch = _AttentionSwitch(model, ATTENTION_NAME)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
+        """-> logits [num_sampled, vocab_size] of the requests that sample this step, and the step's inputs."""
+        inputs = build_step_inputs(out, self.block_size)
+        device = self.info.input_device
+        kwargs = dict(
+            input_ids=inputs.input_ids.to(device)[None],  # [1, num_tokens]
+            position_ids=inputs.positions.to(device)[None],
+            attention_mask=STEP_MASK_SENTINEL,
+            cache=self.cache,
+            paged_cache=self.cache,
+            use_cache=True,
+        )
+        if self.info.accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = inputs.logits_indices.to(device)
+        self.cache.begin_step(inputs.attention)
+        try:
+            with self.attention_switch:
+                logits = self.model(**kwargs).logits[0]  # [num_kept, vocab_size]
+        finally:
+            self.cache.end_step()
+        if not self.info.accepts_logits_to_keep:
+            logits = logits[inputs.logits_indices.to(logits.device)]
+        return logits, inputs
+
+
+class _AttentionSwitch:
+    """Switches the model to the paged attention function for one forward, and back: outside our steps the
+    user's model keeps its own attention implementation (a plain forward is untouched)."""
+
+    def __init__(self, model: torch.nn.Module, name: str):
+        configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+        self.configs = list({id(c): c for c in configs}.values())
+        self.name = name
+
+    def __enter__(self):
+        self.previous = [c._attn_implementation for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation = self.name
+
+    def __exit__(self, *exc):
+        for c, previous in zip(self.configs, self.previous):
+            c._attn_implementation = previous

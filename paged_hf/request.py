@@ -1,0 +1,68 @@
+"""The state of one sequence inside the engine: its tokens, how many have K/V in the cache, its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. A user request with `n > 1` becomes n of these (children), sharing `request_id`.
+
+    The single scheduling rule: `num_computed_tokens` catches up with `num_tokens` within the token budget.
+    A prefill chunk, a decode step, a prefix-cache hit and a resume after preemption are all that rule.
+    """
+
+    request_id: str
+    index: int  # child index within its user request (0 when n == 1)
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    adapter: str | None = None
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] | None = None
+    output_text: str = ""  # set when a stop string cut the text
+    stop_string_hit: bool = False
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)  # the block table
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

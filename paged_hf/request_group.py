@@ -1,0 +1,48 @@
+"""A user request: its n sequences (children) and how they are reported as one `RequestOutput`."""
+
+from __future__ import annotations
+
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request import Request
+
+
+class RequestGroup:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], children: list[Request], tokenizer=None):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.children = children
+        self.tokenizer = tokenizer
+
+    @property
+    def finished(self) -> bool:
+        return all(child.is_finished for child in self.children)
+
+    def output(self) -> RequestOutput:
+        first = [c.first_token_time for c in self.children if c.first_token_time is not None]
+        finish = [c.finish_time for c in self.children if c.finish_time is not None]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[self._completion(child) for child in self.children],
+            finished=self.finished,
+            metrics=RequestMetrics(
+                arrival_time=self.children[0].arrival_time,
+                first_token_time=min(first) if first else None,
+                finish_time=max(finish) if finish and self.finished else None,
+            ),
+        )
+
+    def _completion(self, child: Request) -> CompletionOutput:
+        text = None
+        if self.tokenizer is not None:
+            if child.stop_string_hit:
+                text = child.output_text
+            else:
+                text = self.tokenizer.decode(child.output_token_ids, skip_special_tokens=True)
+        return CompletionOutput(
+            index=child.index,
+            token_ids=list(child.output_token_ids),
+            text=text,
+            finish_reason=child.finish_reason,
+            logprobs=list(child.output_logprobs) if child.output_logprobs is not None else None,
+        )

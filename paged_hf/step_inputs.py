@@ -1,0 +1,77 @@
+"""The inputs of one step, built once: a packed row of all scheduled tokens and its attention metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class AttentionMetadata:
+    """Kernel-independent description of the packed row; kernels turn it into their own plan."""
+
+    block_size: int
+    query_start_loc: list[int]  # [num_requests + 1]: request i's tokens are [start[i], start[i + 1])
+    context_lens: list[int]  # [num_requests]: K/V length of each request once this step is written
+    block_tables: list[list[int]]  # [num_requests][num_blocks_of_request]
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes (block * size + offset)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def query_lens(self) -> list[int]:
+        starts = self.query_start_loc
+        return [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    logits_indices: torch.Tensor  # [num_sampled] int64: the last token of each request that samples
+    sampled: list  # the ScheduledRequests that sample this step, in logits_indices order
+    attention: AttentionMetadata
+
+
+def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
+    """Packs the step's tokens with no padding; all tensors on CPU (each device copies what it needs)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start_loc = [0]
+    context_lens = []
+    block_tables = []
+    logits_indices = []
+    sampled = []
+    for scheduled in out.scheduled:
+        request = scheduled.request
+        start = request.num_computed_tokens
+        end = start + scheduled.num_new_tokens
+        input_ids.extend(request.all_token_ids[start:end])
+        positions.extend(range(start, end))
+        block_ids = request.block_ids
+        slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_start_loc.append(len(input_ids))
+        context_lens.append(end)
+        block_tables.append(block_ids)
+        if scheduled.samples:
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(scheduled)
+    return StepInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        sampled=sampled,
+        attention=AttentionMetadata(
+            block_size=block_size,
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+        ),
+    )
