@@ -31,15 +31,13 @@ def text_config(config):
 def inspect_model(model: torch.nn.Module) -> ModelInfo:
     config = text_config(model.config)
     num_layers = config.num_hidden_layers
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_kv_heads, head_dim = _probe_kv_shapes(model)
     layer_devices = _layer_devices(model, num_layers)
     embeddings = model.get_input_embeddings()
     return ModelInfo(
         num_layers=num_layers,
-        num_kv_heads=[num_kv_heads] * num_layers,
-        head_dim=[head_dim] * num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         dtype=embeddings.weight.dtype,
         layer_devices=layer_devices,
         input_device=embeddings.weight.device,
@@ -48,6 +46,16 @@ def inspect_model(model: torch.nn.Module) -> ModelInfo:
         eos_token_ids=eos_token_ids(model),
         accepts_logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
     )
+
+
+@torch.inference_mode()
+def _probe_kv_shapes(model: torch.nn.Module) -> tuple[list[int], list[int]]:
+    """Each layer's (num_kv_heads, head_dim), read off a one-token forward: configs name these fields in
+    many ways (and a tensor-parallel shard holds only some heads), the cached keys never lie."""
+    device = model.get_input_embeddings().weight.device
+    cache = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True).past_key_values
+    shapes = [layer.keys.shape for layer in cache.layers]  # [1, num_kv_heads, 1, head_dim]
+    return [s[1] for s in shapes], [s[-1] for s in shapes]
 
 
 def eos_token_ids(model) -> list[int]:

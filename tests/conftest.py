@@ -1,0 +1,57 @@
+"""Small random float64 models built from configs: argmax ties cannot hide a bug in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+VOCAB = 128
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 7}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+}
+
+
+def tiny_model(family: str = "llama", seed: int = 0, dtype=torch.float64) -> torch.nn.Module:
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, **extra,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # random models: stop by length unless a test says otherwise
+    return model
+
+
+def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: plain transformers generate, one prompt at a time."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")
+
+
+def assert_no_leak(generator) -> None:
+    stats = generator.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"], stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert all(block.ref_count == 0 for block in generator.block_pool.blocks)
