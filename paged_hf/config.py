@@ -9,7 +9,9 @@ from dataclasses import dataclass, field, fields
 class PagedConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_memory
-    kv_cache_memory: float | int = 0.25  # bytes (int > 1) or a fraction of free device memory (float <= 1)
+    # bytes (> 1) or a fraction of free device memory (<= 1); None: half the free GPU memory, or on CPU
+    # 4 GiB capped at a quarter of the available RAM (vLLM's CPU default)
+    kv_cache_memory: float | int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per-step token budget = chunk size of chunked prefill
     max_model_len: int | None = None  # default: the model's max positions
@@ -24,7 +26,7 @@ class PagedConfig:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
         if self.num_blocks is not None and not (isinstance(self.num_blocks, int) and self.num_blocks >= 1):
             raise ValueError(f"num_blocks must be an int >= 1 or None, got {self.num_blocks!r}")
-        if not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):
+        if self.kv_cache_memory is not None and not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory must be bytes or a fraction in (0, 1], got {self.kv_cache_memory!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             value = getattr(self, name)

@@ -47,9 +47,12 @@ class ContinuousBatchGenerator:
         self._ids = itertools.count()
 
     def _num_blocks_from_memory(self) -> int:
+        device = self.info.layer_devices[0]
         budget = self.config.kv_cache_memory
+        if budget is None:
+            budget = 0.5 if device.type == "cuda" else min(4 << 30, free_memory_bytes(device) // 4)
         if budget <= 1:
-            budget = int(budget * free_memory_bytes(self.info.layer_devices[0]))
+            budget = int(budget * free_memory_bytes(device))
         per_block = self.runner_bytes_per_block()
         num_blocks = max(1, int(budget) // per_block)
         # no point in more blocks than every sequence at full length can use

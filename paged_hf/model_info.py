@@ -53,7 +53,8 @@ def _probe_kv_shapes(model: torch.nn.Module) -> tuple[list[int], list[int]]:
     """Each layer's (num_kv_heads, head_dim), read off a one-token forward: configs name these fields in
     many ways (and a tensor-parallel shard holds only some heads), the cached keys never lie."""
     device = model.get_input_embeddings().weight.device
-    cache = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True).past_key_values
+    output = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True)
+    cache = output["cache"] if "cache" in output else output["past_key_values"]  # transformers >= 5.x renamed it
     shapes = [layer.keys.shape for layer in cache.layers]  # [1, num_kv_heads, 1, head_dim]
     return [s[1] for s in shapes], [s[-1] for s in shapes]
 
