@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transformers
+
+from paged_hf import default_model as dm
 
 VOCAB = 128
 
@@ -17,6 +21,7 @@ FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 6, "attn_logit_softcapping": 5.0}),
 }
 
 
@@ -55,3 +60,40 @@ def assert_no_leak(generator) -> None:
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert all(block.ref_count == 0 for block in generator.block_pool.blocks)
+
+
+# --- the real default model: converted from its GGUF once per test session -------------------------------
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """(checkpoint folder, GGUF-loaded model, GGUF tokenizer, seconds the conversion took)."""
+    try:
+        dm.default_model_path()
+    except RuntimeError as exc:  # pragma: no cover - the test environment installs it
+        pytest.skip(str(exc))
+    target = tmp_path_factory.mktemp("paged_hf_cache") / dm.DEFAULT_MODEL
+    captured = {}
+    original = dm.load_gguf_model
+
+    def spy(*args, **kwargs):
+        captured["model"], captured["tokenizer"] = original(*args, **kwargs)
+        return captured["model"], captured["tokenizer"]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dm, "load_gguf_model", spy)
+        start = time.perf_counter()
+        path = dm.ensure_default_checkpoint(cache_dir=target)
+        seconds = time.perf_counter() - start
+    print(f"\n[default_model] GGUF -> HF conversion took {seconds:.1f} s")
+    assert "model" in captured, "the first ensure_default_checkpoint call did not convert"
+    return path, captured["model"], captured["tokenizer"], seconds
+
+
+@pytest.fixture(scope="session")
+def loaded(converted):
+    """(model, tokenizer) loaded from the converted checkpoint through load_model."""
+    path = converted[0]
+    start = time.perf_counter()
+    model, tokenizer = dm.load_model(str(path))
+    print(f"\n[default_model] reload of the converted checkpoint took {time.perf_counter() - start:.2f} s")
+    return model, tokenizer

@@ -23,41 +23,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention stores th
 # --------------------------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory):
-    """(checkpoint folder, GGUF-loaded model, GGUF tokenizer, seconds the conversion took)."""
-    try:
-        dm.default_model_path()
-    except RuntimeError as exc:  # pragma: no cover - the test environment installs it
-        pytest.skip(str(exc))
-    target = tmp_path_factory.mktemp("paged_hf_cache") / dm.DEFAULT_MODEL
-    captured = {}
-    original = dm.load_gguf_model
-
-    def spy(*args, **kwargs):
-        captured["model"], captured["tokenizer"] = original(*args, **kwargs)
-        return captured["model"], captured["tokenizer"]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dm, "load_gguf_model", spy)
-        start = time.perf_counter()
-        path = dm.ensure_default_checkpoint(cache_dir=target)
-        seconds = time.perf_counter() - start
-    print(f"\n[default_model] GGUF -> HF conversion took {seconds:.1f} s")
-    assert "model" in captured, "the first ensure_default_checkpoint call did not convert"
-    return path, captured["model"], captured["tokenizer"], seconds
-
-
-@pytest.fixture(scope="session")
-def loaded(converted):
-    """(model, tokenizer) loaded from the converted checkpoint through load_model."""
-    path = converted[0]
-    start = time.perf_counter()
-    model, tokenizer = dm.load_model(str(path))
-    print(f"\n[default_model] reload of the converted checkpoint took {time.perf_counter() - start:.2f} s")
-    return model, tokenizer
-
-
 # --------------------------------------------------------------------------------------------- fast tests
 
 
