@@ -16,7 +16,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from paged_hf.sampler import Sampler, SamplerOutput, SamplingRow, _apply_presence_frequency, make_generator
+from paged_hf.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    _apply_presence_frequency,
+    make_generator,
+)
 from paged_hf.sampling_params import SamplingParams
 
 EOS = 3
@@ -135,8 +141,8 @@ def _hf_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.T
     return scores.softmax(-1)[0]
 
 
-@pytest.mark.parametrize("fields", [dict(temperature=0.7), dict(temperature=1.0),
-                                    dict(temperature=1.5, top_k=5, top_p=0.9), dict(temperature=0.8, min_p=0.2)])
+@pytest.mark.parametrize("fields", [{"temperature": 0.7}, {"temperature": 1.0},
+                                    {"temperature": 1.5, "top_k": 5, "top_p": 0.9}, {"temperature": 0.8, "min_p": 0.2}])
 def test_frequencies_match_the_target_distribution(fields):
     torch.manual_seed(0)
     logits = torch.tensor([1.0, 0.5, 2.0, -1.0, 0.0, 1.5, -0.5, 0.8])
