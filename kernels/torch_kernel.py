@@ -1,9 +1,11 @@
 """Pure-PyTorch paged attention over a packed row that mixes prefill chunks and decode tokens.
 
-Decode rows (one query token each) are batched into one SDPA call over their gathered K/V, padded to the
-longest context with a key mask. Prefill chunks run one SDPA call each: a fresh prompt attends to its own
-new K/V with `is_causal`; a chunk with a past gathers its context from the cache with an offset causal mask.
-Everything index-shaped is built once per step in `plan`; per layer only gathers and SDPA calls remain.
+Decode rows (one query token each) are grouped by context length and each group runs one SDPA call over
+its K/V, gathered block by block (whole blocks are contiguous, so the gather is a memcpy per block) and
+padded to the group's longest context with a key mask; grouping keeps that padding small. Prefill chunks
+run one SDPA call each: a fresh prompt attends to its own new K/V with `is_causal`; a chunk with a past
+gathers its context's blocks with an offset causal mask. Everything index-shaped is built once per step in
+`plan`; per layer only gathers and SDPA calls remain.
 """
 
 from __future__ import annotations
@@ -13,21 +15,29 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+MAX_DECODE_PADDING = 1.25  # a decode group's padded K/V may be at most this much larger than its real K/V
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [num_rows] token index of each decode query in the packed row
+    block_ids: torch.Tensor  # [num_rows * max_blocks] each row's blocks, padded with block 0
+    context_lens: torch.Tensor  # [num_rows]
+    max_blocks: int
+
 
 @dataclass
 class PrefillChunk:
     query_start: int
     query_len: int
     context_len: int
-    slots: torch.Tensor | None  # [context_len] flat slot of each context token; None for a fresh prompt
+    block_ids: torch.Tensor | None  # [num_blocks] the context's blocks; None for a fresh prompt
 
 
 @dataclass
 class TorchPlan:
     slot_mapping: torch.Tensor  # [num_tokens]
-    decode_rows: torch.Tensor | None  # [num_decodes] token index of each decode query
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] flat slots, padded with slot 0
-    decode_context_lens: torch.Tensor | None  # [num_decodes]
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     masks: dict = field(default_factory=dict)  # (kind, index, window) -> bool mask, built on first use
 
@@ -38,28 +48,18 @@ class TorchKernel:
     def plan(self, metadata, device: torch.device) -> TorchPlan:
         block_size = metadata.block_size
         starts = metadata.query_start_loc
-        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
+        decodes, prefills = [], []
         for i, context_len in enumerate(metadata.context_lens):
             query_len = starts[i + 1] - starts[i]
-            table = metadata.block_tables[i]
+            table = metadata.block_tables[i][: -(-context_len // block_size)]
             if query_len == 1:
-                decode_rows.append(starts[i])
-                decode_tables.append(table)
-                decode_lens.append(context_len)
+                decodes.append((context_len, starts[i], table))
             else:
-                slots = None if query_len == context_len else _slots(table, context_len, block_size).to(device)
-                prefills.append(PrefillChunk(starts[i], query_len, context_len, slots))
-        decode_slots = None
-        if decode_rows:
-            max_context = max(decode_lens)
-            decode_slots = torch.stack([
-                F.pad(_slots(table, length, block_size), (0, max_context - length)) for table, length in zip(decode_tables, decode_lens)
-            ]).to(device)
+                block_ids = None if query_len == context_len else torch.tensor(table, dtype=torch.long, device=device)
+                prefills.append(PrefillChunk(starts[i], query_len, context_len, block_ids))
         return TorchPlan(
             slot_mapping=metadata.slot_mapping.to(device),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device) if decode_rows else None,
-            decode_slots=decode_slots,
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=device) if decode_rows else None,
+            decode_groups=[_decode_group(group, device) for group in _group_by_length(decodes)],
             prefills=prefills,
         )
 
@@ -70,25 +70,26 @@ class TorchKernel:
 
     def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap):
         num_kv_heads, head_dim = key_cache.shape[-2:]
-        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
-        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        if plan.decode_rows is not None:
-            mask = self._decode_mask(plan, sliding_window)  # [num_decodes, 1, 1, max_context]
-            q = query[plan.decode_rows].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-            k = flat_keys[plan.decode_slots].transpose(1, 2)  # [num_decodes, num_kv_heads, max_context, head_dim]
-            v = flat_values[plan.decode_slots].transpose(1, 2)
-            output[plan.decode_rows] = attention(q, k, v, mask, scaling, softcap).squeeze(2)
+        for index, group in enumerate(plan.decode_groups):
+            num_rows = group.rows.shape[0]
+            q = query.index_select(0, group.rows).unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
+            # [num_rows, num_kv_heads, max_blocks * block_size, head_dim]
+            k = key_cache.index_select(0, group.block_ids).view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
+            v = value_cache.index_select(0, group.block_ids).view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
+            mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window)
+            output.index_copy_(0, group.rows, attention(q, k, v, mask, scaling, softcap).squeeze(2))
         for index, chunk in enumerate(plan.prefills):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
-            if chunk.slots is None:
+            if chunk.block_ids is None:
                 k, v = key[rows], value[rows]  # a fresh prompt: its context is this step's K/V
-            else:
-                k, v = flat_keys[chunk.slots], flat_values[chunk.slots]  # [context_len, num_kv_heads, head_dim]
+            else:  # [context_len, num_kv_heads, head_dim]
+                k = key_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+                v = value_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_dim]
             v = v.transpose(0, 1).unsqueeze(0)
-            if chunk.slots is None and sliding_window is None and softcap is None:
+            if chunk.block_ids is None and sliding_window is None and softcap is None:
                 out = attention(q, k, v, None, scaling, None, is_causal=True)
             else:
                 out = attention(q, k, v, self._prefill_mask(plan, index, chunk, sliding_window, q.device), scaling, softcap)
@@ -96,15 +97,15 @@ class TorchKernel:
         return output
 
     @staticmethod
-    def _decode_mask(plan: TorchPlan, window: int | None) -> torch.Tensor:
-        key = ("decode", window)
+    def _decode_mask(plan: TorchPlan, index: int, group: DecodeGroup, padded_len: int, window: int | None) -> torch.Tensor:
+        key = ("decode", index, window)
         if key not in plan.masks:
-            lens = plan.decode_context_lens
-            key_pos = torch.arange(plan.decode_slots.shape[1], device=lens.device)
+            lens = group.context_lens
+            key_pos = torch.arange(padded_len, device=lens.device)
             mask = key_pos[None, :] < lens[:, None]
             if window is not None:
                 mask &= key_pos[None, :] > (lens[:, None] - 1 - window)
-            plan.masks[key] = mask[:, None, None, :]
+            plan.masks[key] = mask[:, None, None, :]  # [num_rows, 1, 1, padded_len]
         return plan.masks[key]
 
     @staticmethod
@@ -121,10 +122,27 @@ class TorchKernel:
         return plan.masks[key]
 
 
-def _slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
-    """Flat slot index of positions 0..length-1 of one request."""
-    blocks = torch.tensor(block_table[: (length + block_size - 1) // block_size], dtype=torch.long)
-    return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+def _group_by_length(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:
+    """Split decodes (context_len, row, block_table) into groups whose padding stays small."""
+    groups: list[list] = []
+    for decode in sorted(decodes, key=lambda d: d[0], reverse=True):
+        group = groups[-1] if groups else None
+        if group is not None and group[0][0] * (len(group) + 1) <= MAX_DECODE_PADDING * (sum(d[0] for d in group) + decode[0]):
+            group.append(decode)
+        else:
+            groups.append([decode])
+    return groups
+
+
+def _decode_group(group: list[tuple[int, int, list[int]]], device) -> DecodeGroup:
+    max_blocks = max(len(table) for _, _, table in group)
+    block_ids = [b for _, _, table in group for b in table + [0] * (max_blocks - len(table))]
+    return DecodeGroup(
+        rows=torch.tensor([row for _, row, _ in group], dtype=torch.long, device=device),
+        block_ids=torch.tensor(block_ids, dtype=torch.long, device=device),
+        context_lens=torch.tensor([length for length, _, _ in group], dtype=torch.long, device=device),
+        max_blocks=max_blocks,
+    )
 
 
 def attention(q, k, v, mask, scaling, softcap, is_causal=False) -> torch.Tensor:
