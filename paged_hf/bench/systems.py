@@ -1,0 +1,289 @@
+"""The systems under test, each run in a fresh process on the same workload and model.
+
+Why a process per system: peak RSS is a per-process high-water mark, and warm allocator pools, caches and
+thread pools of one system would flatter (or burden) the next. So the parent writes a spec file and starts
+``python -m paged_hf bench --_worker SPEC``; the worker loads the model itself, warms the system up on a tiny
+request, runs the timed workload once and writes a JSON result.
+
+Every system gets the same requests in the same (arrival) order, generates greedily, ignores EOS, and
+returns each request's own ``max_new_tokens`` tokens, so outputs can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+from .workloads import Workload
+
+SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "hf_static_8", "hf_static_32", "hf_single", "hf_cb")
+DEFAULT_SYSTEMS = {
+    "mixed": ("paged_hf", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
+    "prefix": ("paged_hf", "paged_hf_noprefix", "hf_static_8", "hf_cb"),
+    "decode": ("paged_hf", "hf_static_8", "hf_static_32", "hf_cb"),
+    "lora": ("paged_hf",),
+}
+#: transformers' continuous batching as tuned in MEASUREMENTS.md (its CPU defaults used 6-12 GB and were slower).
+HF_CB_CONFIG = {"max_batch_tokens": 512, "max_requests_per_batch": 8, "num_blocks": 128}
+
+
+@dataclass
+class SystemRun:
+    """What one worker reports. Times in seconds; per-request lists in workload order (None: not measurable)."""
+
+    system: str
+    wall_s: float | None = None
+    outputs: list[list[int]] | None = None
+    ttft_s: list[float] | None = None
+    tpot_s: list[float] | None = None
+    peak_rss_bytes: int | None = None
+    num_threads: int | None = None
+    extra: dict = field(default_factory=dict)
+    skipped: str | None = None
+    error: str | None = None
+
+
+# --- running one system (inside the worker) -------------------------------------------------------------------
+
+def warmup_ids(tokenizer) -> list[int]:
+    """A tiny prompt without the chat template, so warming up leaves nothing in a prefix cache that the workload
+    could hit."""
+    return tokenizer("Warm up.", add_special_tokens=False)["input_ids"] or [0]
+
+
+def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enable_prefix_caching=True) -> SystemRun:
+    """paged_hf through its public API: wrap() once, then one generator.generate() call for the whole workload."""
+    import paged_hf  # noqa: PLC0415
+    from paged_hf import SamplingParams  # noqa: PLC0415
+
+    name = "paged_hf" if enable_prefix_caching else "paged_hf_noprefix"
+    config = dict(engine_config, enable_prefix_caching=enable_prefix_caching and engine_config.get(
+        "enable_prefix_caching", True))
+    if workload.needs_adapters:
+        reason = _lora_unavailable(config)
+        if reason:
+            return SystemRun(name, skipped=reason)
+    generator = paged_hf.wrap(model, tokenizer, **config).generator
+    generator.generate([warmup_ids(tokenizer)], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0, ignore_eos=True) for r in workload.requests]
+    adapters = [r.adapter for r in workload.requests] if workload.needs_adapters else None
+    before = generator.stats()
+    start = time.perf_counter()
+    outputs = generator.generate([r.prompt_token_ids for r in workload.requests], params, adapters=adapters,
+                                 use_tqdm=False)
+    wall = time.perf_counter() - start
+    after = generator.stats()
+    ttft, tpot = [], []
+    for out in outputs:
+        m, n = out.metrics, len(out.outputs[0].token_ids)
+        ttft.append(m.first_token_time - m.arrival_time)
+        tpot.append((m.finish_time - m.first_token_time) / (n - 1) if n > 1 else 0.0)
+    extra = {key: after[key] - before[key] for key in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")}
+    extra["num_blocks"] = after["num_blocks"]
+    extra["engine_config"] = config
+    return SystemRun(name, wall, [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot, extra=extra)
+
+
+def _lora_unavailable(config: dict) -> str | None:
+    if not config.get("adapters"):
+        return ("skipped: the lora workload needs LoRA adapters (pass --adapter NAME=PATH for each of "
+                "lora_a..lora_d) and an engine with LoRA support")
+    import paged_hf  # noqa: PLC0415
+
+    if not hasattr(paged_hf.ContinuousBatchGenerator, "load_adapter"):
+        return "skipped: this paged_hf engine has no LoRA support yet (ContinuousBatchGenerator.load_adapter)"
+    return None
+
+
+class _StepClock:
+    """A stopping criterion that never stops: it only timestamps every decoding step of HF generate, which is
+    how the static baselines get per-request first-token and per-token times."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch  # noqa: PLC0415
+
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, clock=None):
+    """HF generate on one left-padded batch, greedy, EOS neither stopping nor masked (as paged_hf's ignore_eos).
+    Returns the generated ids [batch, <= max_new_tokens]."""
+    import torch  # noqa: PLC0415
+    from transformers import StoppingCriteriaList  # noqa: PLC0415
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    criteria = StoppingCriteriaList([clock]) if clock is not None else None
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad,
+                             stopping_criteria=criteria)
+    return out[:, width:]
+
+
+def run_hf_static(model, tokenizer, workload: Workload, batch_size: int, name: str) -> SystemRun:
+    """HF generate on batches in arrival order; a batch runs until its longest request is done. Only each
+    request's own max_new_tokens count as useful; the rest of its row is padding work the batch had to do."""
+    if workload.needs_adapters:
+        return SystemRun(name, skipped="skipped: the HF baselines do not batch several LoRA adapters")
+    _hf_batch(model, tokenizer, [warmup_ids(tokenizer)], 2)
+    requests = workload.requests
+    outputs, ttft, tpot = [], [], []
+    start = time.perf_counter()
+    for first in range(0, len(requests), batch_size):
+        batch = requests[first:first + batch_size]
+        clock = _StepClock()
+        generated = _hf_batch(model, tokenizer, [r.prompt_token_ids for r in batch],
+                              max(r.max_new_tokens for r in batch), clock)
+        for row, request in zip(generated.tolist(), batch):
+            n = request.max_new_tokens
+            outputs.append(row[:n])
+            ttft.append(clock.times[0] - start)  # every request arrived at the start, as for the other systems
+            tpot.append((clock.times[n - 1] - clock.times[0]) / (n - 1) if n > 1 else 0.0)
+    wall = time.perf_counter() - start
+    return SystemRun(name, wall, outputs, ttft, tpot, extra={"batch_size": batch_size})
+
+
+def run_hf_cb(model, tokenizer, workload: Workload, cb_config: dict | None = None) -> SystemRun:
+    """transformers' own continuous batching: its manager takes each request with its own max_new_tokens
+    (``add_request(..., max_new_tokens=...)``; ``generate_batch`` only takes one for all) and eos_token_id=-1."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: PLC0415
+
+    if workload.needs_adapters:
+        return SystemRun("hf_cb", skipped="skipped: transformers' continuous batching has no per-request LoRA")
+    cb_config = dict(HF_CB_CONFIG if cb_config is None else cb_config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=pad, max_new_tokens=16)
+    manager = model.init_continuous_batching(generation_config=generation_config,
+                                             continuous_batching_config=ContinuousBatchingConfig(**cb_config))
+    manager.start()
+    try:
+        _cb_collect(manager, [(warmup_ids(tokenizer), 2)], "warmup")
+        jobs = [(r.prompt_token_ids, r.max_new_tokens) for r in workload.requests]
+        start = time.perf_counter()
+        results = _cb_collect(manager, jobs, "r")
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=30)
+    outputs, ttft, tpot = [], [], []
+    for result in results:
+        stamps = result.timestamps or []
+        outputs.append(list(result.generated_tokens))
+        ttft.append(stamps[0] - result.created_time if stamps else None)
+        n = len(stamps)
+        tpot.append((stamps[-1] - stamps[0]) / (n - 1) if n > 1 else 0.0)
+    return SystemRun("hf_cb", wall, outputs, ttft, tpot, extra={"cb_config": cb_config})
+
+
+def _cb_collect(manager, jobs: list[tuple[list[int], int]], prefix: str, timeout_s: float = 3600.0) -> list:
+    """Submit every (prompt, max_new_tokens) job and wait for all results, in submission order."""
+    ids = [f"{prefix}{i}" for i in range(len(jobs))]
+    for request_id, (prompt, max_new_tokens) in zip(ids, jobs):
+        manager.add_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens, record_timestamps=True,
+                            eos_token_id=-1)
+    results: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"transformers continuous batching failed request {result.request_id}: "
+                                   f"{result.error}")
+            results[result.request_id] = result
+        elif result is None and (not manager.is_running() or time.monotonic() > deadline):
+            raise RuntimeError(f"transformers continuous batching stopped with {len(ids) - len(results)} requests "
+                               "unfinished")
+    return [results[i] for i in ids]
+
+
+def run_system(system: str, model, tokenizer, workload: Workload, engine_config: dict) -> SystemRun:
+    if system in ("paged_hf", "paged_hf_noprefix"):
+        return run_paged_hf(model, tokenizer, workload, engine_config, enable_prefix_caching=system == "paged_hf")
+    if system.startswith("hf_static_"):
+        return run_hf_static(model, tokenizer, workload, int(system.rsplit("_", 1)[1]), system)
+    if system == "hf_single":
+        return run_hf_static(model, tokenizer, workload, 1, system)
+    if system == "hf_cb":
+        return run_hf_cb(model, tokenizer, workload)
+    raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEM_NAMES)}")
+
+
+# --- the worker process ---------------------------------------------------------------------------------------
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size (the kernel's high-water mark; psutil's current RSS as a fallback)."""
+    try:
+        import resource  # noqa: PLC0415
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+    except ImportError:  # pragma: no cover - Windows
+        import psutil  # noqa: PLC0415
+
+        return psutil.Process().memory_info().rss
+
+
+def worker_main(spec_path: str) -> int:
+    """Entry point of ``python -m paged_hf bench --_worker SPEC``: load, run one system, write its result."""
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    system = spec["system"]
+    try:
+        import torch  # noqa: PLC0415
+
+        from paged_hf.default_model import load_model  # noqa: PLC0415
+
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
+        model, tokenizer = load_model(spec["model"], getattr(torch, spec.get("dtype", "float32")),
+                                      spec.get("device", "cpu"))
+        run = run_system(system, model, tokenizer, Workload.from_json(spec["workload"]), spec["engine_config"])
+        run.num_threads = torch.get_num_threads()
+    except Exception as exc:  # reported as that system's error; the other systems still run
+        traceback.print_exc()
+        run = SystemRun(system, error=f"{type(exc).__name__}: {exc}")
+    run.peak_rss_bytes = peak_rss_bytes()
+    with open(spec["result_path"], "w") as fh:
+        json.dump(asdict(run), fh)
+    return 0
+
+
+def _stderr_fd():
+    """Our stderr's descriptor, so a worker's chatter never mixes into the table on stdout (None if it has none)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def run_in_subprocess(system: str, workload: Workload, model: str | None, engine_config: dict, device: str = "cpu",
+                      dtype: str = "float32", timeout_s: float | None = None, threads: int | None = None) -> SystemRun:
+    """Run one system in a fresh Python process (its output goes to our stderr) and read back its result."""
+    with tempfile.TemporaryDirectory(prefix="paged_hf_bench_") as tmp:
+        spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        spec = {"system": system, "model": model, "workload": workload.to_json(), "engine_config": engine_config,
+                "device": device, "dtype": dtype, "threads": threads, "result_path": result_path}
+        with open(spec_path, "w") as fh:
+            json.dump(spec, fh)
+        command = [sys.executable, "-m", "paged_hf", "bench", "--_worker", spec_path]
+        try:
+            proc = subprocess.run(command, stdout=_stderr_fd(), timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return SystemRun(system, error=f"timed out after {timeout_s} s")
+        if not os.path.exists(result_path):
+            return SystemRun(system, error=f"worker exited with code {proc.returncode} and no result")
+        with open(result_path) as fh:
+            return SystemRun(**json.load(fh))
