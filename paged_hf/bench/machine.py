@@ -1,0 +1,184 @@
+"""The machine's limit for a workload: how fast could any engine possibly run it here?
+
+Why: a tok/s number alone does not say whether an engine is good or the machine is slow. So we measure what
+this machine does at the model's own shapes (fp32 matmul FLOP/s with 256-row inputs, which is what a batched
+step looks like, and memory bandwidth as a large tensor copy) and turn the workload into a minimum time:
+
+- compute: every prompt and generated token goes through every linear layer (2 x in x out FLOPs per token),
+  plus attention (QK^T and PV: 4 x heads x head_dim x context FLOPs per token and layer), plus the lm_head for
+  every sampled token; all at the measured matmul rate (the lm_head at its own rate);
+- bandwidth: generation is sequential, so at least ``max(max_new_tokens)`` steps, each reading every weight
+  once;
+- minimum time = the larger of the two. An engine's fraction of the limit = minimum time / its wall time.
+
+The compute floor counts every prompt token, as if nothing were cached; ``min_time_prefix_once_s`` counts each
+shared prompt prefix once, which is the floor an engine with prefix caching can approach.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+from .workloads import Workload
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    linear_shapes: list[tuple[int, int]]  # (in, out) of every linear layer except the lm_head
+    lm_head_shape: tuple[int, int]
+    num_params: int
+    weight_bytes: int
+
+    @property
+    def intermediate_size(self) -> int:
+        return max(out for _, out in self.linear_shapes)
+
+
+def model_shape(model_name: str | None, dtype_bytes: int = 4) -> ModelShape:
+    """The model's layer shapes, read off a meta-device instance (no weights loaded, no memory used)."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    from ..default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
+
+    source = ensure_default_checkpoint() if is_default_model(model_name) else model_name
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    lm_head = model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not lm_head]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    num_params = sum(p.numel() for p in model.parameters())  # tied weights are one parameter, counted once
+    return ModelShape(
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size, num_heads=num_heads, head_dim=head_dim,
+        linear_shapes=[(m.in_features, m.out_features) for m in linears],
+        lm_head_shape=(lm_head.weight.shape[1], lm_head.weight.shape[0]),
+        num_params=num_params, weight_bytes=num_params * dtype_bytes,
+    )
+
+
+def _synchronize(device) -> None:
+    import torch  # noqa: PLC0415
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _time_op(op, device, min_seconds: float) -> tuple[float, int]:
+    """(seconds, iterations) of repeating ``op`` for at least ``min_seconds`` after one warm-up call."""
+    op()
+    _synchronize(device)
+    iterations, start = 0, time.perf_counter()
+    while True:
+        op()
+        iterations += 1
+        _synchronize(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed, iterations
+
+
+def matmul_flops(m: int, k: int, n: int, device="cpu", min_seconds: float = 0.5) -> float:
+    """Measured FLOP/s of an fp32 [m, k] x [k, n] matmul."""
+    import torch  # noqa: PLC0415
+
+    a = torch.randn(m, k, device=device)
+    b = torch.randn(k, n, device=device)
+    out = torch.empty(m, n, device=device)
+    elapsed, iterations = _time_op(lambda: torch.mm(a, b, out=out), device, min_seconds)
+    return 2.0 * m * k * n * iterations / elapsed
+
+
+def copy_bandwidth(num_bytes: int = 256 << 20, device="cpu", min_seconds: float = 0.5) -> float:
+    """Measured bytes/s of a large tensor copy, counting the bytes read and the bytes written."""
+    import torch  # noqa: PLC0415
+
+    src = torch.ones(num_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    elapsed, iterations = _time_op(lambda: dst.copy_(src), device, min_seconds)
+    return 2.0 * num_bytes * iterations / elapsed
+
+
+def measure(shape: ModelShape, device="cpu", rows: int = 256, min_seconds: float = 0.5) -> dict:
+    """The machine's rates at the model's shapes."""
+    import torch  # noqa: PLC0415
+
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    return {
+        "device": str(device),
+        "num_threads": torch.get_num_threads(),
+        "matmul_rows": rows,
+        "matmul_flops_mlp": matmul_flops(rows, hidden, inter, device, min_seconds),
+        "matmul_flops_attn_proj": matmul_flops(rows, hidden, hidden, device, min_seconds),
+        "matmul_flops_lm_head": matmul_flops(rows, *shape.lm_head_shape, device, min_seconds),
+        "matmul_flops_one_row": matmul_flops(1, hidden, inter, device, min_seconds),
+        "copy_bandwidth_bytes_per_s": copy_bandwidth(device=device, min_seconds=min_seconds),
+    }
+
+
+def workload_flops(shape: ModelShape, workload: Workload, prefix_once: bool = False) -> dict:
+    """FLOPs the workload needs, split by where they are spent. ``prefix_once``: a prompt's prefix shared
+    with an earlier request is not computed again (its attention over that prefix is not either)."""
+    linear_per_token = 2 * sum(i * o for i, o in shape.linear_shapes)
+    attn_per_context = 4 * shape.num_layers * shape.num_heads * shape.head_dim
+    num_tokens = num_context = num_sampled = 0
+    seen: list[list[int]] = []
+    for request in workload.requests:
+        prompt = request.prompt_token_ids
+        skip = max((_common_prefix(prompt, s) for s in seen), default=0) if prefix_once else 0
+        skip = min(skip, len(prompt) - 1)  # the last prompt token is always computed: its logits are needed
+        seen.append(prompt)
+        total = len(prompt) + request.max_new_tokens - 1  # the last generated token is never fed back
+        num_tokens += total - skip
+        num_context += total * (total + 1) // 2 - skip * (skip + 1) // 2  # token at position p sees p + 1 keys
+        num_sampled += request.max_new_tokens
+    return {
+        "linear": linear_per_token * num_tokens,
+        "attention": attn_per_context * num_context,
+        "lm_head": 2 * shape.lm_head_shape[0] * shape.lm_head_shape[1] * num_sampled,
+        "num_tokens": num_tokens,
+    }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _compute_seconds(flops: dict, rates: dict) -> float:
+    return ((flops["linear"] + flops["attention"]) / rates["matmul_flops_mlp"]
+            + flops["lm_head"] / rates["matmul_flops_lm_head"])
+
+
+def limit(shape: ModelShape, workload: Workload, rates: dict) -> dict:
+    """The workload's minimum time on this machine and the useful tok/s that would give."""
+    flops = workload_flops(shape, workload)
+    compute_s = _compute_seconds(flops, rates)
+    min_steps = max((r.max_new_tokens for r in workload.requests), default=0)
+    bandwidth_s = min_steps * shape.weight_bytes / rates["copy_bandwidth_bytes_per_s"]
+    min_time = max(compute_s, bandwidth_s)
+    prefix_once_s = max(_compute_seconds(workload_flops(shape, workload, prefix_once=True), rates), bandwidth_s)
+    return {
+        "model": asdict(shape) | {"intermediate_size": shape.intermediate_size},
+        "rates": rates,
+        "flops": flops,
+        "total_flops": flops["linear"] + flops["attention"] + flops["lm_head"],
+        "compute_s": compute_s,
+        "min_steps": min_steps,
+        "bandwidth_s": bandwidth_s,
+        "min_time_s": min_time,
+        "min_time_prefix_once_s": prefix_once_s,
+        "max_useful_tokens_per_s": workload.num_new_tokens / min_time if min_time > 0 else math.inf,
+    }
