@@ -1,0 +1,100 @@
+"""`paged-hf bench`: paged_hf side by side with HF's own ways of generating, on one workload and one model.
+
+The parent process builds the workload (it needs only the tokenizer), runs every system in a fresh worker
+process (see :mod:`.systems`), measures the machine's limit (:mod:`.machine`) while nothing else of ours runs,
+and writes the table, the JSON and the plot (:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+from .systems import DEFAULT_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
+from .workloads import WORKLOAD_NAMES, Workload, build_workload
+
+__all__ = ["DEFAULT_SYSTEMS", "SYSTEM_NAMES", "WORKLOAD_NAMES", "Workload", "build_workload", "run_bench"]
+
+
+def parse_systems(value: str | None, workload: str) -> list[str]:
+    if not value:
+        return list(DEFAULT_SYSTEMS[workload])
+    systems = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEM_NAMES]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEM_NAMES)}")
+    return list(dict.fromkeys(systems))
+
+
+def sized_engine_config(engine_config: dict, workload: Workload) -> dict:
+    """Without --num-blocks or --kv-cache-memory, give paged_hf a KV cache that holds the whole workload at
+    once (plus the warm-up request): enough that nothing is preempted, and no more, so that its peak RSS is
+    comparable with the baselines' (the engine's CPU default would reserve up to 4 GiB of zeros)."""
+    if engine_config.get("num_blocks") or engine_config.get("kv_cache_memory"):
+        return dict(engine_config)
+    block_size = engine_config.get("block_size", 16)
+    needed = sum(math.ceil((len(r.prompt_token_ids) + r.max_new_tokens) / block_size) for r in workload.requests)
+    return dict(engine_config, num_blocks=needed + 4)
+
+
+def _log(message: str) -> None:
+    print(f"[paged-hf bench] {message}", file=sys.stderr, flush=True)
+
+
+def _load_tokenizer(model: str | None):
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from ..default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
+
+    return AutoTokenizer.from_pretrained(ensure_default_checkpoint() if is_default_model(model) else model)
+
+
+def _measure_limit(model: str | None, workload: Workload, device: str) -> dict | None:
+    from . import machine  # noqa: PLC0415
+
+    try:
+        shape = machine.model_shape(model)
+        return machine.limit(shape, workload, machine.measure(shape, device))
+    except Exception as exc:  # the limit is context, not the benchmark: report and go on
+        _log(f"could not measure the machine's limit: {type(exc).__name__}: {exc}")
+        return None
+
+
+def run_bench(args) -> int:
+    """Run the benchmark described by the parsed ``paged-hf bench`` arguments; 0 if every system ran (or was
+    skipped on purpose), 1 if any failed."""
+    from . import report as reporting  # noqa: PLC0415
+
+    tokenizer = _load_tokenizer(args.model)
+    workload = build_workload(args.workload, tokenizer, args.seed, args.requests, args.max_new_tokens_scale)
+    systems = parse_systems(args.systems, args.workload)
+    engine_config = sized_engine_config(args.engine_config, workload)
+    summary = workload.summary()
+    _log(f"workload {workload.name}: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt + "
+         f"{summary['new_tokens']} new tokens; systems: {', '.join(systems)}")
+    runs: dict[str, SystemRun] = {}
+    for system in systems:
+        _log(f"running {system} in a fresh process ...")
+        start = time.perf_counter()
+        runs[system] = run_in_subprocess(system, workload, args.model, engine_config, args.device, args.dtype,
+                                         args.system_timeout, args.threads)
+        status = runs[system].skipped or runs[system].error or f"{runs[system].wall_s:.1f} s timed"
+        _log(f"{system}: {status} ({time.perf_counter() - start:.1f} s with start-up)")
+    if args.threads:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(args.threads)
+    limit = None if args.no_machine_limit else _measure_limit(args.model, workload, args.device)
+    settings = {"model": args.model or "SmolLM2-135M-Instruct (default)", "device": args.device, "dtype": args.dtype,
+                "threads": args.threads,
+                "engine_config": engine_config, "systems": systems,
+                "max_new_tokens_scale": args.max_new_tokens_scale}
+    report = reporting.build_report(workload, runs, limit, settings)
+    print(reporting.format_table(report), flush=True)
+    if args.out:
+        _log(f"wrote {reporting.write_json(report, args.out)}")
+        plot = reporting.write_plot(report, args.out)
+        if plot:
+            _log(f"wrote {plot}")
+    return 1 if any(run.error for run in runs.values()) else 0

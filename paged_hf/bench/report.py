@@ -1,0 +1,225 @@
+"""Turning the systems' raw runs into the benchmark's numbers, its table, its JSON and its plot.
+
+Why one place: the table, the JSON and the plot must say the same thing, and every number in them has one
+definition (useful tokens = what each request asked for, nothing a padded batch produced beyond it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict
+
+from .systems import SystemRun
+from .workloads import Workload
+
+#: Baselines whose greedy outputs the others are compared with, in order of preference (whichever ran).
+REFERENCE_SYSTEMS = ("hf_single", "hf_static_8", "hf_static_32")
+
+
+def percentile(values, q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]) of the values that are not None; None if there are none."""
+    values = sorted(v for v in (values or []) if v is not None)
+    if not values:
+        return None
+    position = (len(values) - 1) * q / 100.0
+    low, high = math.floor(position), math.ceil(position)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+
+def useful_tokens(run: SystemRun, workload: Workload) -> int:
+    """Tokens each request asked for and got; a static batch's extra tokens past a request's own length and
+    anything beyond max_new_tokens do not count."""
+    if run.outputs is None:
+        return 0
+    return sum(min(len(out), r.max_new_tokens) for out, r in zip(run.outputs, workload.requests))
+
+
+def compare_outputs(run: SystemRun, reference: SystemRun, workload: Workload) -> dict:
+    """How many requests produced exactly the reference's tokens (each cut to its own max_new_tokens)."""
+    identical, mismatches = 0, []
+    for i, (out, ref, request) in enumerate(zip(run.outputs, reference.outputs, workload.requests)):
+        a, b = out[:request.max_new_tokens], ref[:request.max_new_tokens]
+        if a == b:
+            identical += 1
+        else:
+            first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            mismatches.append({"request": i, "first_difference": first})
+    return {"identical": identical, "compared": len(workload.requests), "mismatches": mismatches}
+
+
+def system_metrics(run: SystemRun, workload: Workload) -> dict:
+    if run.skipped or run.error:
+        return {"skipped": run.skipped, "error": run.error, "peak_rss_bytes": run.peak_rss_bytes}
+    tokens = useful_tokens(run, workload)
+    return {
+        "useful_tokens": tokens,
+        "tokens_per_s": tokens / run.wall_s if run.wall_s else 0.0,
+        "wall_s": run.wall_s,
+        "ttft_p50_s": percentile(run.ttft_s, 50), "ttft_p90_s": percentile(run.ttft_s, 90),
+        "tpot_p50_s": percentile(run.tpot_s, 50), "tpot_p90_s": percentile(run.tpot_s, 90),
+        "peak_rss_bytes": run.peak_rss_bytes,
+        "num_threads": run.num_threads,
+        "extra": run.extra,
+    }
+
+
+def pick_reference(runs: dict[str, SystemRun]) -> str | None:
+    for name in REFERENCE_SYSTEMS:
+        run = runs.get(name)
+        if run is not None and run.outputs is not None:
+            return name
+    return None
+
+
+def build_report(workload: Workload, runs: dict[str, SystemRun], machine_limit: dict | None, settings: dict) -> dict:
+    """The whole benchmark as one JSON-able dict: per-system metrics, ratios, parity, prefix cache, machine."""
+    systems = {name: system_metrics(run, workload) for name, run in runs.items()}
+    reference = pick_reference(runs)
+    for name, run in runs.items():
+        if reference is not None and run.outputs is not None:
+            systems[name]["outputs_vs_reference"] = compare_outputs(run, runs[reference], workload)
+    paged = systems.get("paged_hf", {}).get("tokens_per_s")
+    for metrics in systems.values():
+        tok_s = metrics.get("tokens_per_s")
+        metrics["paged_hf_speedup"] = paged / tok_s if paged and tok_s else None
+    report = {"workload": workload.summary(), "settings": settings, "reference_system": reference,
+              "systems": systems}
+    prefix = prefix_cache_summary(systems)
+    if prefix:
+        report["prefix_cache"] = prefix
+    if machine_limit is not None:
+        report["machine"] = machine_limit
+        wall = systems.get("paged_hf", {}).get("wall_s")
+        if wall:
+            report["paged_hf_fraction_of_limit"] = machine_limit["min_time_s"] / wall
+            report["paged_hf_fraction_of_limit_prefix_once"] = machine_limit["min_time_prefix_once_s"] / wall
+    return report
+
+
+def prefix_cache_summary(systems: dict) -> dict | None:
+    """paged_hf's prefix cache hit rate (in tokens) and TTFT with and without caching, when both ran."""
+    paged = systems.get("paged_hf", {})
+    extra = paged.get("extra") or {}
+    if not extra.get("prefix_cache_queries"):
+        return None
+    summary = {"hit_rate": extra["prefix_cache_hits"] / extra["prefix_cache_queries"],
+               "hits_tokens": extra["prefix_cache_hits"], "queries_tokens": extra["prefix_cache_queries"],
+               "ttft_p50_s_with_caching": paged.get("ttft_p50_s"), "ttft_p90_s_with_caching": paged.get("ttft_p90_s")}
+    without = systems.get("paged_hf_noprefix", {})
+    if "ttft_p50_s" in without:
+        summary["ttft_p50_s_without_caching"] = without["ttft_p50_s"]
+        summary["ttft_p90_s_without_caching"] = without["ttft_p90_s"]
+    return summary
+
+
+# --- presentation ---------------------------------------------------------------------------------------------
+
+def _fmt(value, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "-" if value is None else f"{value * scale:{spec}}{suffix}"
+
+
+COLUMNS = ("system", "tok/s", "wall s", "TTFT p50", "TPOT p50", "peak RSS GB", "paged_hf x", "identical")
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for name, m in report["systems"].items():
+        if "tokens_per_s" not in m:
+            rows.append([name, m.get("skipped") or f"error: {m.get('error')}", "", "", "", "", "", ""])
+            continue
+        parity = m.get("outputs_vs_reference")
+        rows.append([
+            name, _fmt(m["tokens_per_s"], ".1f"), _fmt(m["wall_s"], ".1f"),
+            _fmt(m["ttft_p50_s"], ".2f", suffix=" s"), _fmt(m["tpot_p50_s"], ".0f", 1000, " ms"),
+            _fmt(m["peak_rss_bytes"], ".2f", 1 / 1e9), _fmt(m["paged_hf_speedup"], ".2f", suffix="x"),
+            f"{parity['identical']}/{parity['compared']}" if parity else "-",
+        ])
+    return rows
+
+
+def format_table(report: dict) -> str:
+    """The human-readable summary printed to stdout."""
+    rows = [list(COLUMNS)] + table_rows(report)
+    widths = [max(len(row[i]) for row in rows if len(row[i]) < 40) for i in range(len(COLUMNS))]
+    lines = []
+    for k, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    w = report["workload"]
+    head = (f"workload {w['name']}: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, "
+            f"{w['new_tokens']} new tokens (seed {w['seed']}); outputs compared with "
+            f"{report['reference_system'] or 'no HF baseline'}")
+    return "\n".join([head, *lines, *_footer_lines(report)])
+
+
+def _footer_lines(report: dict) -> list[str]:
+    lines = []
+    prefix = report.get("prefix_cache")
+    if prefix:
+        line = (f"prefix cache: {prefix['hit_rate']:.0%} of prompt tokens hit; TTFT p50 "
+                f"{_fmt(prefix['ttft_p50_s_with_caching'], '.2f')} s with caching")
+        if "ttft_p50_s_without_caching" in prefix:
+            line += f", {_fmt(prefix['ttft_p50_s_without_caching'], '.2f')} s without"
+        lines.append(line)
+    limit = report.get("machine")
+    if limit:
+        rates = limit["rates"]
+        lines.append(
+            f"machine: matmul {rates['matmul_flops_mlp'] / 1e9:.0f} GFLOP/s ({rates['matmul_rows']} rows), lm_head "
+            f"{rates['matmul_flops_lm_head'] / 1e9:.0f}, one row {rates['matmul_flops_one_row'] / 1e9:.1f}; copy "
+            f"{rates['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; {rates['num_threads']} threads")
+        line = (f"limit: {limit['total_flops'] / 1e12:.2f} TFLOP -> at least {limit['min_time_s']:.1f} s "
+                f"({limit['max_useful_tokens_per_s']:.0f} useful tok/s)")
+        if "paged_hf_fraction_of_limit" in report:
+            line += f"; paged_hf reaches {report['paged_hf_fraction_of_limit']:.0%} of it"
+        lines.append(line)
+    return lines
+
+
+def write_json(report: dict, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"bench_{report['workload']['name']}.json")
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=2, default=_json_default)
+    return path
+
+
+def _json_default(value):
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    return str(value)
+
+
+def write_plot(report: dict, out_dir: str) -> str | None:
+    """A bar plot of useful tok/s per system (the machine's ceiling as a dashed line), for docs/benchmarks.md."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    measured = [(n, m["tokens_per_s"]) for n, m in report["systems"].items() if "tokens_per_s" in m]
+    if not measured:
+        return None
+    names, values = zip(*measured)
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2.5, 4))
+    bars = ax.bar(names, values, color=["tab:blue" if n.startswith("paged_hf") else "tab:gray" for n in names])
+    ax.bar_label(bars, labels=[f"{v:.1f}" for v in values])
+    ceiling = (report.get("machine") or {}).get("max_useful_tokens_per_s")
+    if ceiling and math.isfinite(ceiling):
+        ax.axhline(ceiling, color="tab:red", linestyle="--", label=f"machine limit {ceiling:.0f} tok/s")
+        ax.legend(loc="upper right")
+    w = report["workload"]
+    ax.set_title(f"{w['name']} workload: {w['num_requests']} requests, {w['new_tokens']} new tokens")
+    ax.set_ylabel("useful generated tokens / s")
+    ax.set_ylim(0, max([*values, ceiling or 0]) * 1.15)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"bench_{w['name']}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
