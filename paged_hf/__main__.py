@@ -1,0 +1,7 @@
+"""`python -m paged_hf ...` is the `paged-hf` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,210 @@
+"""The `paged-hf` command (also `python -m paged_hf`): `generate`, `serve`, `bench`.
+
+    paged-hf generate prompts.jsonl -o outputs.jsonl [--model M] [engine flags]
+    paged-hf bench --workload mixed --out bench_out [--systems paged_hf,hf_static_8] [--requests N]
+    paged-hf serve ...            (not available yet)
+
+Without --model every command uses the default model (SmolLM2-135M-Instruct, see paged_hf.default_model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from paged_hf.sampling_params import SamplingParams
+
+#: Fields a JSONL line may set (eos_token_ids is internal, not part of the public contract).
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "eos_token_ids")
+
+
+# --- shared flags ---------------------------------------------------------------------------------------------
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF folder or hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu", help="torch device of the model (default: cpu)")
+    parser.add_argument("--dtype", default="float32", help="torch dtype name (default: float32)")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The PagedConfig fields a user tunes most; unset flags keep the engine's defaults."""
+    group = parser.add_argument_group("engine (paged_hf.wrap) configuration")
+    group.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (chunked prefill size)")
+    group.add_argument("--max-num-seqs", type=int, help="most requests running at once")
+    group.add_argument("--num-blocks", type=int, help="KV cache blocks (default: sized from memory)")
+    group.add_argument("--block-size", type=int, help="tokens per KV block")
+    group.add_argument("--kv-cache-memory", type=float, help="KV cache bytes, or a fraction of free memory (<= 1)")
+    group.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    group.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                       help="a peft LoRA adapter folder to load under NAME (repeatable)")
+
+
+def engine_config(args: argparse.Namespace) -> dict:
+    """Only the flags that were given, as PagedConfig keyword arguments."""
+    config = {}
+    for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len"):
+        if getattr(args, name) is not None:
+            config[name] = getattr(args, name)
+    if args.kv_cache_memory is not None:
+        memory = args.kv_cache_memory
+        config["kv_cache_memory"] = memory if memory <= 1 else int(memory)
+    if args.no_prefix_caching:
+        config["enable_prefix_caching"] = False
+    if args.adapter:
+        config["adapters"] = dict(_name_equals_path(item) for item in args.adapter)
+    return config
+
+
+def _name_equals_path(item: str) -> tuple[str, str]:
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--adapter expects NAME=PATH, got {item!r}")
+    return name, path
+
+
+# --- generate -------------------------------------------------------------------------------------------------
+
+def parse_request_line(line: str, number: int, defaults: dict) -> tuple:
+    """One JSONL line -> (id, prompt or messages, SamplingParams, adapter), checked before any model is loaded.
+    A bad line is a ValueError naming its line number."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"line {number}: not valid JSON ({exc})") from None
+    if not isinstance(item, dict):
+        raise ValueError(f"line {number}: expected a JSON object")
+    unknown = sorted(set(item) - {"id", "prompt", "messages", "adapter", *SAMPLING_FIELDS})
+    if unknown:
+        raise ValueError(f"line {number}: unknown field(s) {unknown}")
+    if ("prompt" in item) == ("messages" in item):
+        raise ValueError(f"line {number}: give exactly one of 'prompt' (a string or token ids) or 'messages'")
+    if "messages" in item and not (isinstance(item["messages"], list) and item["messages"]):
+        raise ValueError(f"line {number}: 'messages' must be a non-empty list of chat messages")
+    sampling = {**defaults, **{k: v for k, v in item.items() if k in SAMPLING_FIELDS}}
+    try:
+        params = SamplingParams(**sampling)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"line {number}: {exc}") from None
+    prompt = {"messages": item["messages"]} if "messages" in item else item["prompt"]
+    return item.get("id", number), prompt, params, item.get("adapter")
+
+
+def to_prompt(prompt, tokenizer):
+    """Chat messages go through the model's chat template; strings and token ids go to the engine as they are."""
+    if isinstance(prompt, dict):
+        return list(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return prompt
+
+
+def output_record(request_id, output) -> dict:
+    first = output.outputs[0]
+    record = {"id": request_id, "num_prompt_tokens": len(output.prompt_token_ids), "text": first.text,
+              "token_ids": first.token_ids, "finish_reason": first.finish_reason}
+    if len(output.outputs) > 1:
+        record["outputs"] = [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                             for o in output.outputs]
+    return record
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Offline batch: every line of the input file is one request; all run together, outputs in input order."""
+    import torch  # noqa: PLC0415
+
+    import paged_hf  # noqa: PLC0415
+    from paged_hf.default_model import load_model  # noqa: PLC0415
+
+    defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature))
+                if v is not None}
+    with open(args.input) as fh:
+        requests = [parse_request_line(line, n, defaults) for n, line in enumerate(fh, 1) if line.strip()]
+    if not requests:
+        raise ValueError(f"{args.input} holds no requests")
+    config = engine_config(args)
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
+    generator = paged_hf.wrap(model, tokenizer, **config).generator
+    outputs = generator.generate([to_prompt(r[1], tokenizer) for r in requests], [r[2] for r in requests],
+                                 adapters=[r[3] for r in requests], use_tqdm=not args.quiet)
+    out = open(args.output, "w") if args.output not in (None, "-") else sys.stdout
+    try:
+        for (request_id, *_), output in zip(requests, outputs):
+            out.write(json.dumps(output_record(request_id, output)) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+# --- serve (placeholder) and bench ----------------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    print("paged-hf serve is not available yet: the OpenAI-compatible server is still being written. "
+          "Use `paged-hf generate` for offline batches.", file=sys.stderr)
+    return 2
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args._worker:
+        from paged_hf.bench.systems import worker_main  # noqa: PLC0415
+
+        return worker_main(args._worker)
+    from paged_hf.bench import run_bench  # noqa: PLC0415
+
+    args.engine_config = engine_config(args)
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from paged_hf.bench.systems import SYSTEM_NAMES  # noqa: PLC0415
+    from paged_hf.bench.workloads import WORKLOAD_NAMES  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="paged-hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline batch from a JSONL file")
+    gen.add_argument("input", help='JSONL, one request a line: {"prompt": str | [ids]} or {"messages": [...]}, '
+                     "optional SamplingParams fields, 'id', 'adapter'")
+    gen.add_argument("-o", "--output", default=None, help="output JSONL (default: stdout)")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="default for lines that do not set it")
+    gen.add_argument("--temperature", type=float, default=None, help="default for lines that do not set it")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (not available yet)")
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="throughput of paged_hf against HF baselines")
+    bench.add_argument("--workload", choices=WORKLOAD_NAMES, default="mixed")
+    bench.add_argument("--systems", default=None, help=f"comma list of {', '.join(SYSTEM_NAMES)} "
+                       "(default: the workload's usual set)")
+    bench.add_argument("--requests", type=int, default=None, help="only the workload's first N requests")
+    bench.add_argument("--max-new-tokens-scale", type=float, default=None, help="multiply every max_new_tokens")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default=None, help="folder for the JSON report and the PNG plot")
+    bench.add_argument("--system-timeout", type=float, default=None, help="seconds allowed per system")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads per system (default: torch's)")
+    bench.add_argument("--no-machine-limit", action="store_true", help="skip measuring the machine's limit")
+    bench.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    add_model_args(bench)
+    add_engine_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad input from the user: one line, no traceback
+        print(f"paged-hf {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
