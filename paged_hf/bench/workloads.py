@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
+import warnings
 from dataclasses import dataclass, field, replace
 
 #: Standard-library modules whose docstrings make the corpus (fixed order: the corpus must not depend on
@@ -116,12 +117,16 @@ def module_docs(module_name: str) -> tuple[str, list[str]]:
     module = importlib.import_module(module_name)
     parts = [inspect.getdoc(module) or ""]
     names = []
-    for name, obj in sorted(vars(module).items()):
+    with warnings.catch_warnings():  # reading e.g. typing.io's docstring warns that typing.io is deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        members = sorted(vars(module).items())
+        docs = {name: inspect.getdoc(obj) for name, obj in members}
+    for name, obj in members:
         if name.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
             continue
         if getattr(obj, "__module__", None) != module.__name__:
             continue
-        doc = inspect.getdoc(obj)
+        doc = docs[name]
         if doc:
             parts.append(f"{name}: {doc}")
             names.append(f"{module_name}.{name}")
