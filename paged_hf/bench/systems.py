@@ -65,10 +65,6 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     name = "paged_hf" if enable_prefix_caching else "paged_hf_noprefix"
     config = dict(engine_config, enable_prefix_caching=enable_prefix_caching and engine_config.get(
         "enable_prefix_caching", True))
-    if workload.needs_adapters:
-        reason = _lora_unavailable(config)
-        if reason:
-            return SystemRun(name, skipped=reason)
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     generator.generate([warmup_ids(tokenizer)], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True),
                        use_tqdm=False)
@@ -91,10 +87,22 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     return SystemRun(name, wall, [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot, extra=extra)
 
 
-def _lora_unavailable(config: dict) -> str | None:
-    if not config.get("adapters"):
-        return ("skipped: the lora workload needs LoRA adapters (pass --adapter NAME=PATH for each of "
-                "lora_a..lora_d) and an engine with LoRA support")
+def skip_reason(system: str, workload: Workload, engine_config: dict) -> str | None:
+    """Why ``system`` cannot run ``workload`` at all (checked before a worker is started), or None."""
+    if not workload.needs_adapters:
+        return None
+    if system.startswith("paged_hf"):
+        return _lora_unavailable(engine_config, {r.adapter for r in workload.requests if r.adapter})
+    if system == "hf_cb":
+        return "skipped: transformers' continuous batching has no per-request LoRA adapters"
+    return "skipped: the HF generate baselines do not batch several LoRA adapters"
+
+
+def _lora_unavailable(config: dict, names: set[str]) -> str | None:
+    missing = sorted(names - set(config.get("adapters") or {}))
+    if missing:
+        return (f"skipped: the lora workload needs LoRA adapters {', '.join(missing)} (pass --adapter NAME=PATH "
+                "for each) and an engine with LoRA support")
     import paged_hf  # noqa: PLC0415
 
     if not hasattr(paged_hf.ContinuousBatchGenerator, "load_adapter"):
@@ -137,8 +145,6 @@ def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, c
 def run_hf_static(model, tokenizer, workload: Workload, batch_size: int, name: str) -> SystemRun:
     """HF generate on batches in arrival order; a batch runs until its longest request is done. Only each
     request's own max_new_tokens count as useful; the rest of its row is padding work the batch had to do."""
-    if workload.needs_adapters:
-        return SystemRun(name, skipped="skipped: the HF baselines do not batch several LoRA adapters")
     _hf_batch(model, tokenizer, [warmup_ids(tokenizer)], 2)
     requests = workload.requests
     outputs, ttft, tpot = [], [], []
@@ -162,8 +168,6 @@ def run_hf_cb(model, tokenizer, workload: Workload, cb_config: dict | None = Non
     (``add_request(..., max_new_tokens=...)``; ``generate_batch`` only takes one for all) and eos_token_id=-1."""
     from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: PLC0415
 
-    if workload.needs_adapters:
-        return SystemRun("hf_cb", skipped="skipped: transformers' continuous batching has no per-request LoRA")
     cb_config = dict(HF_CB_CONFIG if cb_config is None else cb_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=pad, max_new_tokens=16)
@@ -210,6 +214,9 @@ def _cb_collect(manager, jobs: list[tuple[list[int], int]], prefix: str, timeout
 
 
 def run_system(system: str, model, tokenizer, workload: Workload, engine_config: dict) -> SystemRun:
+    reason = skip_reason(system, workload, engine_config)
+    if reason:
+        return SystemRun(system, skipped=reason)
     if system in ("paged_hf", "paged_hf_noprefix"):
         return run_paged_hf(model, tokenizer, workload, engine_config, enable_prefix_caching=system == "paged_hf")
     if system.startswith("hf_static_"):
@@ -272,6 +279,9 @@ def _stderr_fd():
 def run_in_subprocess(system: str, workload: Workload, model: str | None, engine_config: dict, device: str = "cpu",
                       dtype: str = "float32", timeout_s: float | None = None, threads: int | None = None) -> SystemRun:
     """Run one system in a fresh Python process (its output goes to our stderr) and read back its result."""
+    reason = skip_reason(system, workload, engine_config)
+    if reason:
+        return SystemRun(system, skipped=reason)
     with tempfile.TemporaryDirectory(prefix="paged_hf_bench_") as tmp:
         spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
         spec = {"system": system, "model": model, "workload": workload.to_json(), "engine_config": engine_config,
