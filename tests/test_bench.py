@@ -1,0 +1,194 @@
+"""The benchmark tool and the `paged-hf` command: workloads, the machine-limit arithmetic, the report, `generate`
+on a JSONL file, and a smoke run of `paged-hf bench` through its entry point on the real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from paged_hf import cli
+from paged_hf.bench import machine, parse_systems, sized_engine_config
+from paged_hf.bench.report import build_report, format_table, percentile
+from paged_hf.bench.systems import SystemRun, skip_reason
+from paged_hf.bench.workloads import LORA_ADAPTERS, BenchRequest, Workload, build_workload
+
+
+@pytest.fixture(scope="module")
+def tokenizer(loaded):
+    return loaded[1]
+
+
+@pytest.fixture
+def default_cache(converted, monkeypatch):
+    """Point the default model at the session's converted checkpoint (no writes to the user's cache)."""
+    monkeypatch.setenv("PAGED_HF_CACHE", str(Path(converted[0]).parent))
+    return Path(converted[0]).parent
+
+
+# --- workloads ------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_workloads_have_their_sizes_and_are_deterministic(tokenizer):
+    mixed = build_workload("mixed", tokenizer, seed=0)
+    assert len(mixed.requests) == 64
+    assert all(16 <= len(r.prompt_token_ids) <= 640 for r in mixed.requests)
+    assert all(16 <= r.max_new_tokens <= 200 for r in mixed.requests)
+    assert max(len(r.prompt_token_ids) for r in mixed.requests) > 400  # really mixed, not all short
+    assert build_workload("mixed", tokenizer, seed=0) == mixed  # same seed, same token ids
+    assert build_workload("mixed", tokenizer, seed=1).requests != mixed.requests
+
+    prefix = build_workload("prefix", tokenizer)
+    assert len(prefix.requests) == 24
+    first, second = prefix.requests[0].prompt_token_ids, prefix.requests[1].prompt_token_ids
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared >= 780 and len({tuple(r.prompt_token_ids) for r in prefix.requests}) == 24
+
+    decode = build_workload("decode", tokenizer)
+    assert all(len(r.prompt_token_ids) < 80 and r.max_new_tokens >= 128 for r in decode.requests)
+
+    lora = build_workload("lora", tokenizer)
+    assert [r.prompt_token_ids for r in lora.requests] == [r.prompt_token_ids for r in mixed.requests]
+    assert {r.adapter for r in lora.requests} == {*LORA_ADAPTERS, None} and lora.needs_adapters
+
+
+@pytest.mark.slow
+def test_requests_and_scale_shrink_a_workload_from_its_start(tokenizer):
+    full = build_workload("mixed", tokenizer)
+    small = build_workload("mixed", tokenizer, num_requests=4, max_new_tokens_scale=0.1)
+    assert [r.prompt_token_ids for r in small.requests] == [r.prompt_token_ids for r in full.requests[:4]]
+    assert [r.max_new_tokens for r in small.requests] == [max(1, round(r.max_new_tokens * 0.1))
+                                                         for r in full.requests[:4]]
+    assert Workload.from_json(json.loads(json.dumps(small.to_json()))) == small
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload("nope", tokenizer)
+
+
+def test_systems_and_kv_cache_sizing():
+    assert parse_systems(None, "prefix")[:2] == ["paged_hf", "paged_hf_noprefix"]
+    assert parse_systems("hf_cb, paged_hf,hf_cb", "mixed") == ["hf_cb", "paged_hf"]
+    with pytest.raises(ValueError, match="unknown system"):
+        parse_systems("paged_hf,vllm", "mixed")
+    workload = Workload("t", "", 0, [BenchRequest([1] * 20, 13), BenchRequest([1] * 3, 1)])
+    assert sized_engine_config({}, workload)["num_blocks"] == 3 + 1 + 4  # ceil(33/16) + ceil(4/16) + warm-up
+    assert sized_engine_config({"num_blocks": 7}, workload) == {"num_blocks": 7}
+
+
+def test_lora_workload_is_skipped_clearly_without_adapters():
+    lora = Workload("lora", "", 0, [BenchRequest([1, 2], 2, "lora_a"), BenchRequest([3], 2, None)])
+    assert "lora_a" in skip_reason("paged_hf", lora, {}) and "--adapter" in skip_reason("paged_hf", lora, {})
+    assert "skipped" in skip_reason("hf_static_8", lora, {}) and "skipped" in skip_reason("hf_cb", lora, {})
+    assert skip_reason("paged_hf", Workload("mixed", "", 0, [BenchRequest([1], 1)]), {}) is None
+
+
+# --- machine limit and report arithmetic ----------------------------------------------------------------------
+
+def tiny_shape() -> machine.ModelShape:
+    return machine.ModelShape(num_layers=2, hidden_size=4, num_heads=2, head_dim=2, linear_shapes=[(4, 8), (8, 4)],
+                              lm_head_shape=(4, 10), num_params=100, weight_bytes=400)
+
+
+def test_workload_flops_count_every_token_once_and_shared_prefixes_once_when_asked():
+    workload = Workload("t", "", 0, [BenchRequest([1, 2, 3], 2), BenchRequest([1, 2, 9], 1)])
+    flops = machine.workload_flops(tiny_shape(), workload)
+    # request 0 processes 3 + 2 - 1 = 4 tokens (contexts 1..4), request 1 processes 3 (contexts 1..3)
+    assert flops["num_tokens"] == 7
+    assert flops["linear"] == 2 * (32 + 32) * 7
+    assert flops["attention"] == 4 * 2 * 2 * 2 * (10 + 6)
+    assert flops["lm_head"] == 2 * 40 * 3
+    shared = machine.workload_flops(tiny_shape(), workload, prefix_once=True)
+    assert shared["num_tokens"] == 5  # request 1 shares [1, 2]: only its last prompt token is computed
+    assert shared["attention"] == 4 * 2 * 2 * 2 * (10 + 6 - 3)
+    rates = {"matmul_flops_mlp": 1e3, "matmul_flops_lm_head": 1e2, "copy_bandwidth_bytes_per_s": 400.0}
+    result = machine.limit(tiny_shape(), workload, rates)
+    assert result["compute_s"] == pytest.approx((flops["linear"] + flops["attention"]) / 1e3 + flops["lm_head"] / 1e2)
+    assert result["bandwidth_s"] == pytest.approx(2 * 400 / 400.0)  # two sequential steps, all weights each
+    assert result["min_time_s"] == max(result["compute_s"], result["bandwidth_s"])
+
+
+def test_machine_measures_positive_rates():
+    shape = machine.ModelShape(2, 32, 2, 16, [(32, 64)], (32, 128), 10_000, 40_000)
+    rates = machine.measure(shape, rows=16, min_seconds=0.01)
+    assert all(rates[k] > 0 for k in rates if k.startswith(("matmul_flops", "copy_")))
+
+
+def test_report_counts_only_useful_tokens_and_compares_outputs():
+    workload = Workload("t", "", 0, [BenchRequest([5, 6], 2), BenchRequest([7], 3)])
+    runs = {
+        "paged_hf": SystemRun("paged_hf", 1.0, [[1, 2], [3, 4, 5]], [0.1, 0.2], [0.01, 0.02], 2_000_000_000),
+        # a static batch generates the longest request's length for everyone; the extra tokens are not useful
+        "hf_static_8": SystemRun("hf_static_8", 2.5, [[1, 2, 9], [3, 4, 6]], [0.3, 0.3], [0.05, 0.05], 10**9),
+        "hf_cb": SystemRun("hf_cb", skipped="skipped: not today"),
+    }
+    report = build_report(workload, runs, None, {})
+    paged, static = report["systems"]["paged_hf"], report["systems"]["hf_static_8"]
+    assert report["reference_system"] == "hf_static_8"
+    assert paged["useful_tokens"] == static["useful_tokens"] == 5
+    assert paged["tokens_per_s"] == 5.0 and static["paged_hf_speedup"] == pytest.approx(2.5)
+    assert paged["outputs_vs_reference"]["identical"] == 1
+    assert paged["outputs_vs_reference"]["mismatches"] == [{"request": 1, "first_difference": 2}]
+    table = format_table(report)
+    assert "hf_static_8" in table and "2.50x" in table and "1/2" in table and "skipped: not today" in table
+    assert percentile([3, 1, 2], 50) == 2 and percentile([None], 50) is None
+
+
+# --- the command line -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_cli_generate_runs_a_jsonl_file(tmp_path, default_cache, loaded, capsys):
+    model, tokenizer = loaded
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    requests = tmp_path / "in.jsonl"
+    requests.write_text(json.dumps({"prompt": "The capital of France is", "max_new_tokens": 4}) + "\n\n"
+                        + json.dumps({"messages": question, "id": "q2", "max_new_tokens": 6, "seed": 3}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["generate", str(requests), "-o", str(out), "--temperature", "0", "--quiet",
+                     "--num-blocks", "32"]) == 0
+    first, second = [json.loads(line) for line in out.read_text().splitlines()]
+    assert first["id"] == 1 and len(first["token_ids"]) == 4 and first["finish_reason"] == "length"
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    assert second["id"] == "q2" and second["token_ids"] == expected and "Paris" in second["text"]
+
+    requests.write_text('{"prompt": "hi", "temperature": -1}\n')
+    assert cli.main(["generate", str(requests)]) == 2
+    assert "line 1" in capsys.readouterr().err
+
+
+def test_cli_serve_says_it_is_not_available_yet(capsys):
+    assert cli.main(["serve"]) == 2
+    assert "not available yet" in capsys.readouterr().err
+
+
+def _entry_point() -> list[str]:
+    script = shutil.which("paged-hf", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "paged_hf"]
+
+
+@pytest.mark.slow
+def test_bench_smoke_through_the_entry_point(tmp_path, default_cache):
+    systems = ["paged_hf", "hf_static_8", "hf_cb"]
+    command = [*_entry_point(), "bench", "--workload", "decode", "--requests", "4", "--max-new-tokens-scale", "0.02",
+               "--systems", ",".join(systems), "--out", str(tmp_path), "--threads", "1"]
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PAGED_HF_CACHE=str(default_cache)))
+    print(f"\n[bench smoke] {time.perf_counter() - start:.1f} s\n{proc.stdout}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert (tmp_path / "bench_decode.png").stat().st_size > 0
+    assert report["workload"]["num_requests"] == 4 and report["reference_system"] == "hf_static_8"
+    for name in systems:
+        metrics = report["systems"][name]
+        assert metrics["tokens_per_s"] > 0 and metrics["peak_rss_bytes"] > 0, (name, metrics)
+        assert 0 <= metrics["outputs_vs_reference"]["identical"] <= 4
+    assert report["systems"]["paged_hf"]["outputs_vs_reference"]["identical"] == 4  # exact greedy parity
+    assert report["machine"]["min_time_s"] > 0 and 0 < report["paged_hf_fraction_of_limit"]
+    assert "paged_hf" in proc.stdout and "identical" in proc.stdout
