@@ -50,6 +50,7 @@ def paged(model):
     paged = wrap(model)
     yield paged
     assert_no_leak(paged.generator)
+    assert not paged.generator.has_unfinished_requests()  # aborted stop-string rows were delivered too
 
 
 @pytest.fixture
@@ -171,12 +172,12 @@ def test_num_return_sequences(model, paged, engine_calls):
 
 def test_return_dict_in_generate(model, paged, engine_calls):
     ids, mask = BATCH
-    kwargs = dict(attention_mask=mask, max_new_tokens=5, pad_token_id=PAD, return_dict_in_generate=True,
-                  output_scores=False, use_cache=False)
-    expected, got = model.generate(ids, **kwargs), paged.generate(ids, **kwargs)
-    assert isinstance(got, GenerateDecoderOnlyOutput)
-    assert torch.equal(got.sequences, expected.sequences)
-    assert len(engine_calls) == 1
+    kwargs = {"attention_mask": mask, "max_new_tokens": 5, "pad_token_id": PAD, "return_dict_in_generate": True}
+    for extra in ({"output_scores": False, "use_cache": False}, {"output_scores": True}):  # scores: HF's own
+        expected, got = model.generate(ids, **kwargs, **extra), paged.generate(ids, **kwargs, **extra)
+        assert isinstance(got, GenerateDecoderOnlyOutput)
+        assert torch.equal(got.sequences, expected.sequences)
+    assert len(engine_calls) == 1 and len(got.scores) == 5
 
 
 def test_generation_config_argument(model, paged, engine_calls):
@@ -272,7 +273,7 @@ def test_stop_strings(model, paged):
     ids, mask = BATCH
     generated = free_run(model, ids, mask)
     stop = tokenizer.decode(generated[0, 2:4])  # row 0 completes it at its 4th token at the latest
-    kwargs = dict(attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=2, pad_token_id=PAD)
+    kwargs = {"attention_mask": mask, "max_new_tokens": MAX_NEW, "eos_token_id": 2, "pad_token_id": PAD}
     out = assert_same(model, paged, ids, stop_strings=stop, tokenizer=tokenizer, **kwargs)
     assert out.shape[1] < ids.shape[1] + MAX_NEW or (out[0, ids.shape[1] + 4:] == PAD).all()
     with pytest.raises(ValueError, match="tokenizer"):  # HF needs tokenizer= for stop strings, so do we
