@@ -65,11 +65,18 @@ class ContinuousBatchGenerator:
 
     # --- submission -----------------------------------------------------------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, adapter: str | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue one request (n > 1: n sequences). Bad input raises ValueError and queues nothing."""
+                    request_id: str | None = None, *, cache_salt: str | None = None) -> str:
+        """Validate and queue one request. Bad input raises ValueError and queues nothing.
+
+        n > 1: n sequences (children); only child 0 is queued, the others fork from it once it computed the
+        prompt (sharing its KV blocks), so the prompt is computed once. `cache_salt`: prefix-cache blocks are
+        shared only between requests with the same salt (e.g. one per tenant).
+        """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_fits(prompt_ids, params)
         if adapter is not None:
@@ -79,13 +86,16 @@ class ContinuousBatchGenerator:
             raise ValueError(f"request_id {request_id!r} is already in use")
         device = self.runner.logits_device
         children = [
-            Request(request_id, i, list(prompt_ids), params, adapter,
+            Request(request_id, i, list(prompt_ids), params, adapter, cache_salt=cache_salt,
                     generator=make_generator(params.seed, i, device) if params.seed is not None else None)
             for i in range(params.n)
         ]
+        parent, *siblings = children
+        parent.pending_forks = siblings
+        for child in siblings:
+            child.fork_parent = parent
         self.groups[request_id] = RequestGroup(request_id, prompt_ids, children, self.tokenizer)
-        for child in children:
-            self.scheduler.add(child)
+        self.scheduler.add(parent)
         return request_id
 
     def _prompt_token_ids(self, prompt) -> list[int]:
@@ -159,7 +169,7 @@ class ContinuousBatchGenerator:
         group = self.groups.pop(str(request_id), None)
         if group is None:
             return
-        for child in group.children:
+        for child in reversed(group.children):  # siblings waiting for their fork first: none is promoted
             if not child.is_finished:
                 self.scheduler.finish(child, "abort")
         self._finished_aborts.append(group)
@@ -217,7 +227,7 @@ class ContinuousBatchGenerator:
             "num_blocks": self.block_pool.num_blocks,
             "num_free_blocks": self.block_pool.num_free_blocks,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,

@@ -30,6 +30,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """-> logits [num_sampled, vocab_size] of the requests that sample this step, and the step's inputs."""
+        self.cache.copy_blocks([src for src, _ in out.block_copies], [dst for _, dst in out.block_copies])
         inputs = build_step_inputs(out, self.block_size)
         device = self.info.input_device
         kwargs = dict(

@@ -49,6 +49,20 @@ class PagedCache(Cache):
     def in_step(self) -> bool:
         return self.metadata is not None
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy block src[i] to block dst[i] in every layer's K and V (copy-on-write of shared blocks). All
+        sources are read before any destination is written; the destinations are distinct."""
+        if not src:
+            return
+        indices = {}
+        for layer, device in enumerate(self.layer_devices):
+            if device not in indices:
+                indices[device] = (torch.tensor(src, dtype=torch.long, device=device),
+                                   torch.tensor(dst, dtype=torch.long, device=device))
+            src_index, dst_index = indices[device]
+            for cache in (self.key_cache[layer], self.value_cache[layer]):  # [num_blocks, block_size, heads, dim]
+                cache.index_copy_(0, dst_index, cache.index_select(0, src_index))
+
     # --- the transformers.Cache protocol ----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: [1, num_kv_heads, num_tokens, head_dim] (RoPE applied). Written through

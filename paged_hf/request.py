@@ -23,6 +23,11 @@ class Request:
 
     The single scheduling rule: `num_computed_tokens` catches up with `num_tokens` within the token budget.
     A prefill chunk, a decode step, a prefix-cache hit and a resume after preemption are all that rule.
+
+    Parallel sampling: child 0 is the only one queued; the others wait in its `pending_forks` (their
+    `fork_parent` points back) until it has computed every prompt token but the last. Then they fork: they
+    share its blocks (ref counts) and each computes the last prompt token itself, so each gets its own
+    logits. From then on every child is an ordinary request.
     """
 
     request_id: str
@@ -30,6 +35,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     adapter: str | None = None
+    cache_salt: str | None = None  # mixed into the block hashes: cached blocks are shared only with equal salts
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -42,6 +48,10 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
+    block_hashes_key: bytes | None = None  # the extra keys `block_hashes` were computed with
+    num_cached_blocks: int = 0  # how many leading blocks of `block_ids` were offered to the prefix cache
+    pending_forks: list["Request"] = field(default_factory=list, repr=False)  # siblings that fork from this one
+    fork_parent: "Request | None" = field(default=None, repr=False)  # set while waiting in a parent's pending_forks
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -58,6 +68,17 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def fork_point(self) -> int:
+        """Tokens computed before the pending siblings fork: all but the last prompt token."""
+        return self.num_prompt_tokens - 1
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """What the scheduler may compute next: up to the fork point while siblings wait, else everything."""
+        target = self.fork_point if self.pending_forks else self.num_tokens
+        return target - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

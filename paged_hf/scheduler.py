@@ -3,6 +3,11 @@
 One rule covers everything (vLLM V1): a request's `num_computed_tokens` catches up with its `num_tokens`.
 Decodes take one token, prompts are chunked to what the budget leaves, prefix hits skip ahead, and a
 preempted request simply starts again from zero (its tokens are recomputed, its outputs unchanged).
+
+Parallel sampling (`n > 1`): only child 0 is queued. It stops one token short of its prompt; then its
+siblings fork from it (sharing its blocks) and join the running requests, and every child computes the
+last prompt token itself. A sibling that finds no seat (`max_num_seqs`) at fork time is queued as a plain
+request instead (it still finds the prompt's full blocks in the prefix cache).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, request_extra_keys
 from .request import Request, RequestStatus
 
 
@@ -29,6 +34,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # copy-on-write: the runner copies block src to block dst (every layer's K and V) before the forward
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -37,7 +44,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 cache_key=lambda request: b""):
+                 cache_key=request_extra_keys):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -45,14 +52,29 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        # prefix-cache lookups in tokens (vLLM's accounting): a lookup queries all of the request's tokens.
+        # Lookups of preempted requests (which mostly find their own blocks again) are counted apart, so
+        # that recomputation does not inflate the hit rate of new requests.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.preempted_prefix_cache_queries = 0
+        self.preempted_prefix_cache_hits = 0
 
     def add(self, request: Request) -> None:
+        """Queue a request; its `pending_forks` (siblings of an n > 1 request) come along with it."""
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, siblings still waiting for their fork included."""
+        return sum(1 + len(r.pending_forks) for r in self.waiting) + sum(len(r.pending_forks) for r in self.running)
+
+    def _num_seats(self) -> int:
+        """Seats taken out of max_num_seqs: running requests and the siblings they will fork."""
+        return sum(1 + len(r.pending_forks) for r in self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -60,7 +82,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_to_compute, budget)
             assert num_new > 0, "a running request with nothing to compute"
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest request gives its blocks back
@@ -76,29 +98,61 @@ class Scheduler:
             break
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
+        out.block_copies = self.kv_cache_manager.take_block_copies()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        """Admit waiting requests in order (FCFS) while budget, seats and blocks last. A request with
+        siblings to fork needs seats for all of them (at most max_num_seqs, so n > max_num_seqs can run)."""
+        kv_cache_manager = self.kv_cache_manager
+        while self.waiting and budget > 0:
             request = self.waiting[0]
-            hits = []
-            if request.num_computed_tokens == 0:
-                hits = self.kv_cache_manager.find_cached_prefix(request, self.cache_key(request))
-            num_cached = len(hits) * self.kv_cache_manager.block_size
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new, hits):
+            seats = min(1 + len(request.pending_forks), self.max_num_seqs)
+            if self._num_seats() + seats > self.max_num_seqs:
                 break
-            if self.kv_cache_manager.enable_caching:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += num_cached
+            hits = kv_cache_manager.find_cached_prefix(request, self.cache_key(request))
+            num_cached = len(hits) * kv_cache_manager.block_size
+            num_new = min(request.num_tokens_to_compute - num_cached, budget)
+            if not kv_cache_manager.allocate_slots(request, num_new, hits):
+                break
+            self._count_lookup(request, num_cached)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if num_new == 0:  # hits reach the fork point: fork now, every child computes from the next step
+                self._fork(request)
+                continue
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return budget
 
+    def _count_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        if not self.kv_cache_manager.enable_caching:
+            return
+        if request.num_preemptions:
+            self.preempted_prefix_cache_queries += request.num_tokens
+            self.preempted_prefix_cache_hits += num_hit_tokens
+        else:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def _fork(self, parent: Request) -> None:
+        """The parent computed all prompt tokens but the last: its pending siblings share its blocks and
+        join the running requests (the newest, so preempted first). Siblings without a seat are queued at
+        the front as plain requests."""
+        siblings, parent.pending_forks = parent.pending_forks, []
+        num_seats = max(0, self.max_num_seqs - self._num_seats())
+        for child in siblings:
+            child.fork_parent = None
+        for child in siblings[:num_seats]:
+            self.kv_cache_manager.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        self.waiting.extendleft(reversed(siblings[num_seats:]))
+
     def _preempt(self, request: Request) -> None:
+        """Give the request's blocks back; it is recomputed from zero later (siblings still waiting for
+        their fork stay with it). Its full blocks stay in the prefix cache until evicted."""
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -107,17 +161,40 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def advance(self, scheduled: ScheduledRequest) -> None:
-        """After the forward pass: the step's tokens now have K/V; publish newly full blocks."""
+        """After the forward pass: the step's tokens now have K/V; publish newly full blocks, and fork the
+        waiting siblings once the parent reached its fork point."""
         request = scheduled.request
         request.num_computed_tokens += scheduled.num_new_tokens
         self.kv_cache_manager.cache_full_blocks(request, self.cache_key(request))
+        if request.pending_forks and request.num_computed_tokens == request.fork_point:
+            self._fork(request)
 
     def finish(self, request: Request, reason: str) -> None:
-        """End a request (stop, length, abort) wherever it is, and free its blocks at once."""
-        if request.status is RequestStatus.RUNNING:
+        """End a request (stop, length, abort) wherever it is, and free its blocks at once. A parent that
+        ends before its siblings forked (abort) hands them to the next sibling, which starts afresh."""
+        if request.fork_parent is not None:
+            request.fork_parent.pending_forks.remove(request)
+            request.fork_parent = None
+        elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            if request.pending_forks:
+                self.waiting.appendleft(self._promote(request))
         elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
+            position = self.waiting.index(request)
+            del self.waiting[position]
+            if request.pending_forks:
+                self.waiting.insert(position, self._promote(request))
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    @staticmethod
+    def _promote(parent: Request) -> Request:
+        """The first pending sibling becomes the parent of the others."""
+        heir, *others = parent.pending_forks
+        parent.pending_forks = []
+        heir.fork_parent = None
+        heir.pending_forks = others
+        for child in others:
+            child.fork_parent = heir
+        return heir
