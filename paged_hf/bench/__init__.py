@@ -38,6 +38,38 @@ def sized_engine_config(engine_config: dict, workload: Workload) -> dict:
     return dict(engine_config, num_blocks=needed + 4)
 
 
+class _OtherLoad:
+    """How much of the machine other processes used while one system ran (0 = idle, 1 = every core busy).
+
+    Why: on a shared machine a system that ran while someone else's job did is slower for no fault of its own.
+    System-wide busy CPU time (psutil) minus our finished child's CPU time (getrusage) is everyone else's."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            import resource  # noqa: PLC0415
+
+            import psutil  # noqa: PLC0415
+        except ImportError:  # pragma: no cover - psutil is in the bench extra
+            return None
+        times = psutil.cpu_times()
+        idle = times.idle + getattr(times, "iowait", 0.0)
+        guest = getattr(times, "guest", 0.0) + getattr(times, "guest_nice", 0.0)  # Linux: already in user/nice
+        busy = sum(times) - idle - guest
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.perf_counter(), busy, children.ru_utime + children.ru_stime, psutil.cpu_count() or 1
+
+    def fraction(self) -> float | None:
+        end = self._sample()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        other = (end[1] - self.start[1]) - (end[2] - self.start[2])
+        return max(0.0, other / ((end[0] - self.start[0]) * end[3]))
+
+
 def _log(message: str) -> None:
     print(f"[paged-hf bench] {message}", file=sys.stderr, flush=True)
 
@@ -76,9 +108,10 @@ def run_bench(args) -> int:
     runs: dict[str, SystemRun] = {}
     for system in systems:
         _log(f"running {system} in a fresh process ...")
-        start = time.perf_counter()
+        start, other_load = time.perf_counter(), _OtherLoad()
         runs[system] = run_in_subprocess(system, workload, args.model, engine_config, args.device, args.dtype,
                                          args.system_timeout, args.threads)
+        runs[system].extra["other_cpu_load"] = other_load.fraction()
         status = runs[system].skipped or runs[system].error or f"{runs[system].wall_s:.1f} s timed"
         _log(f"{system}: {status} ({time.perf_counter() - start:.1f} s with start-up)")
     if args.threads:

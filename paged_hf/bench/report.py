@@ -51,7 +51,7 @@ def compare_outputs(run: SystemRun, reference: SystemRun, workload: Workload) ->
 
 def system_metrics(run: SystemRun, workload: Workload) -> dict:
     if run.skipped or run.error:
-        return {"skipped": run.skipped, "error": run.error, "peak_rss_bytes": run.peak_rss_bytes}
+        return {"skipped": run.skipped, "error": run.error, "peak_rss_bytes": run.peak_rss_bytes, "extra": run.extra}
     tokens = useful_tokens(run, workload)
     return {
         "useful_tokens": tokens,
@@ -158,6 +158,11 @@ def format_table(report: dict) -> str:
 
 def _footer_lines(report: dict) -> list[str]:
     lines = []
+    loads = {n: (m.get("extra") or {}).get("other_cpu_load") for n, m in report["systems"].items()}
+    loads = {n: v for n, v in loads.items() if v is not None}
+    if loads and max(loads.values()) > 0.1:
+        lines.append("note: other processes kept the CPUs busy while systems ran ("
+                     + ", ".join(f"{n} {v:.0%}" for n, v in loads.items()) + "): these numbers are noisy")
     prefix = report.get("prefix_cache")
     if prefix:
         line = (f"prefix cache: {prefix['hit_rate']:.0%} of prompt tokens hit; TTFT p50 "
