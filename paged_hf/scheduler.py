@@ -105,10 +105,11 @@ class Scheduler:
         """Admit waiting requests in order (FCFS) while budget, seats and blocks last. A request with
         siblings to fork needs seats for all of them (at most max_num_seqs, so n > max_num_seqs can run)."""
         kv_cache_manager = self.kv_cache_manager
+        num_seats = self._num_seats()
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seats = min(1 + len(request.pending_forks), self.max_num_seqs)
-            if self._num_seats() + seats > self.max_num_seqs:
+            if num_seats + seats > self.max_num_seqs:
                 break
             hits = kv_cache_manager.find_cached_prefix(request, self.cache_key(request))
             num_cached = len(hits) * kv_cache_manager.block_size
@@ -116,6 +117,7 @@ class Scheduler:
             if not kv_cache_manager.allocate_slots(request, num_new, hits):
                 break
             self._count_lookup(request, num_cached)
+            num_seats += 1 + len(request.pending_forks)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
