@@ -2,7 +2,7 @@
 
     paged-hf generate prompts.jsonl -o outputs.jsonl [--model M] [engine flags]
     paged-hf bench --workload mixed --out bench_out [--systems paged_hf,hf_static_8] [--requests N]
-    paged-hf serve ...            (not available yet)
+    paged-hf serve [--model M] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API)
 
 Without --model every command uses the default model (SmolLM2-135M-Instruct, see paged_hf.default_model).
 """
@@ -138,12 +138,58 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- serve (placeholder) and bench ----------------------------------------------------------------------------
+# --- serve and bench ------------------------------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    print("paged-hf serve is not available yet: the OpenAI-compatible server is still being written. "
-          "Use `paged-hf generate` for offline batches.", file=sys.stderr)
-    return 2
+    """Load the model, start the engine and serve the OpenAI API until interrupted."""
+    import torch  # noqa: PLC0415
+
+    import paged_hf  # noqa: PLC0415
+    from paged_hf.default_model import DEFAULT_MODEL, load_model  # noqa: PLC0415
+
+    try:
+        import uvicorn  # noqa: PLC0415
+
+        from paged_hf.server import ServerSettings, create_app  # noqa: PLC0415
+    except ImportError as exc:
+        raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
+    config = engine_config(args)
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
+    generator = paged_hf.wrap(model, tokenizer, **config).generator
+    check_adapters_loaded(generator, config.get("adapters", {}))
+    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+                              max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue)
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    app = create_app(generator, tokenizer, name, settings)
+    print(f"paged-hf serve: {name} on http://{args.host}:{args.port}/v1 "
+          f"({generator.stats()['num_blocks']} KV blocks, max_model_len {generator.max_model_len})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def check_adapters_loaded(generator, adapters: dict) -> None:
+    """--adapter must end up served: an engine without LoRA support (or one that dropped a name) fails at
+    startup, not at the first request for that adapter."""
+    if not adapters:
+        return
+    names = getattr(generator, "adapter_names", None)
+    served = set(names()) if callable(names) else set()
+    missing = sorted(set(adapters) - served)
+    if missing:
+        raise ValueError(f"--adapter {', '.join(missing)}: LoRA adapters are not supported by this engine yet; "
+                         "serve the base model without --adapter")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    parser.add_argument("--max-n", type=int, default=16, help="most completions per request (n)")
+    parser.add_argument("--max-tokens-cap", type=int, default=4096, help="most max_tokens per request (0: none)")
+    parser.add_argument("--max-queue", type=int, default=256, help="unfinished requests at once; more get 503")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -176,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (not available yet)")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(serve)
+    add_model_args(serve)
+    add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="throughput of paged_hf against HF baselines")

@@ -1,0 +1,224 @@
+"""The FastAPI app: `create_app(generator, tokenizer, model_name, settings)`.
+
+A factory (not a module-level app) so tests build it around a tiny model and the CLI around a real one. The
+app starts the engine thread on startup and stops it (aborting what is left) on shutdown; handlers only talk
+to that thread (see engine_loop.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine_loop import EngineError, EngineLoop
+from .errors import ApiError, error_body, error_response, install_error_handlers
+from .metrics import ServerMetrics
+from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, ChatDelta, ChatMessageOut, CompletionChoice, CompletionRequest,
+                       CompletionResponse, ModelCard, ModelList)
+from .serving import (Deltas, Prepared, ServerContext, chat_logprobs, completion_logprobs, outputs, prepare,
+                      submit, usage)
+
+
+@dataclass
+class ServerSettings:
+    """Limits that keep one client from exhausting the server (each over-limit request gets a 4xx/503)."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20  # 413 above
+    max_n: int = 16  # 400 above
+    max_tokens_cap: int | None = 4096  # 400 above; also caps the default max_tokens
+    max_queue: int = 256  # unfinished requests at once; 503 above
+
+
+class GuardMiddleware:
+    """API key and body size, in plain ASGI: checked before a handler runs, and without wrapping responses
+    (Starlette's BaseHTTPMiddleware would buffer streams and hide client disconnects)."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app, settings: ServerSettings, metrics: ServerMetrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        rejection = self._reject(scope["path"], headers)
+        if rejection is not None:
+            self.metrics.count_error(rejection.status_code)
+            return await rejection(scope, receive, send)
+        limit, received = self.settings.max_body_bytes, 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:  # a chunked body without Content-Length
+                    raise StarletteHTTPException(413, f"the request body is larger than {limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _reject(self, path: str, headers: dict) -> JSONResponse | None:
+        key = self.settings.api_key
+        if key and path not in self.OPEN_PATHS:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                return error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                      "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.settings.max_body_bytes:
+            return error_response(413, f"the request body is larger than {self.settings.max_body_bytes} bytes",
+                                  "request_too_large")
+        return None
+
+
+def create_app(generator, tokenizer, model_name: str, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    metrics = ServerMetrics()
+    engine = EngineLoop(generator, metrics, settings.max_queue)
+    ctx = ServerContext(engine, tokenizer, model_name, settings, generator.max_model_len, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="paged_hf", lifespan=lifespan)
+    app.state.ctx = ctx
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    install_error_handlers(app, metrics.count_error)
+    _add_routes(app, ctx)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics_route():
+        return PlainTextResponse(ctx.metrics.render(ctx.engine.stats, ctx.engine.num_in_flight),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        cards = [ModelCard(id=ctx.model_name, root=ctx.model_name)]
+        cards += [ModelCard(id=name, root=name, parent=ctx.model_name) for name in ctx.engine.adapter_names]
+        return ModelList(data=cards)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http_request: Request):
+        return await _serve(ctx, body, http_request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request):
+        return await _serve(ctx, body, http_request, chat=True)
+
+
+async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):
+    prepared = prepare(body, ctx, chat, time.monotonic())
+    stream = await submit(ctx, prepared)  # bad input fails here, before any streamed byte
+    source = outputs(ctx, http_request, stream)
+    if prepared.stream:
+        events = _chat_events(ctx, prepared, source) if chat else _completion_events(ctx, prepared, source)
+        return StreamingResponse(_sse(events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    final = None
+    try:
+        async for output in source:
+            final = output
+    except EngineError as exc:
+        raise ApiError(500, str(exc), "engine_error") from None
+    if final is None:  # the client went away; nobody reads this
+        raise ApiError(499, "client disconnected", "client_disconnected")
+    return (_chat_response if chat else _completion_response)(ctx, prepared, final)
+
+
+def _completion_response(ctx: ServerContext, prepared: Prepared, output) -> CompletionResponse:
+    k = prepared.params.logprobs
+    choices = [CompletionChoice(index=c.index, text=c.text or "", finish_reason=c.finish_reason,
+                                logprobs=None if k is None else
+                                completion_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], k, 0))
+               for c in output.outputs]
+    return CompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices,
+                              usage=usage(prepared, output))
+
+
+def _chat_response(ctx: ServerContext, prepared: Prepared, output) -> ChatCompletionResponse:
+    k = prepared.params.logprobs
+    choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text or ""), finish_reason=c.finish_reason,
+                          logprobs=None if k is None else chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], k))
+               for c in output.outputs]
+    return ChatCompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices,
+                                  usage=usage(prepared, output))
+
+
+async def _sse(events):
+    """Server-sent events: one `data: {json}` per chunk, an error event if the engine fails, then [DONE]."""
+    try:
+        async for chunk in events:
+            yield f"data: {chunk.model_dump_json(exclude_unset=False)}\n\n"
+    except EngineError as exc:
+        yield f"data: {json.dumps(error_body(500, str(exc), 'engine_error'))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _completion_events(ctx: ServerContext, prepared: Prepared, source):
+    deltas, k = Deltas.for_params(prepared.params), prepared.params.logprobs
+    offsets: dict[int, int] = {}
+    output = None
+    async for output in source:
+        choices = []
+        for c in output.outputs:
+            text = deltas.text(c)
+            token_ids, entries = deltas.tokens(c)
+            if not text and not token_ids and c.finish_reason is None:
+                continue
+            logprobs = None
+            if k is not None:
+                logprobs = completion_logprobs(ctx.tokenizer, token_ids, entries, k, offsets.get(c.index, 0))
+            offsets[c.index] = offsets.get(c.index, 0) + len(text)
+            choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason))
+        if choices:
+            yield CompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices)
+    if prepared.include_usage and output is not None:
+        yield CompletionResponse(id=prepared.request_id, model=prepared.model, choices=[], usage=usage(prepared, output))
+
+
+async def _chat_events(ctx: ServerContext, prepared: Prepared, source):
+    deltas, k = Deltas.for_params(prepared.params), prepared.params.logprobs
+
+    def chunk(choices, **extra):
+        return ChatCompletionChunk(id=prepared.request_id, model=prepared.model, choices=choices, **extra)
+
+    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                 for i in range(prepared.params.n)])
+    output = None
+    async for output in source:
+        choices = []
+        for c in output.outputs:
+            text = deltas.text(c)
+            token_ids, entries = deltas.tokens(c)
+            if not text and not token_ids and c.finish_reason is None:
+                continue
+            logprobs = None if k is None else chat_logprobs(ctx.tokenizer, token_ids, entries, k)
+            choices.append(ChatChunkChoice(index=c.index, delta=ChatDelta(content=text), logprobs=logprobs,
+                                           finish_reason=c.finish_reason))
+        if choices:
+            yield chunk(choices)
+    if prepared.include_usage and output is not None:
+        yield chunk([], usage=usage(prepared, output))

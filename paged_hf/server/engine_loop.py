@@ -1,0 +1,250 @@
+"""The one thread that owns the generator, and the asyncio side that talks to it.
+
+Why one thread: `ContinuousBatchGenerator` is not thread-safe and `step()` blocks for the whole forward pass.
+The event loop must never block on it, and two threads must never call it at once. So HTTP handlers only put
+commands ("add", "abort") on a thread-safe queue; the engine thread drains that queue before every step, runs
+`step()` while there is work (sleeping on the queue when there is none), and hands each `RequestOutput` to the
+waiting handler's asyncio queue with `loop.call_soon_threadsafe`. An abort is therefore applied before the
+next step: a client that goes away frees its blocks within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from transformers.utils import logging
+
+from .metrics import ServerMetrics
+
+logger = logging.get_logger(__name__)
+
+_STOP = object()
+
+
+class QueueFullError(Exception):
+    """The server already holds --max-queue unfinished requests (HTTP 503)."""
+
+
+class EngineError(Exception):
+    """The engine failed while running a request (not the client's fault: HTTP 500)."""
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """One request as the HTTP handler sees it: outputs arrive on `queue` (an `EngineError` ends it)."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    arrival_time: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # engine-thread bookkeeping for the latency metrics
+    started: bool = False
+    num_tokens_seen: dict = field(default_factory=dict)  # child index -> tokens delivered
+    last_token_time: dict = field(default_factory=dict)  # child index -> time of its last token
+
+    def deliver(self, item) -> None:
+        """Engine thread -> event loop. A closed loop (server shutting down) has nobody left to tell."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+class EngineLoop:
+    def __init__(self, generator, metrics: ServerMetrics, max_queue: int = 256):
+        self.generator = generator
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._num_in_flight = 0
+        self._thread: threading.Thread | None = None
+        # Snapshots the engine thread refreshes, so other threads never call the generator themselves.
+        self.stats: dict = generator.stats()
+        self.adapter_names: tuple[str, ...] = _adapter_names(generator)
+
+    # --- event-loop side ---------------------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="paged_hf-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is left, free its blocks and end the thread."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params, adapter: str | None,
+                     arrival_time: float) -> RequestStream:
+        """Queue a request; raises QueueFullError, or the generator's ValueError for bad input."""
+        with self._lock:
+            if self._num_in_flight >= self.max_queue:
+                raise QueueFullError(f"the server is at capacity ({self.max_queue} requests); retry later")
+            self._num_in_flight += 1
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop, arrival_time)
+        accepted = loop.create_future()
+        self._commands.put(("add", stream, prompt_token_ids, params, adapter, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:  # the client left while we waited: the add still happens, undo it
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; a no-op for a request that already finished."""
+        self._commands.put(("abort", request_id))
+
+    # --- engine thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            busy = self.generator.has_unfinished_requests()
+            if not self._drain_commands(block=not busy):
+                break
+            if self.generator.has_unfinished_requests():
+                self._step()
+            self._refresh_snapshots()
+        self._shutdown()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one when idle); False once asked to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            if command[0] == "add":
+                self._add(*command[1:])
+            else:
+                self._abort(command[1])
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, stream: RequestStream, prompt_token_ids, params, adapter, accepted: asyncio.Future) -> None:
+        try:
+            self.generator.add_request(prompt_token_ids, params, adapter=adapter, request_id=stream.request_id)
+        except Exception as exc:  # noqa: BLE001 - ValueError is the client's, anything else goes back too
+            self._release(1)
+            _resolve(stream.loop, accepted, exc)
+            return
+        self._streams[stream.request_id] = stream
+        _resolve(stream.loop, accepted, None)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.generator.abort(request_id)  # blocks back now; its "abort" output is dropped at the next step
+        self.metrics.count_finished("abort", sum(stream.num_tokens_seen.values()))
+        self._release(1)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.generator.step()
+        except Exception as exc:  # noqa: BLE001 - a model failure must not kill the server
+            logger.error("engine step failed; aborting %d requests", len(self._streams), exc_info=True)
+            self._fail_all(EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            return
+        now = time.monotonic()
+        self._mark_started(now)
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # aborted: nobody waits for it
+                continue
+            self._observe(stream, output, now)
+            stream.deliver(output)
+            if output.finished:
+                del self._streams[output.request_id]
+                self._release(1)
+
+    def _mark_started(self, now: float) -> None:
+        """Queue time ends when the engine first computes any of the request's tokens. The public API has no
+        'scheduled' event, so this looks at the engine's request state (best effort: skipped if it moved)."""
+        groups = getattr(self.generator, "groups", None)
+        for request_id, stream in self._streams.items():
+            if stream.started:
+                continue
+            group = groups.get(request_id) if groups is not None else None
+            children = getattr(group, "children", None)
+            if children is None or getattr(children[0], "num_computed_tokens", 1) > 0:
+                stream.started = True
+                self.metrics.observe(queue_time=now - stream.arrival_time)
+
+    def _observe(self, stream: RequestStream, output, now: float) -> None:
+        for completion in output.outputs:
+            num_tokens = len(completion.token_ids)
+            num_seen = stream.num_tokens_seen.get(completion.index, 0)
+            if num_tokens > num_seen:
+                last = stream.last_token_time.get(completion.index)
+                if last is None:
+                    self.metrics.observe(ttft=now - stream.arrival_time)
+                else:
+                    for _ in range(num_tokens - num_seen):
+                        self.metrics.observe(itl=(now - last) / (num_tokens - num_seen))
+                stream.num_tokens_seen[completion.index] = num_tokens
+                stream.last_token_time[completion.index] = now
+        if output.finished:
+            self.metrics.observe(e2e=now - stream.arrival_time)
+            for completion in output.outputs:
+                self.metrics.count_finished(completion.finish_reason or "unknown", len(completion.token_ids))
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.generator.abort(request_id)
+            stream.deliver(error)
+        self._release(len(self._streams))
+        self._streams.clear()
+        try:  # hand the aborted requests' final outputs back, so nothing stays queued in the generator
+            while self.generator.has_unfinished_requests():
+                self.generator.step()
+        except Exception:  # noqa: BLE001
+            logger.error("engine still failing after aborting every request", exc_info=True)
+
+    def _shutdown(self) -> None:
+        self._fail_all(EngineError("the server is shutting down"))
+        self._refresh_snapshots()
+
+    def _release(self, count: int) -> None:
+        with self._lock:
+            self._num_in_flight -= count
+
+    def _refresh_snapshots(self) -> None:
+        self.stats = self.generator.stats()
+        self.adapter_names = _adapter_names(self.generator)
+
+
+def _adapter_names(generator) -> tuple[str, ...]:
+    """LoRA adapters the engine serves; engines without LoRA support serve none."""
+    names = getattr(generator, "adapter_names", None)
+    return tuple(names()) if callable(names) else ()
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: Exception | None) -> None:
+    def settle() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # loop closed
+        pass

@@ -1,0 +1,253 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server in a thread, the real `openai` client, a tiny
+random Llama and a word-level tokenizer built in memory (no hub, no slow conversion)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+import paged_hf  # noqa: E402
+from paged_hf.server import ServerSettings, create_app  # noqa: E402
+
+from conftest import VOCAB, assert_no_leak, tiny_model  # noqa: E402
+
+API_KEY = "test-key"
+MODEL = "tiny-llama"
+WORDS = ("the a an of to in and is it you that he was for on are with as I his they be at one have this from or "
+         "had by hot word but what some we can out other were all there when up use your how said each she which do "
+         "their time if will way about many then them write would like so these her long make thing see him two has "
+         "look more day could go come did number sound no most people my over know water than call first who may "
+         "down side been now find any new work part take get place made live where after back little only round man "
+         "year came show every good me give our under name very through just form sentence great think say").split()
+
+
+def tiny_tokenizer():
+    """A 128-token word-level tokenizer (the tiny model's vocab_size) with a one-line chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = ["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>", "<system>", *WORDS]
+    vocab = {name: i for i, name in enumerate(names[:VOCAB])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", pad_token="<pad>")
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """(base_url, generator, app) of a server running for the whole module; checks for leaks at the end."""
+    model = tiny_model("llama", dtype=torch.float32)
+    generator = paged_hf.wrap(model, tiny_tokenizer(), num_blocks=128, block_size=16, max_num_seqs=32,
+                              max_num_batched_tokens=256, max_model_len=512).generator
+    settings = ServerSettings(api_key=API_KEY, max_body_bytes=64 << 10, max_n=4, max_tokens_cap=450, max_queue=128)
+    app = create_app(generator, generator.tokenizer, MODEL, settings)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", generator, app
+    uv.should_exit = True
+    thread.join(20)
+    assert not thread.is_alive()
+    assert_no_leak(generator)  # engine thread gone: safe to look at the generator directly
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def post(server, path: str, body, key: str | None = API_KEY, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (dict, list)):
+        return httpx.post(server[0] + path, json=body, headers=headers, timeout=60, **kwargs)
+    return httpx.post(server[0] + path, content=body, headers={**headers, "Content-Type": "application/json"},
+                      timeout=60, **kwargs)
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(server[0] + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_until_idle(server, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until every block is free and nothing runs: no leak, no stuck request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if (m["paged_hf_num_free_blocks"] == m["paged_hf_num_blocks"] and m["paged_hf_num_requests_running"] == 0
+                and m["paged_hf_num_requests_in_flight"] == 0):
+            return m
+        assert time.monotonic() < deadline, f"blocks not freed: {m}"
+        time.sleep(0.05)
+
+
+CHAT = [{"role": "system", "content": "you are a good man"}, {"role": "user", "content": "tell me the time"}]
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]  # no adapters in the engine yet: just the base model
+
+
+def test_chat_streamed_text_equals_non_streamed(client):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=20)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant" and choice.message.content
+    assert full.usage.completion_tokens == 20 and full.usage.prompt_tokens > 0
+    pieces, finish, usage = [], None, None
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == choice.message.content
+    assert finish == "length" and usage.total_tokens == full.usage.total_tokens
+
+
+def test_completions_text_tokens_logprobs_and_n(client):
+    out = client.completions.create(model=MODEL, prompt="the time of day", max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 8
+    by_ids = client.completions.create(model=MODEL, prompt=[1, 7, 40, 10], max_tokens=8, temperature=0, logprobs=2)
+    lp = by_ids.choices[0].logprobs
+    assert len(lp.tokens) == 8 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    many = client.completions.create(model=MODEL, prompt="the time", max_tokens=5, n=3, seed=7, temperature=1.0)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2] and many.usage.completion_tokens == 15
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+
+
+def test_48_concurrent_requests_over_24_threads(server, client):
+    def one(i: int):
+        if i % 2:
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"say {i} word"}],
+                                               max_tokens=6 + i % 5, temperature=0.8, seed=i)
+            return r.choices[0].finish_reason, r.usage.completion_tokens, 6 + i % 5
+        r = client.completions.create(model=MODEL, prompt=f"the {i} water", max_tokens=4 + i % 7, stream=False)
+        return r.choices[0].finish_reason, r.usage.completion_tokens, 4 + i % 7
+
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(one, range(48)))
+    # the random model may sample EOS (id 2) before max_tokens: "stop" early is success too
+    assert all((reason == "length" and got == wanted) or (reason == "stop" and 0 < got <= wanted)
+               for reason, got, wanted in results), results
+    wait_until_idle(server)
+
+
+def test_api_key_required_everywhere_but_health(server):
+    base = server[0]
+    for key in (None, "wrong-key"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                             ("POST", "/v1/chat/completions")):
+            r = httpx.request(method, base + path, headers=headers, json={"model": MODEL, "prompt": "the"})
+            assert r.status_code == 401, (path, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(base + "/health").status_code == 200
+    bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+BAD_INPUTS = [
+    (400, "/v1/completions", {"model": MODEL, "prompt": "the", "max_tokens": -1}, "max_tokens"),
+    (400, "/v1/completions", {"model": MODEL, "prompt": "the", "temperature": -0.5}, "temperature"),
+    (400, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "top_p": 1.5}, "top_p"),
+    (404, "/v1/chat/completions", {"model": "no-such-model", "messages": CHAT}, "model"),
+    (400, "/v1/completions", b'{"model": "tiny-llama", "prompt": ', None),
+    (400, "/v1/completions", {"model": MODEL, "prompt": list(range(3, 100)) * 6}, "prompt"),  # 582 > 512 tokens
+    (400, "/v1/completions", {"model": MODEL, "prompt": [5, 999]}, None),  # token id outside the vocabulary
+    (400, "/v1/completions", {"model": MODEL, "prompt": "the", "max_tokens": 500}, "max_tokens"),  # over the cap
+    (400, "/v1/completions", {"model": MODEL, "prompt": "the", "n": 9}, "n"),  # over --max-n
+    (400, "/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+    (400, "/v1/chat/completions", {"model": MODEL}, "messages"),
+    (413, "/v1/completions", {"model": MODEL, "prompt": "the " * 20000}, None),
+]
+
+
+@pytest.mark.parametrize("status, path, body, param", BAD_INPUTS)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(server, client, status, path, body, param):
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["message"]
+    if param is not None:
+        assert param in error["message"] or error.get("param") == param, error
+    ok = client.completions.create(model=MODEL, prompt="the", max_tokens=3)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_queue_full_is_503(server):
+    engine = server[2].state.ctx.engine
+    engine.max_queue, saved = 0, engine.max_queue
+    try:
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "the", "max_tokens": 2})
+    finally:
+        engine.max_queue = saved
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server):
+    before = metrics(server).get('paged_hf_requests_finished_total{finish_reason="abort"}', 0)
+    body = {"model": MODEL, "prompt": "the long way", "max_tokens": 450, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200
+        seen = []
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.append(json.loads(line[6:]))
+            if len(seen) >= 3:
+                break
+    assert len(seen) >= 3 and all(c["choices"][0]["finish_reason"] is None for c in seen)
+    m = wait_until_idle(server)
+    assert m['paged_hf_requests_finished_total{finish_reason="abort"}'] == before + 1
+
+
+def test_metrics_exposition(server, client):
+    client.completions.create(model=MODEL, prompt="the time", max_tokens=4)
+    m = metrics(server)
+    for name in ("paged_hf_time_to_first_token_seconds_count", "paged_hf_inter_token_latency_seconds_count",
+                 "paged_hf_e2e_request_latency_seconds_count", "paged_hf_request_queue_time_seconds_count"):
+        assert m[name] > 0, name
+    for name in ("paged_hf_num_requests_running", "paged_hf_num_requests_waiting", "paged_hf_kv_cache_usage_perc",
+                 "paged_hf_prefix_cache_queries_total", "paged_hf_prefix_cache_hits_total",
+                 "paged_hf_num_preemptions_total", "paged_hf_time_to_first_token_seconds_bucket{le=\"+Inf\"}"):
+        assert name in m, name
+    assert m[f'paged_hf_requests_total{{model="{MODEL}",adapter=""}}'] >= 1
+    assert m['paged_hf_request_errors_total{status="401"}'] >= 1  # test_api_key_required... ran before
