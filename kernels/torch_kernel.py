@@ -125,12 +125,14 @@ class TorchKernel:
 def _group_by_length(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:
     """Split decodes (context_len, row, block_table) into groups whose padding stays small."""
     groups: list[list] = []
+    total = 0  # real context tokens in the last group; its first (longest) member sets the padded length
     for decode in sorted(decodes, key=lambda d: d[0], reverse=True):
-        group = groups[-1] if groups else None
-        if group is not None and group[0][0] * (len(group) + 1) <= MAX_DECODE_PADDING * (sum(d[0] for d in group) + decode[0]):
-            group.append(decode)
+        if groups and groups[-1][0][0] * (len(groups[-1]) + 1) <= MAX_DECODE_PADDING * (total + decode[0]):
+            groups[-1].append(decode)
+            total += decode[0]
         else:
             groups.append([decode])
+            total = decode[0]
     return groups
 
 

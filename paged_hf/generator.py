@@ -77,6 +77,8 @@ class ContinuousBatchGenerator:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_fits(prompt_ids, params)
         if adapter is not None:

@@ -49,6 +49,8 @@ def test_too_long_and_never_fitting_requests_are_rejected(generator):
         generator.add_request([1, 2], SamplingParams(max_new_tokens=2), adapter="nope")
     with pytest.raises(ValueError, match="sampling_params"):
         generator.add_request([1, 2], {"max_new_tokens": 2})
+    with pytest.raises(ValueError, match="tokenizer"):  # stop strings are matched on text
+        generator.add_request([1, 2], SamplingParams(max_new_tokens=2, stop=["x"]))
     assert not generator.has_unfinished_requests()
 
 
