@@ -82,12 +82,12 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
-def post(server, path: str, body, key: str | None = API_KEY, **kwargs) -> httpx.Response:
+def post(server, path: str, body, key: str | None = API_KEY, timeout=60) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if isinstance(body, (dict, list)):
-        return httpx.post(server[0] + path, json=body, headers=headers, timeout=60, **kwargs)
+        return httpx.post(server[0] + path, json=body, headers=headers, timeout=timeout)
     return httpx.post(server[0] + path, content=body, headers={**headers, "Content-Type": "application/json"},
-                      timeout=60, **kwargs)
+                      timeout=timeout)
 
 
 def metrics(server) -> dict[str, float]:
@@ -223,7 +223,7 @@ def test_queue_full_is_503(server):
 
 
 def test_client_disconnect_mid_stream_frees_blocks(server):
-    before = metrics(server).get('paged_hf_requests_finished_total{finish_reason="abort"}', 0)
+    before = metrics(server).get('paged_hf_sequences_finished_total{finish_reason="abort"}', 0)
     body = {"model": MODEL, "prompt": "the long way", "max_tokens": 450, "stream": True, "temperature": 0}
     with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as r:
@@ -236,7 +236,17 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
                 break
     assert len(seen) >= 3 and all(c["choices"][0]["finish_reason"] is None for c in seen)
     m = wait_until_idle(server)
-    assert m['paged_hf_requests_finished_total{finish_reason="abort"}'] == before + 1
+    assert m['paged_hf_sequences_finished_total{finish_reason="abort"}'] == before + 1
+
+
+def test_client_disconnect_while_waiting_non_streamed_aborts(server):
+    """A non-streamed request whose client gives up is noticed by the disconnect poll and aborted too."""
+    before = metrics(server).get('paged_hf_sequences_finished_total{finish_reason="abort"}', 0)
+    body = {"model": MODEL, "prompt": "the long way", "max_tokens": 450, "n": 4, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", body, timeout=httpx.Timeout(30, read=0.2))
+    m = wait_until_idle(server)
+    assert m['paged_hf_sequences_finished_total{finish_reason="abort"}'] == before + 4
 
 
 def test_metrics_exposition(server, client):

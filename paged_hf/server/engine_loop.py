@@ -42,6 +42,7 @@ class RequestStream:
     arrival_time: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # engine-thread bookkeeping for the latency metrics
+    num_sequences: int = 1  # n
     started: bool = False
     num_tokens_seen: dict = field(default_factory=dict)  # child index -> tokens delivered
     last_token_time: dict = field(default_factory=dict)  # child index -> time of its last token
@@ -143,6 +144,7 @@ class EngineLoop:
             self._release(1)
             _resolve(stream.loop, accepted, exc)
             return
+        stream.num_sequences = params.n
         self._streams[stream.request_id] = stream
         _resolve(stream.loop, accepted, None)
 
@@ -151,7 +153,7 @@ class EngineLoop:
         if stream is None:
             return
         self.generator.abort(request_id)  # blocks back now; its "abort" output is dropped at the next step
-        self.metrics.count_finished("abort", sum(stream.num_tokens_seen.values()))
+        self.metrics.count_finished("abort", sum(stream.num_tokens_seen.values()), stream.num_sequences)
         self._release(1)
 
     def _step(self) -> None:

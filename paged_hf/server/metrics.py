@@ -71,7 +71,7 @@ class ServerMetrics:
         self.queue_time = Histogram("paged_hf_request_queue_time_seconds",
                                     "Time from arrival until the engine first scheduled the request.")
         self.requests = defaultdict(int)  # (model, adapter) -> accepted requests
-        self.finished = defaultdict(int)  # finish_reason -> finished requests
+        self.finished = defaultdict(int)  # finish_reason -> finished sequences (a request has n)
         self.errors = defaultdict(int)  # HTTP status -> error responses
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -87,9 +87,9 @@ class ServerMetrics:
             self.requests[(model, adapter or "")] += 1
             self.prompt_tokens += num_prompt_tokens
 
-    def count_finished(self, finish_reason: str, num_generated_tokens: int) -> None:
+    def count_finished(self, finish_reason: str, num_generated_tokens: int, num_sequences: int = 1) -> None:
         with self._lock:
-            self.finished[finish_reason] += 1
+            self.finished[finish_reason] += num_sequences
             self.generation_tokens += num_generated_tokens
 
     def count_error(self, status_code: int) -> None:
@@ -102,7 +102,7 @@ class ServerMetrics:
             lines = _engine_lines(stats, num_in_flight)
             lines += _counter("paged_hf_requests_total", "Requests accepted, per served model and adapter.",
                               {(("model", m), ("adapter", a)): n for (m, a), n in self.requests.items()})
-            lines += _counter("paged_hf_requests_finished_total", "Finished requests, per finish reason.",
+            lines += _counter("paged_hf_sequences_finished_total", "Finished sequences (n per request), per finish reason.",
                               {(("finish_reason", r),): n for r, n in self.finished.items()})
             lines += _counter("paged_hf_request_errors_total", "Error responses, per HTTP status.",
                               {(("status", str(s)),): n for s, n in self.errors.items()})

@@ -158,13 +158,16 @@ async def outputs(ctx: ServerContext, http_request, stream: RequestStream) -> As
     """The request's outputs until it finishes. Leaving early (client gone, cancelled, error) aborts it, so its
     blocks are freed at the engine's next step."""
     finished = False
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_POLL_S
     try:
         while True:
-            try:
-                item = await asyncio.wait_for(stream.queue.get(), timeout=DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            item = await _next_item(stream.queue, max(0.01, next_check - loop.time()))
+            if loop.time() >= next_check:  # by the clock: outputs may arrive every step and never time out
                 if await http_request.is_disconnected():
                     return
+                next_check = loop.time() + DISCONNECT_POLL_S
+            if item is None:
                 continue
             if isinstance(item, EngineError):
                 finished = True  # the engine already dropped it
@@ -176,6 +179,18 @@ async def outputs(ctx: ServerContext, http_request, stream: RequestStream) -> As
     finally:
         if not finished:
             ctx.engine.abort(stream.request_id)
+
+
+async def _next_item(queue: asyncio.Queue, timeout: float):
+    """The next output, or None after `timeout` seconds without one."""
+    try:
+        return queue.get_nowait()
+    except asyncio.QueueEmpty:
+        pass
+    try:
+        return await asyncio.wait_for(queue.get(), timeout=timeout)
+    except asyncio.TimeoutError:
+        return None
 
 
 def usage(prepared: Prepared, output) -> Usage:
