@@ -16,7 +16,8 @@ from transformers.utils import logging
 from .block_pool import BlockPool
 from .config import PagedConfig
 from .kv_cache_manager import KVCacheManager, cdiv
-from .model_info import free_memory_bytes, inspect_model
+from .cache_sizing import num_blocks_from_memory
+from .model_info import inspect_model
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .request import Request
@@ -35,7 +36,7 @@ class ContinuousBatchGenerator:
         self.tokenizer = tokenizer
         self.info = inspect_model(model)
         self.max_model_len = self.config.max_model_len or self.info.max_positions or 2048
-        num_blocks = self.config.num_blocks or self._num_blocks_from_memory()
+        num_blocks = self.config.num_blocks or num_blocks_from_memory(self.info, self.config, self.max_model_len)
         self.runner = ModelRunner(model, self.info, num_blocks, self.config)
         self.block_pool = BlockPool(num_blocks, self.config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size)
@@ -45,23 +46,6 @@ class ContinuousBatchGenerator:
         self.groups: dict[str, RequestGroup] = {}
         self._finished_aborts: list[RequestGroup] = []
         self._ids = itertools.count()
-
-    def _num_blocks_from_memory(self) -> int:
-        device = self.info.layer_devices[0]
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            budget = 0.5 if device.type == "cuda" else min(4 << 30, free_memory_bytes(device) // 4)
-        if budget <= 1:
-            budget = int(budget * free_memory_bytes(device))
-        per_block = self.runner_bytes_per_block()
-        num_blocks = max(1, int(budget) // per_block)
-        # no point in more blocks than every sequence at full length can use
-        return min(num_blocks, self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size))
-
-    def runner_bytes_per_block(self) -> int:
-        from .paged_cache import PagedCache  # noqa: PLC0415
-
-        return PagedCache.bytes_per_block(self.config.block_size, self.info.num_kv_heads, self.info.head_dim, self.info.dtype)
 
     # --- submission -----------------------------------------------------------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, adapter: str | None = None,

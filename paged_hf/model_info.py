@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_hf.integrations import accelerate as accelerate_integration
+
 
 @dataclass
 class ModelInfo:
@@ -32,7 +34,7 @@ def inspect_model(model: torch.nn.Module) -> ModelInfo:
     config = text_config(model.config)
     num_layers = config.num_hidden_layers
     num_kv_heads, head_dim = _probe_kv_shapes(model)
-    layer_devices = _layer_devices(model, num_layers)
+    layer_devices = accelerate_integration.layer_devices(model, num_layers)
     embeddings = model.get_input_embeddings()
     return ModelInfo(
         num_layers=num_layers,
@@ -67,19 +69,6 @@ def eos_token_ids(model) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-def _layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
-    """The device of each attention layer's weights (accelerate device maps put layers on many devices)."""
-    fallback = next(model.parameters()).device
-    devices: dict[int, torch.device] = {}
-    for module in model.modules():
-        layer_idx = getattr(module, "layer_idx", None)
-        if isinstance(layer_idx, int) and layer_idx not in devices:
-            param = next(module.parameters(recurse=True), None)
-            if param is not None:
-                devices[layer_idx] = param.device if param.device.type != "meta" else fallback
-    return [devices.get(i, fallback) for i in range(num_layers)]
 
 
 def free_memory_bytes(device: torch.device) -> int:

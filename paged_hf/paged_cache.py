@@ -30,11 +30,6 @@ class PagedCache(Cache):
         self.metadata: AttentionMetadata | None = None
         self._plans: dict[torch.device, object] = {}
 
-    @staticmethod
-    def bytes_per_block(block_size: int, num_kv_heads: list[int], head_dim: list[int], dtype: torch.dtype) -> int:
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * block_size * h * d * element_size for h, d in zip(num_kv_heads, head_dim))
-
     # --- one step -------------------------------------------------------------------------------------
     def begin_step(self, metadata: AttentionMetadata) -> None:
         """Plan the step once per device; every layer on that device reuses the plan."""

@@ -1,0 +1,38 @@
+"""accelerate device maps: each layer's KV blocks live where that layer runs.
+
+With `device_map=...` a layer's weights may sit on a GPU, on the CPU, or be offloaded (meta tensors that
+accelerate's hook loads for each forward, onto the hook's `execution_device`). The cache follows the
+device the layer *computes* on; block ids are shared by all devices, so one block table serves every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
+    """The compute device of each attention layer (modules with a `layer_idx`), in layer order."""
+    modules = dict(model.named_modules())
+    fallback = _execution_device(modules, "") or next(p.device for p in model.parameters())
+    devices: dict[int, torch.device] = {}
+    for name, module in modules.items():
+        layer_idx = getattr(module, "layer_idx", None)
+        if not isinstance(layer_idx, int) or layer_idx in devices:
+            continue
+        device = _execution_device(modules, name)
+        if device is None:
+            param = next(module.parameters(), None)
+            device = param.device if param is not None and param.device.type != "meta" else None
+        devices[layer_idx] = device or fallback
+    return [devices.get(i, fallback) for i in range(num_layers)]
+
+
+def _execution_device(modules: dict[str, torch.nn.Module], name: str) -> torch.device | None:
+    """The execution device of the nearest accelerate hook on `name` or its parents, if any."""
+    parts = name.split(".") if name else []
+    for depth in range(len(parts), -1, -1):
+        hook = getattr(modules.get(".".join(parts[:depth])), "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    return None
