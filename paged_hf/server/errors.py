@@ -54,7 +54,7 @@ def install_error_handlers(app, on_error) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         on_error(exc.status_code)
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(exc.status_code)
         return error_response(exc.status_code, exc.message, exc.code, exc.param, headers)
 
     @app.exception_handler(RequestValidationError)
