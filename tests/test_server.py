@@ -56,7 +56,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server():
-    """(base_url, generator, app) of a server running for the whole module; checks for leaks at the end."""
+    """(base_url, generator, app, model) of a server running for the whole module; checks for leaks at the end."""
     model = tiny_model("llama", dtype=torch.float32)
     generator = paged_hf.wrap(model, tiny_tokenizer(), num_blocks=128, block_size=16, max_num_seqs=32,
                               max_num_batched_tokens=256, max_model_len=512).generator
@@ -70,7 +70,7 @@ def server():
     while not uv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", generator, app
+    yield f"http://127.0.0.1:{port}", generator, app, model
     uv.should_exit = True
     thread.join(20)
     assert not thread.is_alive()
@@ -247,6 +247,26 @@ def test_client_disconnect_while_waiting_non_streamed_aborts(server):
         post(server, "/v1/completions", body, timeout=httpx.Timeout(30, read=0.2))
     m = wait_until_idle(server)
     assert m['paged_hf_sequences_finished_total{finish_reason="abort"}'] == before + 4
+
+
+def test_model_failure_is_500_for_its_requests_and_the_server_recovers(server, client):
+    """An exception inside the model is the server's fault (500), aborts the running requests, leaks nothing."""
+    model = server[3]
+    failing = {"on": True}
+
+    def fail(module, args, kwargs):
+        if failing["on"]:
+            raise RuntimeError("boom")
+
+    handle = model.register_forward_pre_hook(fail, with_kwargs=True)
+    try:
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "the", "max_tokens": 5})
+    finally:
+        failing["on"] = False
+        handle.remove()
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    wait_until_idle(server)
+    assert client.completions.create(model=MODEL, prompt="the", max_tokens=3).usage.completion_tokens == 3
 
 
 def test_metrics_exposition(server, client):
