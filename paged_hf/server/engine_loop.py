@@ -110,14 +110,25 @@ class EngineLoop:
 
     # --- engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            busy = self.generator.has_unfinished_requests()
-            if not self._drain_commands(block=not busy):
-                break
-            if self.generator.has_unfinished_requests():
-                self._step()
-            self._refresh_snapshots()
+        """Until stopped. Whatever goes wrong inside one iteration fails the requests in flight, never the
+        thread: a dead engine thread would leave every later request waiting forever."""
+        running = True
+        while running:
+            try:
+                running = self._iteration()
+            except Exception as exc:  # noqa: BLE001
+                logger.error("engine loop failed; aborting %d requests", len(self._streams), exc_info=True)
+                self._fail_all(EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
         self._shutdown()
+
+    def _iteration(self) -> bool:
+        busy = self.generator.has_unfinished_requests()
+        if not self._drain_commands(block=not busy):
+            return False
+        if self.generator.has_unfinished_requests():
+            self._step()
+        self._refresh_snapshots()
+        return True
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when idle); False once asked to stop."""
@@ -157,12 +168,7 @@ class EngineLoop:
         self._release(1)
 
     def _step(self) -> None:
-        try:
-            outputs = self.generator.step()
-        except Exception as exc:  # noqa: BLE001 - a model failure must not kill the server
-            logger.error("engine step failed; aborting %d requests", len(self._streams), exc_info=True)
-            self._fail_all(EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
-            return
+        outputs = self.generator.step()  # an exception (the model failed) is handled in _run
         now = time.monotonic()
         self._mark_started(now)
         for output in outputs:
@@ -207,15 +213,17 @@ class EngineLoop:
                 self.metrics.count_finished(completion.finish_reason or "unknown", len(completion.token_ids))
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
-            self.generator.abort(request_id)
+        """Every request in flight gets `error`, and the generator is left empty (blocks free)."""
+        streams, self._streams = self._streams, {}
+        self._release(len(streams))
+        for request_id, stream in streams.items():
             stream.deliver(error)
-        self._release(len(self._streams))
-        self._streams.clear()
-        try:  # hand the aborted requests' final outputs back, so nothing stays queued in the generator
-            while self.generator.has_unfinished_requests():
+        try:
+            for request_id in streams:
+                self.generator.abort(request_id)
+            while self.generator.has_unfinished_requests():  # hand the aborted requests' final outputs back
                 self.generator.step()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - must not escape: _run calls this from its own error handler
             logger.error("engine still failing after aborting every request", exc_info=True)
 
     def _shutdown(self) -> None:
