@@ -162,11 +162,6 @@ def test_cli_generate_runs_a_jsonl_file(tmp_path, default_cache, loaded, capsys)
     assert "line 1" in capsys.readouterr().err
 
 
-def test_cli_serve_says_it_is_not_available_yet(capsys):
-    assert cli.main(["serve"]) == 2
-    assert "not available yet" in capsys.readouterr().err
-
-
 def _entry_point() -> list[str]:
     script = shutil.which("paged-hf", path=str(Path(sys.executable).parent))
     return [script] if script else [sys.executable, "-m", "paged_hf"]

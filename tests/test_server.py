@@ -281,3 +281,37 @@ def test_metrics_exposition(server, client):
         assert name in m, name
     assert m[f'paged_hf_requests_total{{model="{MODEL}",adapter=""}}'] >= 1
     assert m['paged_hf_request_errors_total{status="401"}'] >= 1  # test_api_key_required... ran before
+
+
+# --- the `paged-hf serve` command ----------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_load_model(monkeypatch):
+    """`paged-hf serve` on the tiny model instead of the default one (no download, no conversion)."""
+    from paged_hf import default_model
+
+    monkeypatch.setattr(default_model, "load_model",
+                        lambda name, dtype, device: (tiny_model("llama", dtype=torch.float32), tiny_tokenizer()))
+
+
+def test_cli_serve_builds_the_app_from_its_flags(tiny_load_model, monkeypatch):
+    from paged_hf import cli
+
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.update(app=app, **kwargs))
+    argv = ["serve", "--port", "8123", "--api-key", "k", "--max-n", "2", "--max-queue", "7", "--max-tokens-cap", "0",
+            "--num-blocks", "40", "--max-model-len", "256", "--served-model-name", "tiny"]
+    assert cli.main(argv) == 0
+    ctx = served["app"].state.ctx
+    assert served["port"] == 8123 and served["host"] == "127.0.0.1"
+    assert (ctx.model_name, ctx.max_model_len, ctx.engine.stats["num_blocks"]) == ("tiny", 256, 40)
+    assert (ctx.settings.api_key, ctx.settings.max_n, ctx.settings.max_queue, ctx.settings.max_tokens_cap) == (
+        "k", 2, 7, None)
+
+
+def test_cli_serve_fails_at_startup_for_an_adapter_it_cannot_serve(tiny_load_model, monkeypatch, tmp_path, capsys):
+    from paged_hf import cli
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: pytest.fail("must not start serving"))
+    assert cli.main(["serve", "--adapter", f"tenant={tmp_path / 'missing'}", "--num-blocks", "8"]) == 2
+    assert "adapter" in capsys.readouterr().err.lower()
