@@ -171,7 +171,7 @@ async def _sse(events):
     """Server-sent events: one `data: {json}` per chunk, an error event if the engine fails, then [DONE]."""
     try:
         async for chunk in events:
-            yield f"data: {chunk.model_dump_json(exclude_unset=False)}\n\n"
+            yield f"data: {chunk.model_dump_json()}\n\n"
     except EngineError as exc:
         yield f"data: {json.dumps(error_body(500, str(exc), 'engine_error'))}\n\n"
     yield "data: [DONE]\n\n"
