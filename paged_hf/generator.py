@@ -40,12 +40,15 @@ class ContinuousBatchGenerator:
         self.runner = ModelRunner(model, self.info, num_blocks, self.config)
         self.block_pool = BlockPool(num_blocks, self.config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size)
-        self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   max_loras=self.config.max_loras)
         self.sampler = Sampler(self.info.eos_token_ids)
         self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len, tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self._finished_aborts: list[RequestGroup] = []
         self._ids = itertools.count()
+        for name, path in self.config.adapters.items():
+            self.load_adapter(name, path)
 
     # --- submission -----------------------------------------------------------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, adapter: str | None = None,
@@ -65,14 +68,14 @@ class ContinuousBatchGenerator:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_fits(prompt_ids, params)
-        if adapter is not None:
-            raise ValueError(f"unknown adapter {adapter!r}: no adapters are loaded")
+        lora = self._adapter(adapter)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         device = self.runner.logits_device
         children = [
-            Request(request_id, i, list(prompt_ids), params, adapter, cache_salt=cache_salt,
+            Request(request_id, i, list(prompt_ids), params, adapter, cache_salt=cache_salt, lora=lora,
+                    adapter_version=None if lora is None else lora.version,
                     generator=make_generator(params.seed, i, device) if params.seed is not None else None)
             for i in range(params.n)
         ]
@@ -109,6 +112,39 @@ class ContinuousBatchGenerator:
         if needed > self.block_pool.num_blocks:
             raise ValueError(f"a request of {total} tokens needs {needed} KV blocks but the whole cache has "
                              f"{self.block_pool.num_blocks}; raise num_blocks/kv_cache_memory")
+
+    # --- LoRA adapters --------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path) -> None:
+        """Load the peft LoRA folder `path` under `name`. Under a name already loaded, the new weights serve
+        new requests while running ones finish with the old (a new version: no prefix-cache block is shared
+        between them). An unusable folder raises ValueError and changes nothing."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
+        if self.runner.lora is None:
+            from paged_hf.integrations.lora import LoRAManager  # noqa: PLC0415 (peft is imported only for LoRA)
+
+            manager = LoRAManager(self.runner.model, self.config.max_loras, self.config.max_lora_rank)
+            manager.load(name, path)  # raises before the runner sees a manager
+            self.runner.lora = manager
+        else:
+            self.runner.lora.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """New requests can no longer use `name`; requests already submitted finish with its weights."""
+        if name not in self.adapter_names():
+            raise ValueError(f"unknown adapter {name!r}; loaded adapters: {self.adapter_names()}")
+        self.runner.lora.unload(name)
+
+    def adapter_names(self) -> list[str]:
+        return sorted(self.runner.lora.adapters) if self.runner.lora is not None else []
+
+    def _adapter(self, name):
+        """The loaded adapter a request names (None: the base model)."""
+        if name is None:
+            return None
+        if not isinstance(name, str) or name not in self.adapter_names():
+            raise ValueError(f"unknown adapter {name!r}; loaded adapters: {self.adapter_names()}")
+        return self.runner.lora.adapters[name]
 
     # --- running --------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

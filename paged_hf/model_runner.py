@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
@@ -26,12 +28,16 @@ class ModelRunner:
         output_embeddings = model.get_output_embeddings()
         self.logits_device = output_embeddings.weight.device if output_embeddings is not None else info.input_device
         self.attention_switch = _AttentionSwitch(model, ATTENTION_NAME)
+        self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """-> logits [num_sampled, vocab_size] of the requests that sample this step, and the step's inputs."""
         self.cache.copy_blocks([src for src, _ in out.block_copies], [dst for _, dst in out.block_copies])
-        inputs = build_step_inputs(out, self.block_size)
+        request_slots = None
+        if self.lora is not None:  # the adapters of this step go to device slots (swapped in if needed)
+            request_slots = self.lora.assign_slots([s.request.lora for s in out.scheduled])
+        inputs = build_step_inputs(out, self.block_size, request_slots)
         device = self.info.input_device
         kwargs = dict(
             input_ids=inputs.input_ids.to(device)[None],  # [1, num_tokens]
@@ -45,13 +51,17 @@ class ModelRunner:
             kwargs["logits_to_keep"] = inputs.logits_indices.to(device)
         self.cache.begin_step(inputs.attention)
         try:
-            with self.attention_switch:
+            with self.attention_switch, self._lora_step(inputs.adapter_slots):
                 logits = self.model(**kwargs).logits[0]  # [num_kept, vocab_size]
         finally:
             self.cache.end_step()
         if not self.info.accepts_logits_to_keep:
             logits = logits[inputs.logits_indices.to(logits.device)]
         return logits, inputs
+
+    def _lora_step(self, adapter_slots: torch.Tensor | None):
+        """Per-token LoRA routing for this forward only (a no-op without adapter tokens)."""
+        return self.lora.step(adapter_slots) if self.lora is not None else contextlib.nullcontext()
 
 
 class _AttentionSwitch:

@@ -35,6 +35,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     adapter: str | None = None
+    adapter_version: int | None = None  # which load of `adapter` (a re-load under the same name is a new one)
+    lora: object | None = field(default=None, repr=False)  # the adapter's weights (integrations.peft.LoRAAdapter)
     cache_salt: str | None = None  # mixed into the block hashes: cached blocks are shared only with equal salts
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -42,13 +42,25 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+def request_cache_key(request: Request) -> bytes:
+    """The extra keys of a request's blocks: adapter name and cache salt, plus the adapter's version, so
+    that a re-loaded adapter (same name, new weights) never hits blocks computed with the old weights."""
+    keys = request_extra_keys(request)
+    if request.adapter_version is not None:
+        part = b"adapter_version:" + str(request.adapter_version).encode()
+        keys += len(part).to_bytes(4, "little") + part
+    return keys
+
+
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 cache_key=request_extra_keys):
+                 cache_key=None, max_loras: int | None = None):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.cache_key = cache_key  # request -> bytes mixed into its block hashes (adapter identity, salt)
+        self.max_loras = max_loras  # distinct adapters among the running requests (so in any step); None: no limit
+        # request -> bytes mixed into its block hashes (adapter identity and version, salt)
+        self.cache_key = cache_key or request_cache_key
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -106,11 +118,16 @@ class Scheduler:
         siblings to fork needs seats for all of them (at most max_num_seqs, so n > max_num_seqs can run)."""
         kv_cache_manager = self.kv_cache_manager
         num_seats = self._num_seats()
+        adapters = self._running_adapters()
+        skipped: list[Request] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seats = min(1 + len(request.pending_forks), self.max_num_seqs)
             if num_seats + seats > self.max_num_seqs:
                 break
+            if adapters is not None and not self._adapter_fits(request, adapters):
+                skipped.append(self.waiting.popleft())
+                continue
             hits = kv_cache_manager.find_cached_prefix(request, self.cache_key(request))
             num_cached = len(hits) * kv_cache_manager.block_size
             num_new = min(request.num_tokens_to_compute - num_cached, budget)
@@ -121,12 +138,28 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if adapters is not None and request.adapter_version is not None:
+                adapters.add(request.adapter_version)
             if num_new == 0:  # hits reach the fork point: fork now, every child computes from the next step
                 self._fork(request)
                 continue
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _running_adapters(self) -> set[int] | None:
+        """Adapter versions (one per loaded adapter) the running requests use; None when unlimited."""
+        if self.max_loras is None:
+            return None
+        return {r.adapter_version for r in self.running if r.adapter_version is not None}
+
+    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
+        """At most max_loras distinct adapters run at once, so every step fits the device slots. A request
+        of another adapter waits (later requests may pass it) until a running adapter's requests finish;
+        when nothing runs, anything fits, so no request waits forever for a slot."""
+        version = request.adapter_version
+        return version is None or version in adapters or len(adapters) < self.max_loras
 
     def _count_lookup(self, request: Request, num_hit_tokens: int) -> None:
         if not self.kv_cache_manager.enable_caching:

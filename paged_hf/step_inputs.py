@@ -36,10 +36,21 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_sampled] int64: the last token of each request that samples
     sampled: list  # the ScheduledRequests that sample this step, in logits_indices order
     attention: AttentionMetadata
+    adapter_slots: torch.Tensor | None = None  # [num_tokens] int64: LoRA slot per token, -1 = base; None: no LoRA
 
 
-def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
-    """Packs the step's tokens with no padding; all tensors on CPU (each device copies what it needs)."""
+def token_adapter_slots(out: SchedulerOutput, request_slots: list[int] | None) -> torch.Tensor | None:
+    """Each token gets its request's adapter slot: [num_tokens] int64 (-1 = base), None when no request
+    of the step has an adapter (the forward then has no LoRA work at all)."""
+    if request_slots is None:
+        return None
+    counts = torch.tensor([s.num_new_tokens for s in out.scheduled], dtype=torch.long)
+    return torch.tensor(request_slots, dtype=torch.long).repeat_interleave(counts)
+
+
+def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list[int] | None = None) -> StepInputs:
+    """Packs the step's tokens with no padding; all tensors on CPU (each device copies what it needs).
+    `request_slots`: the LoRA slot of each scheduled request (-1 = base), or None without adapters."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -74,4 +85,5 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
             block_tables=block_tables,
             slot_mapping=torch.tensor(slots, dtype=torch.long),
         ),
+        adapter_slots=token_adapter_slots(out, request_slots),
     )

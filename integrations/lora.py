@@ -1,0 +1,193 @@
+"""Per-token multi-LoRA routing: many adapters, one base model, one packed step.
+
+- `LoRALinear` wraps one targeted nn.Linear with stacked, zero-padded slot buffers
+  A [max_loras, rank_cap, in] and B [max_loras, out, rank_cap]. In a step it computes
+  `y = base(x) + B[slot] @ (A[slot] @ x)` for each token, grouped by slot (one gather, two small matmuls
+  and one `index_add_` per active slot, never a loop over requests). Without routing it is exactly the base
+  Linear, and the base weights are never modified.
+- `LoRAManager` holds every loaded adapter in CPU memory, copies the ones a step needs into the `max_loras`
+  device slots (least recently used slot evicted first) and installs the wrappers around the forward.
+
+The wrappers are installed lazily, only for the duration of an engine step that has adapter tokens
+(`LoRAManager.step`), by swapping entries of the parents' `_modules` (cheap: a dict assignment per module).
+Why: outside a step the user's model is untouched: a plain forward, `named_modules()`, `state_dict()`, a
+training loop or `PagedModel.unwrap()` see the original modules, with nothing to remove. Steps with only
+base-model tokens install nothing and cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+
+import torch
+
+from .peft import LoRAAdapter, read_adapter
+
+
+class LoRARouting:
+    """One step's routing: the adapter slot of every token of the packed row (-1 = base model).
+
+    The token groups (one index tensor per slot) are built once per step and per device, and shared by
+    every wrapped layer on that device."""
+
+    def __init__(self, token_slots: torch.Tensor):
+        self.token_slots = token_slots  # [num_tokens] int64 on CPU
+        self.num_tokens = token_slots.numel()
+        self._groups: dict[torch.device, list[tuple[int, torch.Tensor | None]]] = {}
+
+    def groups(self, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
+        """[(slot, token indices [num_tokens_of_slot] or None when every token of the step uses it)]."""
+        groups = self._groups.get(device)
+        if groups is None:
+            groups = []
+            for slot in torch.unique(self.token_slots).tolist():
+                if slot < 0:
+                    continue
+                index = (self.token_slots == slot).nonzero().flatten()
+                groups.append((slot, None if index.numel() == self.num_tokens else index.to(device)))
+            self._groups[device] = groups
+        return groups
+
+
+class LoRAContext:
+    """Shared by all wrappers of one engine: the runner sets `routing` before a step's forward and clears it."""
+
+    routing: LoRARouting | None = None
+
+
+class LoRALinear(torch.nn.Module):
+    def __init__(self, base: torch.nn.Linear, context: LoRAContext, max_loras: int):
+        super().__init__()
+        self.base = base
+        self.context = context
+        self.ranks = [0] * max_loras  # rank of each slot's adapter at this module (0: the adapter skips it)
+        weight = base.weight
+        self.lora_a = torch.zeros(max_loras, 0, base.in_features, dtype=weight.dtype, device=weight.device)
+        self.lora_b = torch.zeros(max_loras, base.out_features, 0, dtype=weight.dtype, device=weight.device)
+
+    def set_slot(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Copy an adapter's (A [r, in], B [out, r]) into `slot` (None: this adapter does not touch the module).
+        The rank capacity grows to the largest rank seen; smaller ranks are zero-padded."""
+        rank = 0 if pair is None else pair[0].shape[0]
+        if rank > self.lora_a.shape[1]:
+            self.lora_a = torch.nn.functional.pad(self.lora_a, (0, 0, 0, rank - self.lora_a.shape[1]))
+            self.lora_b = torch.nn.functional.pad(self.lora_b, (0, rank - self.lora_b.shape[2]))
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if pair is not None:
+            self.lora_a[slot, :rank].copy_(pair[0])
+            self.lora_b[slot, :, :rank].copy_(pair[1])
+        self.ranks[slot] = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)  # [..., out]
+        routing = self.context.routing
+        if routing is None:
+            return y
+        x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
+        if x2.shape[0] != routing.num_tokens:
+            raise RuntimeError(f"a LoRA layer got {x2.shape[0]} tokens in a step of {routing.num_tokens}")
+        y2 = y.view(-1, y.shape[-1])  # [num_tokens, out], a view: updated in place
+        for slot, index in routing.groups(x.device):
+            rank = self.ranks[slot]
+            if rank == 0:
+                continue
+            a = self.lora_a[slot, :rank]  # [r, in]
+            b = self.lora_b[slot, :, :rank]  # [out, r]
+            if index is None:
+                y2.add_((x2 @ a.T) @ b.T)
+            else:
+                y2.index_add_(0, index, (x2.index_select(0, index) @ a.T) @ b.T)  # [tokens_of_slot, out]
+        return y
+
+
+class LoRAManager:
+    """Loaded adapters (CPU), device slots (LRU), the wrappers, and installing them around a step."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int):
+        self.model = model
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.context = LoRAContext()
+        self.adapters: dict[str, LoRAAdapter] = {}  # by name: what new requests get
+        self.wrappers: dict[str, LoRALinear] = {}  # module path -> wrapper
+        self._sites: dict[str, tuple[torch.nn.Module, str]] = {}  # module path -> (parent, attribute)
+        self.resident: OrderedDict[LoRAAdapter, int] = OrderedDict()  # adapter -> slot, least recent first
+        self._num_loads = 0
+
+    # --- loading --------------------------------------------------------------------------------------
+    def load(self, name: str, path) -> LoRAAdapter:
+        """Read, validate and register an adapter (a new version when the name exists). ValueError and no
+        change at all if the folder is unusable."""
+        adapter = read_adapter(name, path, self.model, self.max_rank, self._num_loads + 1)
+        self._num_loads += 1
+        for module_path in adapter.weights:
+            if module_path not in self.wrappers:
+                self._add_wrapper(module_path)
+        self.adapters[name] = adapter
+        return adapter
+
+    def _add_wrapper(self, module_path: str) -> None:
+        parent_path, _, attribute = module_path.rpartition(".")
+        parent = self.model.get_submodule(parent_path)
+        self.wrappers[module_path] = LoRALinear(parent._modules[attribute], self.context, self.max_loras)
+        self._sites[module_path] = (parent, attribute)
+
+    def unload(self, name: str) -> None:
+        """New requests can no longer use it; requests already running keep their weights until they finish."""
+        if name not in self.adapters:
+            raise ValueError(f"unknown adapter {name!r}; loaded: {sorted(self.adapters)}")
+        del self.adapters[name]
+
+    # --- slots ----------------------------------------------------------------------------------------
+    def assign_slots(self, adapters: list[LoRAAdapter | None]) -> list[int] | None:
+        """The device slot of each scheduled request's adapter (-1 = base), swapping adapters in as needed;
+        None when the step has no adapter at all. The scheduler guarantees <= max_loras distinct adapters."""
+        needed = list(dict.fromkeys(a for a in adapters if a is not None))
+        if not needed:
+            return None
+        assert len(needed) <= self.max_loras, f"{len(needed)} adapters in one step, max_loras={self.max_loras}"
+        slot_of = {}
+        for adapter in needed:
+            slot = self.resident.get(adapter)
+            if slot is None:
+                slot = self._swap_in(adapter, set(needed))
+            self.resident.move_to_end(adapter)
+            slot_of[adapter] = slot
+        return [-1 if a is None else slot_of[a] for a in adapters]
+
+    def _swap_in(self, adapter: LoRAAdapter, keep: set) -> int:
+        """A free slot, else the least recently used one whose adapter this step does not need."""
+        taken = set(self.resident.values())
+        free = [slot for slot in range(self.max_loras) if slot not in taken]
+        if free:
+            slot = free[0]
+        else:
+            victims = [a for a in self.resident if a not in keep]
+            unloaded = [a for a in victims if self.adapters.get(a.name) is not a]  # only old requests use these
+            slot = self.resident.pop((unloaded or victims)[0])
+        for module_path, wrapper in self.wrappers.items():
+            wrapper.set_slot(slot, adapter.weights.get(module_path))
+        self.resident[adapter] = slot
+        return slot
+
+    # --- one step -------------------------------------------------------------------------------------
+    @contextmanager
+    def step(self, token_slots: torch.Tensor | None):
+        """Install the wrappers and set the routing for one forward; always undone, also on errors."""
+        if token_slots is None:
+            yield
+            return
+        originals = {}
+        try:
+            for module_path, (parent, attribute) in self._sites.items():
+                originals[module_path] = parent._modules[attribute]
+                parent._modules[attribute] = self.wrappers[module_path]
+            self.context.routing = LoRARouting(token_slots)
+            yield
+        finally:
+            self.context.routing = None
+            for module_path, original in originals.items():
+                parent, attribute = self._sites[module_path]
+                parent._modules[attribute] = original

@@ -1,0 +1,229 @@
+"""Multi-LoRA serving: every request gets exactly the tokens of plain peft with its one adapter active.
+
+Adapters are real peft folders (get_peft_model + save_pretrained) with random lora_A and lora_B (peft
+initialises B to zero, which would hide every routing bug). The oracle is the PeftModel's own greedy
+generate, one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import assert_no_leak, hf_greedy, random_prompts, tiny_model
+from peft import LoraConfig, get_peft_model
+
+import paged_hf
+from paged_hf import PagedConfig, SamplingParams
+
+CONFIGS = {  # different ranks, alphas, targets; one rsLoRA
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all": dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
+    "down": dict(r=16, lora_alpha=4, target_modules=["o_proj", "down_proj"]),
+}
+MAX_NEW = 8
+
+
+def make_adapter(base, folder, seed: int, **config):
+    """-> the PeftModel (the oracle) after saving it to `folder`."""
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(**config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.3)
+    peft_model.save_pretrained(str(folder))
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(base model, {name: folder}, {name: oracle PeftModel})"""
+    base = tiny_model("llama")
+    root = tmp_path_factory.mktemp("adapters")
+    folders, oracles = {}, {}
+    for seed, (name, config) in enumerate(CONFIGS.items(), start=1):
+        folders[name] = root / name
+        oracles[name] = make_adapter(base, folders[name], seed, **config)
+    return base, folders, oracles
+
+
+def greedy(max_new_tokens: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+
+
+def expected_tokens(base, oracles, prompts, adapters, max_new_tokens: int = MAX_NEW):
+    return [hf_greedy(base if a is None else oracles[a], p, max_new_tokens) for p, a in zip(prompts, adapters)]
+
+
+def engine(base, **config) -> paged_hf.ContinuousBatchGenerator:
+    config = {"num_blocks": 96, "block_size": 4, "max_num_batched_tokens": 24, **config}
+    return paged_hf.ContinuousBatchGenerator(base, PagedConfig(**config))
+
+
+def served(generator, prompts, adapters, max_new_tokens: int = MAX_NEW):
+    outputs = generator.generate(prompts, greedy(max_new_tokens), adapters=adapters, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def record_step_adapters(generator) -> list[int]:
+    """Spy: the number of distinct adapters of every step."""
+    counts = []
+    manager = generator.runner.lora
+    original = manager.assign_slots
+
+    def spy(adapters):
+        counts.append(len({id(a) for a in adapters if a is not None}))
+        return original(adapters)
+
+    manager.assign_slots = spy
+    return counts
+
+
+def test_mixed_batch_matches_each_peft_oracle(setup):
+    """Base + 3 adapters (ranks 4/8/16, different targets, rsLoRA) in the same packed steps, chunked prefill."""
+    base, folders, oracles = setup
+    prompts = random_prompts([9, 30, 14, 21, 5, 17, 26, 11], seed=1)
+    adapters = [None, "qv", "all", "down", "down", "all", None, "qv"]
+    generator = engine(base, adapters={n: str(f) for n, f in folders.items()})
+    assert generator.adapter_names() == sorted(CONFIGS)
+    counts = record_step_adapters(generator)
+    assert served(generator, prompts, adapters) == expected_tokens(base, oracles, prompts, adapters)
+    assert max(counts) == 3  # the steps really mixed adapters
+    assert_no_leak(generator)
+
+
+def test_runtime_load_unload_through_fewer_slots(setup):
+    """3 adapters through 2 device slots: the scheduler never puts more than 2 in a step, LRU swaps."""
+    base, folders, oracles = setup
+    generator = engine(base, max_loras=2)
+    for name, folder in folders.items():
+        generator.load_adapter(name, folder)
+    counts = record_step_adapters(generator)
+    prompts = random_prompts([12, 7, 19, 10, 15, 8], seed=2)
+    adapters = ["qv", "all", "down", None, "qv", "down"]
+    assert served(generator, prompts, adapters) == expected_tokens(base, oracles, prompts, adapters)
+    assert max(counts) == 2 and len(counts) > 0
+    generator.unload_adapter("all")
+    assert generator.adapter_names() == ["down", "qv"]
+    with pytest.raises(ValueError, match="'all'"):
+        generator.add_request(prompts[0], greedy(), adapter="all")
+    with pytest.raises(ValueError, match="'all'"):
+        generator.unload_adapter("all")
+    assert served(generator, prompts[:2], ["down", "qv"]) == expected_tokens(base, oracles, prompts[:2], ["down", "qv"])
+    assert_no_leak(generator)
+
+
+def broken_folders(root, good):
+    """{what: folder} of unusable adapters, all made from the good folder `good`."""
+    config = json.loads((good / "adapter_config.json").read_text())
+    weights = (good / "adapter_model.safetensors").read_bytes()
+    cases = {"missing": (None, None), "bad json": ("{not json", weights),
+             "rank 16": (dict(config, r=16), weights), "DoRA": (dict(config, use_dora=True), weights),
+             "modules_to_save": (dict(config, modules_to_save=["lm_head"]), weights),
+             "non-Linear": (dict(config, target_modules=["embed_tokens"]), weights),
+             "not found": (dict(config, target_modules=["no_such_proj"]), weights),
+             "no weights": (config, None), "bad weights": (config, b"garbage")}
+    folders = {}
+    for what, (cfg, data) in cases.items():
+        folder = folders[what] = root / what.replace(" ", "_")
+        if cfg is None:
+            continue
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+        if data is not None:
+            (folder / "adapter_model.safetensors").write_bytes(data)
+    return folders
+
+
+REASONS = {"missing": "not a folder", "bad json": "cannot read", "rank 16": "above max_lora_rank=8", "DoRA": "DoRA",
+           "modules_to_save": "modules_to_save", "non-Linear": "only nn.Linear", "not found": "not found",
+           "no weights": "neither adapter_model.safetensors", "bad weights": "cannot read the weights"}
+
+
+def test_broken_adapters_and_unknown_names_raise_and_change_nothing(setup, tmp_path):
+    base, folders, oracles = setup
+    generator = engine(base, max_lora_rank=8, adapters={"qv": str(folders["qv"])})
+    for what, folder in broken_folders(tmp_path, folders["qv"]).items():
+        with pytest.raises(ValueError, match="'x'") as error:
+            generator.load_adapter("x", folder)
+        assert REASONS[what] in str(error.value), (what, error.value)
+        assert generator.adapter_names() == ["qv"], what
+    with pytest.raises(ValueError, match="rank 16"):
+        generator.load_adapter("down", folders["down"])  # r=16 > max_lora_rank=8
+    prompt = random_prompts([10], seed=3)[0]
+    for bad in ("nope", 3):
+        with pytest.raises(ValueError, match="unknown adapter"):
+            generator.add_request(prompt, greedy(), adapter=bad)
+    with pytest.raises(ValueError, match="'nope'"):
+        generator.generate([prompt, prompt], greedy(), adapters=["qv", "nope"], use_tqdm=False)
+    assert_no_leak(generator)  # the call's accepted request was aborted
+    assert served(generator, [prompt] * 2, ["qv", None]) == expected_tokens(base, oracles, [prompt] * 2, ["qv", None])
+    assert_no_leak(generator)
+
+
+def test_prefix_cache_is_keyed_by_adapter_and_version(setup, tmp_path):
+    """Same prompt under base and two adapters: different K/V, each its oracle's tokens. A re-load under the
+    same name with other weights gives the new adapter's tokens (the old blocks are never hit)."""
+    base, folders, oracles = setup
+    generator = engine(base, adapters={"qv": str(folders["qv"]), "all": str(folders["all"])})
+    prompt = random_prompts([29], seed=4)[0]
+    order = [None, "qv", "all", "qv", None]  # one at a time: every later run could hit the earlier blocks
+    for adapter in order:
+        assert served(generator, [prompt], [adapter]) == expected_tokens(base, oracles, [prompt], [adapter])
+    stats = generator.stats()
+    assert stats["prefix_cache_hits"] == 2 * 28  # only the repeats hit (28 = 7 full blocks before the last token)
+    generator.load_adapter("qv", folders["down"])  # same name, other weights
+    assert served(generator, [prompt], ["qv"]) == expected_tokens(base, oracles, [prompt], ["down"])
+    assert generator.stats()["prefix_cache_hits"] == stats["prefix_cache_hits"]
+    assert_no_leak(generator)
+
+
+def test_reload_while_running_keeps_old_weights_for_running_requests(setup):
+    base, folders, oracles = setup
+    generator = engine(base, adapters={"a": str(folders["qv"])}, max_loras=1)
+    prompt = random_prompts([10], seed=5)[0]
+    old = generator.add_request(prompt, greedy(), adapter="a")
+    generator.step()
+    generator.load_adapter("a", folders["all"])
+    new = generator.add_request(prompt, greedy(), adapter="a")
+    results = {}
+    while generator.has_unfinished_requests():
+        for output in generator.step():
+            results[output.request_id] = output.outputs[0].token_ids
+    assert results[old] == expected_tokens(base, oracles, [prompt], ["qv"])[0]
+    assert results[new] == expected_tokens(base, oracles, [prompt], ["all"])[0]
+    assert_no_leak(generator)
+
+
+def test_plain_forward_and_unwrap_see_the_original_model(setup):
+    base, folders, _ = setup
+    ids = torch.tensor([random_prompts([12], seed=6)[0]])
+    before = base(ids).logits
+    modules_before = [(n, type(m)) for n, m in base.named_modules()]
+    wrapped = paged_hf.wrap(base, num_blocks=64, block_size=4, adapters={n: str(f) for n, f in folders.items()})
+    wrapped.generator.generate([ids[0].tolist()] * 2, greedy(3), adapters=["all", "down"], use_tqdm=False)
+    assert torch.equal(wrapped(ids).logits, before)
+    assert torch.equal(base(ids).logits, before)
+    assert wrapped.unwrap() is base
+    assert [(n, type(m)) for n, m in base.named_modules()] == modules_before
+
+
+def test_bin_weights_and_parallel_sampling(setup, tmp_path):
+    """A .bin adapter (read with weights_only=True) serves the same tokens; n > 1 children share the adapter."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    base, folders, oracles = setup
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text((folders["down"] / "adapter_config.json").read_text())
+    torch.save(load_file(str(folders["down"] / "adapter_model.safetensors")), folder / "adapter_model.bin")
+    generator = engine(base, adapters={"down_bin": str(folder)})
+    prompt = random_prompts([13], seed=7)[0]
+    [output] = generator.generate([prompt], SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True, n=2),
+                                  adapters="down_bin", use_tqdm=False)
+    expected = expected_tokens(base, oracles, [prompt], ["down"])[0]
+    assert [c.token_ids for c in output.outputs] == [expected, expected]
+    assert_no_leak(generator)
