@@ -152,6 +152,21 @@ def test_completions_text_tokens_logprobs_and_n(client):
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
 
 
+def test_stop_string_cuts_text_and_streams_the_same(client):
+    """The stop string (a word the greedy answer contains) is cut from the text, streamed or not."""
+    prompt = "the time of day"
+    words = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text.split()
+    # a word that is no substring of the text before it: the first match starts exactly at that word
+    index = next(i for i in range(2, len(words)) if words[i] not in " ".join(words[:i]))
+    stop = words[index]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop, "zzz"])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert cut.choices[0].text.split() == words[:index]
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop, "zzz"],
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == cut.choices[0].text
+
+
 def test_48_concurrent_requests_over_24_threads(server, client):
     def one(i: int):
         if i % 2:
