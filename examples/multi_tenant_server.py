@@ -3,8 +3,8 @@
 Starts the server (a subprocess, as in a deployment), asks it which models it serves, gives each tenant one of
 them and drives them all at once with the official `openai` client from many threads; prints each tenant's
 latency. Each tenant's adapter is a model name in the request (`model="tenant-a"`); the engine batches all
-tenants together. LoRA adapters are not in the engine yet: without served adapters every tenant uses the base
-model (the script says so), which still shows continuous batching across tenants.
+tenants together, each token through its own adapter. Without --adapter (no adapters served) every tenant uses
+the base model (the script says so), which still shows continuous batching across tenants.
 
     python examples/multi_tenant_server.py [--model PATH] [--adapter NAME=PATH ...] [--tenants 4]
         [--requests-per-tenant 6] [--threads 12] [--max-tokens 24] [--base-url URL --api-key KEY]
@@ -71,7 +71,7 @@ def assign_models(client: openai.OpenAI, num_tenants: int) -> dict[str, str]:
     served = [m.id for m in client.models.list().data]
     base, adapters = served[0], served[1:]
     if not adapters:
-        print(f"No LoRA adapters are served (the engine does not support them yet): all {num_tenants} tenants "
+        print(f"No LoRA adapters are served (give --adapter NAME=PATH): all {num_tenants} tenants "
               f"use the base model {base!r}.")
         return {f"tenant-{i}": base for i in range(num_tenants)}
     return {f"tenant-{i}": adapters[i % len(adapters)] for i in range(num_tenants)}

@@ -154,6 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
     config = engine_config(args)
+    config.update({name: getattr(args, name) for name in ("max_loras", "max_lora_rank") if getattr(args, name)})
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     check_adapters_loaded(generator, config.get("adapters", {}))
@@ -168,16 +169,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def check_adapters_loaded(generator, adapters: dict) -> None:
-    """--adapter must end up served: an engine without LoRA support (or one that dropped a name) fails at
-    startup, not at the first request for that adapter."""
+    """--adapter must end up served: an engine that did not load a name (no LoRA support, or a changed
+    engine) fails at startup, not at the first request for that adapter."""
     if not adapters:
         return
     names = getattr(generator, "adapter_names", None)
     served = set(names()) if callable(names) else set()
     missing = sorted(set(adapters) - served)
     if missing:
-        raise ValueError(f"--adapter {', '.join(missing)}: LoRA adapters are not supported by this engine yet; "
-                         "serve the base model without --adapter")
+        raise ValueError(f"--adapter {', '.join(missing)}: the engine did not load it (served adapters: "
+                         f"{sorted(served)}); serve without that --adapter or fix its folder")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -190,6 +191,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-cap", type=int, default=4096, help="most max_tokens per request (0: none)")
     parser.add_argument("--max-queue", type=int, default=256, help="unfinished requests at once; more get 503")
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    parser.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -3,6 +3,8 @@ random Llama and a word-level tokenizer built in memory (no hub, no slow convers
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import socket
 import threading
@@ -20,7 +22,7 @@ openai = pytest.importorskip("openai")
 import paged_hf  # noqa: E402
 from paged_hf.server import ServerSettings, create_app  # noqa: E402
 
-from conftest import VOCAB, assert_no_leak, tiny_model  # noqa: E402
+from conftest import VOCAB, assert_no_leak, hf_greedy, tiny_model  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
@@ -54,14 +56,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    """(base_url, generator, app, model) of a server running for the whole module; checks for leaks at the end."""
-    model = tiny_model("llama", dtype=torch.float32)
-    generator = paged_hf.wrap(model, tiny_tokenizer(), num_blocks=128, block_size=16, max_num_seqs=32,
-                              max_num_batched_tokens=256, max_model_len=512).generator
-    settings = ServerSettings(api_key=API_KEY, max_body_bytes=64 << 10, max_n=4, max_tokens_cap=450, max_queue=128)
-    app = create_app(generator, generator.tokenizer, MODEL, settings)
+@contextlib.contextmanager
+def serving(app):
+    """A real uvicorn server for `app` on a free local port, in a thread; yields its base URL."""
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -70,10 +67,24 @@ def server():
     while not uv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", generator, app, model
-    uv.should_exit = True
-    thread.join(20)
-    assert not thread.is_alive()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(20)
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """(base_url, generator, app, model) of a server running for the whole module; checks for leaks at the end."""
+    model = tiny_model("llama", dtype=torch.float32)
+    generator = paged_hf.wrap(model, tiny_tokenizer(), num_blocks=128, block_size=16, max_num_seqs=32,
+                              max_num_batched_tokens=256, max_model_len=512).generator
+    settings = ServerSettings(api_key=API_KEY, max_body_bytes=64 << 10, max_n=4, max_tokens_cap=450, max_queue=128)
+    app = create_app(generator, generator.tokenizer, MODEL, settings)
+    with serving(app) as url:
+        yield url, generator, app, model
     assert_no_leak(generator)  # engine thread gone: safe to look at the generator directly
 
 
@@ -117,7 +128,7 @@ CHAT = [{"role": "system", "content": "you are a good man"}, {"role": "user", "c
 
 def test_models_list(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]  # no adapters in the engine yet: just the base model
+    assert [m.id for m in models.data] == [MODEL]  # no adapter loaded: just the base model
 
 
 def test_chat_streamed_text_equals_non_streamed(client):
@@ -298,6 +309,34 @@ def test_metrics_exposition(server, client):
     assert m['paged_hf_request_errors_total{status="401"}'] >= 1  # test_api_key_required... ran before
 
 
+def test_adapters_are_served_under_their_own_model_names(tmp_path):
+    """A LoRA adapter is a model name: listed in /v1/models, and its requests get the adapter's tokens."""
+    peft = pytest.importorskip("peft")
+    base, tokenizer = tiny_model("llama", dtype=torch.float32), tiny_tokenizer()
+    oracle = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # peft starts lora_B at zero, which would make the adapter a no-op
+        for name, param in oracle.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    oracle.save_pretrained(str(tmp_path / "tenant-a"))
+    generator = paged_hf.wrap(base, tokenizer, num_blocks=64, max_model_len=256,
+                              adapters={"tenant-a": str(tmp_path / "tenant-a")}).generator
+    prompt = [1, 7, 40, 10, 22]
+    with serving(create_app(generator, tokenizer, MODEL, ServerSettings())) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [MODEL, "tenant-a"]
+        texts = {}
+        for name, reference in ((MODEL, base), ("tenant-a", oracle.eval())):
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            texts[name] = out.choices[0].text
+            assert texts[name] == tokenizer.decode(hf_greedy(reference, prompt, 6), skip_special_tokens=True)
+        assert texts[MODEL] != texts["tenant-a"]  # the adapter really changes the answer
+        text = httpx.get(url + "/metrics").text
+        assert f'paged_hf_requests_total{{model="tenant-a",adapter="tenant-a"}} 1' in text
+    assert_no_leak(generator)
+
+
 # --- the `paged-hf serve` command ----------------------------------------------------------------------------
 
 @pytest.fixture
@@ -315,11 +354,12 @@ def test_cli_serve_builds_the_app_from_its_flags(tiny_load_model, monkeypatch):
     served = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.update(app=app, **kwargs))
     argv = ["serve", "--port", "8123", "--api-key", "k", "--max-n", "2", "--max-queue", "7", "--max-tokens-cap", "0",
-            "--num-blocks", "40", "--max-model-len", "256", "--served-model-name", "tiny"]
+            "--num-blocks", "40", "--max-model-len", "256", "--served-model-name", "tiny", "--max-loras", "3"]
     assert cli.main(argv) == 0
     ctx = served["app"].state.ctx
     assert served["port"] == 8123 and served["host"] == "127.0.0.1"
     assert (ctx.model_name, ctx.max_model_len, ctx.engine.stats["num_blocks"]) == ("tiny", 256, 40)
+    assert ctx.engine.generator.config.max_loras == 3
     assert (ctx.settings.api_key, ctx.settings.max_n, ctx.settings.max_queue, ctx.settings.max_tokens_cap) == (
         "k", 2, 7, None)
 
