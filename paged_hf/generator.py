@@ -17,6 +17,7 @@ from .block_pool import BlockPool
 from .config import PagedConfig
 from .kv_cache_manager import KVCacheManager, cdiv
 from .cache_sizing import num_blocks_from_memory
+from .distributed import broadcast_tokens
 from .model_info import inspect_model
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
@@ -169,8 +170,9 @@ class ContinuousBatchGenerator:
             return list(touched)
         rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in requests]
         sampled = self.sampler(logits, rows)
+        token_ids = broadcast_tokens(sampled.token_ids, logits.device)  # tensor parallel: rank 0's tokens
         now = time.monotonic()
-        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
+        for request, token_id, logprobs in zip(requests, token_ids, sampled.logprobs):
             request.append_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
