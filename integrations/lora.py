@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .peft import LoRAAdapter, read_adapter
+from .peft import LoRAAdapter, adapters_from_peft_model, is_peft_lora_layer, read_adapter
 
 
 class LoRARouting:
@@ -115,23 +115,39 @@ class LoRAManager:
         self._sites: dict[str, tuple[torch.nn.Module, str]] = {}  # module path -> (parent, attribute)
         self.resident: OrderedDict[LoRAAdapter, int] = OrderedDict()  # adapter -> slot, least recent first
         self._num_loads = 0
+        self.num_swaps = 0  # adapters copied into a device slot so far
+        # serving a PeftModel: its own LoRA layers must be bypassed in every step, also without adapter tokens
+        self.always_route = False
 
     # --- loading --------------------------------------------------------------------------------------
     def load(self, name: str, path) -> LoRAAdapter:
         """Read, validate and register an adapter (a new version when the name exists). ValueError and no
         change at all if the folder is unusable."""
         adapter = read_adapter(name, path, self.model, self.max_rank, self._num_loads + 1)
-        self._num_loads += 1
+        self._register(adapter)
+        return adapter
+
+    def add_peft_model(self, peft_model) -> None:
+        """Serve the adapters loaded in a PeftModel (whose base model is `self.model`) under their names."""
+        adapters = adapters_from_peft_model(peft_model, self.max_rank, self._num_loads + 1)
+        for adapter in adapters:
+            self._register(adapter)
+        self.always_route = True
+
+    def _register(self, adapter: LoRAAdapter) -> None:
+        self._num_loads = max(self._num_loads, adapter.version)
         for module_path in adapter.weights:
             if module_path not in self.wrappers:
                 self._add_wrapper(module_path)
-        self.adapters[name] = adapter
-        return adapter
+        self.adapters[adapter.name] = adapter
 
     def _add_wrapper(self, module_path: str) -> None:
+        """A wrapper around the Linear at `module_path` (a peft LoRA layer there: around its base layer)."""
         parent_path, _, attribute = module_path.rpartition(".")
         parent = self.model.get_submodule(parent_path)
-        self.wrappers[module_path] = LoRALinear(parent._modules[attribute], self.context, self.max_loras)
+        module = parent._modules[attribute]
+        base = module.base_layer if is_peft_lora_layer(module) else module
+        self.wrappers[module_path] = LoRALinear(base, self.context, self.max_loras)
         self._sites[module_path] = (parent, attribute)
 
     def unload(self, name: str) -> None:
@@ -146,7 +162,7 @@ class LoRAManager:
         None when the step has no adapter at all. The scheduler guarantees <= max_loras distinct adapters."""
         needed = list(dict.fromkeys(a for a in adapters if a is not None))
         if not needed:
-            return None
+            return [-1] * len(adapters) if self.always_route else None
         assert len(needed) <= self.max_loras, f"{len(needed)} adapters in one step, max_loras={self.max_loras}"
         slot_of = {}
         for adapter in needed:
@@ -170,6 +186,7 @@ class LoRAManager:
         for module_path, wrapper in self.wrappers.items():
             wrapper.set_slot(slot, adapter.weights.get(module_path))
         self.resident[adapter] = slot
+        self.num_swaps += 1
         return slot
 
     # --- one step -------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ engine state changes: a broken adapter never half-loads.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -98,23 +99,47 @@ def _check_config(name: str, config, max_rank: int) -> None:
         raise ValueError(f"adapter {name!r} has rank {max(ranks)}, above max_lora_rank={max_rank}")
 
 
+def linear_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """Every nn.Linear of the model by path. A peft LoRA layer (a PeftModel being served) stands for its base
+    Linear under its own path; the Linears inside it (base_layer, lora_A, lora_B) are not listed."""
+    found: dict[str, torch.nn.Linear] = {}
+    inside: tuple[str, ...] = ()
+    for path, module in model.named_modules():
+        if inside and path.startswith(inside):
+            continue
+        if is_peft_lora_layer(module):
+            found[path] = module.base_layer
+            inside += (path + ".",)
+        elif isinstance(module, torch.nn.Linear):
+            found[path] = module
+    return found
+
+
+def is_peft_lora_layer(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "base_layer", None), torch.nn.Linear) and hasattr(module, "lora_A")
+
+
 def _target_modules(name: str, config, model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     """The modules the adapter applies to, matched by peft's own rules. Only nn.Linear, never the output
     layer (logits are computed for a few tokens only, so per-token routing does not line up there)."""
-    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists  # noqa: PLC0415
+    from peft.tuners.tuners_utils import check_target_module_exists  # noqa: PLC0415
 
-    config = _maybe_include_all_linear_layers(config, model)  # expands "all-linear" (config is our own copy)
+    linears = linear_modules(model)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear":
+        # peft's meaning: every Linear but the output layer (config is our own copy, read from the folder)
+        config.target_modules = {path for path, linear in linears.items() if linear is not output}
     targets = {}
+    inside: tuple[str, ...] = tuple(path + "." for path in linears)
     for path, module in model.named_modules():
-        if not path or not check_target_module_exists(config, path):
+        if not path or path.startswith(inside) or not check_target_module_exists(config, path):
             continue
-        if module is output:
-            raise ValueError(f"adapter {name!r} targets the output layer {path!r}, which paged_hf does not support")
-        if not isinstance(module, torch.nn.Linear):
+        if path not in linears:
             raise ValueError(f"adapter {name!r} targets {path!r}, a {type(module).__name__}: only nn.Linear "
                              "modules are supported")
-        targets[path] = module
+        if linears[path] is output:
+            raise ValueError(f"adapter {name!r} targets the output layer {path!r}, which paged_hf does not support")
+        targets[path] = linears[path]
     if not targets:
         raise ValueError(f"adapter {name!r}: target modules {config.target_modules!r} not found in the model")
     return targets
@@ -174,3 +199,61 @@ def _scaling(config, path: str, rank: int) -> float:
     alpha_pattern = config.alpha_pattern or {}
     alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), path), config.lora_alpha)
     return alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+
+
+def adapters_from_peft_model(peft_model, max_rank: int, first_version: int) -> list[LoRAAdapter]:
+    """The LoRA adapters already loaded in a PeftModel, read from its layers (peft's own scaling), so that a
+    PeftModel is served by name: its base model runs underneath and its LoRA layers are bypassed in a step."""
+    from peft import LoraConfig  # noqa: PLC0415
+
+    model = peft_model.get_base_model()
+    layers = {}
+    for path, module in model.named_modules():
+        if is_peft_lora_layer(module):
+            if module.merged_adapters:
+                raise ValueError(f"the PeftModel has adapters {module.merged_adapters} merged into {path!r}: "
+                                 "unmerge them (peft_model.unmerge_adapter()) before serving")
+            layers[path] = module
+        elif hasattr(module, "lora_A") or hasattr(module, "lora_embedding_A"):
+            raise ValueError(f"the PeftModel has a LoRA layer on {path!r}, a {type(module).__name__}: only "
+                             "nn.Linear modules are supported")
+    adapters = []
+    for name, config in peft_model.peft_config.items():
+        if not isinstance(config, LoraConfig):
+            raise ValueError(f"adapter {name!r} of the PeftModel is a {config.peft_type} adapter; only LoRA is supported")
+        _check_config(name, config, max_rank)
+        weights = {}
+        for path, layer in layers.items():
+            if name in layer.lora_A:
+                a, b = layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach()  # [r, in], [out, r]
+                if a.shape[0] > max_rank:
+                    raise ValueError(f"adapter {name!r} has rank {a.shape[0]} at {path!r}, above max_lora_rank={max_rank}")
+                dtype = layer.base_layer.weight.dtype
+                weights[path] = (a.to("cpu", dtype).clone(), (b.double() * layer.scaling[name]).to("cpu", dtype))
+        if not weights:
+            raise ValueError(f"adapter {name!r} of the PeftModel has no LoRA weights on Linear layers")
+        adapters.append(LoRAAdapter(name, first_version + len(adapters), f"<PeftModel adapter {name}>", weights))
+    return adapters
+
+
+def save_random_adapter(model: torch.nn.Module, folder, seed: int = 0, std: float = 0.02, **lora_config) -> str:
+    """Write a peft LoRA folder for `model` with random A and B (a fresh peft adapter has B = 0, so no effect)
+    without copying the model: for examples, tests and benchmarks on machines without hub access.
+    `lora_config`: LoraConfig fields (r, lora_alpha, target_modules, use_rslora, ...)."""
+    from peft import LoraConfig  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    config = LoraConfig(**lora_config)
+    targets = _target_modules("random", copy.deepcopy(config), model)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for path, linear in targets.items():
+        a = torch.randn(config.r, linear.in_features, generator=generator) / math.sqrt(linear.in_features)
+        b = torch.randn(linear.out_features, config.r, generator=generator) * std
+        tensors[f"base_model.model.{path}.lora_A.weight"] = a.to(linear.weight.dtype)
+        tensors[f"base_model.model.{path}.lora_B.weight"] = b.to(linear.weight.dtype)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(folder))
+    save_file(tensors, str(folder / WEIGHTS_SAFETENSORS))
+    return str(folder)

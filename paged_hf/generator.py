@@ -33,6 +33,7 @@ logger = logging.get_logger(__name__)
 
 class ContinuousBatchGenerator:
     def __init__(self, model: torch.nn.Module, config: PagedConfig | None = None, tokenizer=None):
+        peft_model, model = _split_peft_model(model)
         self.config = config or PagedConfig()
         self.tokenizer = tokenizer
         self.info = inspect_model(model)
@@ -48,6 +49,8 @@ class ContinuousBatchGenerator:
         self.groups: dict[str, RequestGroup] = {}
         self._finished_aborts: list[RequestGroup] = []
         self._ids = itertools.count()
+        if peft_model is not None:
+            self._lora_manager().add_peft_model(peft_model)
         for name, path in self.config.adapters.items():
             self.load_adapter(name, path)
 
@@ -121,14 +124,16 @@ class ContinuousBatchGenerator:
         between them). An unusable folder raises ValueError and changes nothing."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
-        if self.runner.lora is None:
-            from paged_hf.integrations.lora import LoRAManager  # noqa: PLC0415 (peft is imported only for LoRA)
+        self._lora_manager().load(name, path)
 
-            manager = LoRAManager(self.runner.model, self.config.max_loras, self.config.max_lora_rank)
-            manager.load(name, path)  # raises before the runner sees a manager
-            self.runner.lora = manager
-        else:
-            self.runner.lora.load(name, path)
+    def _lora_manager(self):
+        """Created with the first adapter (peft is imported only for LoRA); with no adapter loaded it only
+        costs a check per step."""
+        if self.runner.lora is None:
+            from paged_hf.integrations.lora import LoRAManager  # noqa: PLC0415
+
+            self.runner.lora = LoRAManager(self.runner.model, self.config.max_loras, self.config.max_lora_rank)
+        return self.runner.lora
 
     def unload_adapter(self, name: str) -> None:
         """New requests can no longer use `name`; requests already submitted finish with its weights."""
@@ -256,6 +261,14 @@ class ContinuousBatchGenerator:
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
         }
+
+
+def _split_peft_model(model: torch.nn.Module):
+    """-> (the PeftModel or None, the model the engine runs): a PeftModel's adapters are served by name, and
+    its base model (with peft's layers bypassed in every step) runs underneath."""
+    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        return model, model.get_base_model()
+    return None, model
 
 
 def _per_prompt(value, count: int, name: str) -> list:

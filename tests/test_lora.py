@@ -227,3 +227,45 @@ def test_bin_weights_and_parallel_sampling(setup, tmp_path):
     expected = expected_tokens(base, oracles, [prompt], ["down"])[0]
     assert [c.token_ids for c in output.outputs] == [expected, expected]
     assert_no_leak(generator)
+
+
+def test_peft_model_is_served_by_adapter_name(setup):
+    """A PeftModel with two adapters: the engine serves its base model and both adapters by name (peft's own
+    layers bypassed in every step, base-only steps included) and a folder adapter on top; outside the engine
+    the PeftModel still applies its active adapter."""
+    from peft import PeftModel  # noqa: PLC0415
+
+    base, folders, oracles = setup
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(folders["qv"]), adapter_name="qv").eval()
+    peft_model.load_adapter(str(folders["down"]), adapter_name="down")
+    peft_model.set_adapter("down")
+    ids = torch.tensor([random_prompts([11], seed=8)[0]])
+    before = peft_model(ids).logits
+    wrapped = paged_hf.wrap(peft_model, num_blocks=96, block_size=4, max_num_batched_tokens=24)
+    generator = wrapped.generator
+    generator.load_adapter("all", folders["all"])
+    assert generator.adapter_names() == ["all", "down", "qv"]
+    prompts = random_prompts([9, 14, 6, 12], seed=9)
+    assert served(generator, prompts[:1], [None]) == expected_tokens(base, oracles, prompts[:1], [None])
+    adapters = [None, "qv", "down", "all"]
+    assert served(generator, prompts, adapters) == expected_tokens(base, oracles, prompts, adapters)
+    assert torch.equal(peft_model(ids).logits, before)
+    assert wrapped.unwrap() is peft_model
+    assert_no_leak(generator)
+
+
+def test_save_random_adapter_round_trips_through_peft(setup, tmp_path):
+    """The helper behind examples/multi_lora.py writes a folder that peft itself loads to the same model."""
+    from peft import PeftModel  # noqa: PLC0415
+
+    from paged_hf.integrations.peft import save_random_adapter  # noqa: PLC0415
+
+    base, _, _ = setup
+    folder = save_random_adapter(base, tmp_path / "random", seed=3, std=0.3, r=4, lora_alpha=8,
+                                 target_modules="all-linear")
+    oracle = PeftModel.from_pretrained(copy.deepcopy(base), folder).eval()
+    generator = engine(base, adapters={"random": folder})
+    prompt = random_prompts([10], seed=10)[0]
+    got = served(generator, [prompt, prompt], ["random", None])
+    assert got == [hf_greedy(oracle, prompt, MAX_NEW), hf_greedy(base, prompt, MAX_NEW)]
+    assert got[0] != got[1]
