@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .accelerate import _execution_device
 from .peft import LoRAAdapter, adapters_from_peft_model, is_peft_lora_layer, read_adapter
 
 
@@ -57,14 +58,16 @@ class LoRAContext:
 
 
 class LoRALinear(torch.nn.Module):
-    def __init__(self, base: torch.nn.Linear, context: LoRAContext, max_loras: int):
+    def __init__(self, base: torch.nn.Linear, context: LoRAContext, max_loras: int, device: torch.device):
+        """`device`: where the base Linear computes (its weights' device, or accelerate's execution device
+        when the weights are offloaded)."""
         super().__init__()
         self.base = base
         self.context = context
         self.ranks = [0] * max_loras  # rank of each slot's adapter at this module (0: the adapter skips it)
-        weight = base.weight
-        self.lora_a = torch.zeros(max_loras, 0, base.in_features, dtype=weight.dtype, device=weight.device)
-        self.lora_b = torch.zeros(max_loras, base.out_features, 0, dtype=weight.dtype, device=weight.device)
+        dtype = base.weight.dtype
+        self.lora_a = torch.zeros(max_loras, 0, base.in_features, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, base.out_features, 0, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's (A [r, in], B [out, r]) into `slot` (None: this adapter does not touch the module).
@@ -85,7 +88,7 @@ class LoRALinear(torch.nn.Module):
         routing = self.context.routing
         if routing is None:
             return y
-        x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
+        x2 = x.reshape(-1, x.shape[-1]).to(self.lora_a.dtype)  # [num_tokens, in] (no copy in the model's dtype)
         if x2.shape[0] != routing.num_tokens:
             raise RuntimeError(f"a LoRA layer got {x2.shape[0]} tokens in a step of {routing.num_tokens}")
         y2 = y.view(-1, y.shape[-1])  # [num_tokens, out], a view: updated in place
@@ -96,9 +99,9 @@ class LoRALinear(torch.nn.Module):
             a = self.lora_a[slot, :rank]  # [r, in]
             b = self.lora_b[slot, :, :rank]  # [out, r]
             if index is None:
-                y2.add_((x2 @ a.T) @ b.T)
+                y2.add_(((x2 @ a.T) @ b.T).to(y2.dtype))
             else:
-                y2.index_add_(0, index, (x2.index_select(0, index) @ a.T) @ b.T)  # [tokens_of_slot, out]
+                y2.index_add_(0, index, ((x2.index_select(0, index) @ a.T) @ b.T).to(y2.dtype))  # [tokens_of_slot, out]
         return y
 
 
@@ -136,18 +139,20 @@ class LoRAManager:
 
     def _register(self, adapter: LoRAAdapter) -> None:
         self._num_loads = max(self._num_loads, adapter.version)
-        for module_path in adapter.weights:
-            if module_path not in self.wrappers:
-                self._add_wrapper(module_path)
+        new_paths = [path for path in adapter.weights if path not in self.wrappers]
+        modules = dict(self.model.named_modules()) if new_paths else {}
+        for module_path in new_paths:
+            self._add_wrapper(module_path, modules)
         self.adapters[adapter.name] = adapter
 
-    def _add_wrapper(self, module_path: str) -> None:
+    def _add_wrapper(self, module_path: str, modules: dict[str, torch.nn.Module]) -> None:
         """A wrapper around the Linear at `module_path` (a peft LoRA layer there: around its base layer)."""
         parent_path, _, attribute = module_path.rpartition(".")
-        parent = self.model.get_submodule(parent_path)
+        parent = modules[parent_path]
         module = parent._modules[attribute]
         base = module.base_layer if is_peft_lora_layer(module) else module
-        self.wrappers[module_path] = LoRALinear(base, self.context, self.max_loras)
+        device = _execution_device(modules, module_path) or base.weight.device
+        self.wrappers[module_path] = LoRALinear(base, self.context, self.max_loras, device)
         self._sites[module_path] = (parent, attribute)
 
     def unload(self, name: str) -> None:

@@ -220,14 +220,16 @@ def adapters_from_peft_model(peft_model, max_rank: int, first_version: int) -> l
     adapters = []
     for name, config in peft_model.peft_config.items():
         if not isinstance(config, LoraConfig):
-            raise ValueError(f"adapter {name!r} of the PeftModel is a {config.peft_type} adapter; only LoRA is supported")
+            raise ValueError(f"adapter {name!r} of the PeftModel is a {config.peft_type} adapter; only LoRA is "
+                             "supported")
         _check_config(name, config, max_rank)
         weights = {}
         for path, layer in layers.items():
             if name in layer.lora_A:
                 a, b = layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach()  # [r, in], [out, r]
                 if a.shape[0] > max_rank:
-                    raise ValueError(f"adapter {name!r} has rank {a.shape[0]} at {path!r}, above max_lora_rank={max_rank}")
+                    raise ValueError(f"adapter {name!r} has rank {a.shape[0]} at {path!r}, above "
+                                     f"max_lora_rank={max_rank}")
                 dtype = layer.base_layer.weight.dtype
                 weights[path] = (a.to("cpu", dtype).clone(), (b.double() * layer.scaling[name]).to("cpu", dtype))
         if not weights:

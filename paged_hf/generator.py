@@ -51,6 +51,8 @@ class ContinuousBatchGenerator:
         self._ids = itertools.count()
         if peft_model is not None:
             self._lora_manager().add_peft_model(peft_model)
+        if not isinstance(self.config.adapters, dict):
+            raise ValueError(f"adapters must be a dict {{name: peft folder}}, got {self.config.adapters!r}")
         for name, path in self.config.adapters.items():
             self.load_adapter(name, path)
 

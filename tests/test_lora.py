@@ -269,3 +269,26 @@ def test_save_random_adapter_round_trips_through_peft(setup, tmp_path):
     got = served(generator, [prompt, prompt], ["random", None])
     assert got == [hf_greedy(oracle, prompt, MAX_NEW), hf_greedy(base, prompt, MAX_NEW)]
     assert got[0] != got[1]
+
+
+def test_error_inside_a_lora_step_restores_the_model(setup):
+    """An exception in the forward of an adapter step: the wrappers come out, the routing is cleared, the
+    call's requests are aborted, and the generator keeps serving."""
+    base, folders, oracles = setup
+    generator = engine(base, adapters={"all": str(folders["all"])})
+    modules_before = [(n, type(m)) for n, m in base.named_modules()]
+
+    def fail(*_):
+        raise RuntimeError("boom")
+
+    hook = base.model.layers[1].register_forward_pre_hook(fail)
+    prompt = random_prompts([10], seed=11)[0]
+    with pytest.raises(RuntimeError, match="boom"):
+        served(generator, [prompt, prompt], ["all", None])
+    hook.remove()
+    assert [(n, type(m)) for n, m in base.named_modules()] == modules_before
+    assert generator.runner.lora.context.routing is None
+    assert_no_leak(generator)
+    assert served(generator, [prompt], ["all"]) == expected_tokens(base, oracles, [prompt], ["all"])
+    with pytest.raises(ValueError, match="adapters must be a dict"):
+        engine(base, adapters=[str(folders["all"])])
