@@ -34,6 +34,7 @@ logger = logging.get_logger(__name__)
 class ContinuousBatchGenerator:
     def __init__(self, model: torch.nn.Module, config: PagedConfig | None = None, tokenizer=None):
         peft_model, model = _split_peft_model(model)
+        self.serves_peft_model = peft_model is not None
         self.config = config or PagedConfig()
         self.tokenizer = tokenizer
         self.info = inspect_model(model)

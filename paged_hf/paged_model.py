@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import torch
+from transformers.utils import logging
 
 from .config import PagedConfig
 from .generator import ContinuousBatchGenerator
+
+logger = logging.get_logger(__name__)
 
 
 class PagedModel:
@@ -21,6 +24,12 @@ class PagedModel:
         assisted decoding, ...) falls back to the model's own `generate` with a one-time warning."""
         from .hf_generate import paged_generate  # noqa: PLC0415
 
+        if self.generator.serves_peft_model:
+            # a PeftModel's generate applies its active adapter(s), which the drop-in path does not route yet;
+            # its adapters are served by name through `generator` (adapter=...)
+            logger.warning_once("paged_hf: generate() of a wrapped PeftModel falls back to peft's own generate; "
+                                "use pm.generator with adapter names for the engine")
+            return self._model.generate(*args, **kwargs)
         return paged_generate(self, *args, **kwargs)
 
     def unwrap(self) -> torch.nn.Module:

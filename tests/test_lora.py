@@ -251,6 +251,9 @@ def test_peft_model_is_served_by_adapter_name(setup):
     assert served(generator, prompts, adapters) == expected_tokens(base, oracles, prompts, adapters)
     assert torch.equal(peft_model(ids).logits, before)
     assert wrapped.unwrap() is peft_model
+    drop_in = wrapped.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(drop_in, peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                    max_new_tokens=4, do_sample=False))
     assert_no_leak(generator)
 
 
