@@ -178,6 +178,7 @@ class LoRAManager:
             slot_of[adapter] = slot
         return [-1 if a is None else slot_of[a] for a in adapters]
 
+    @torch.inference_mode()  # the slot buffers are only ever written here: always inference tensors then
     def _swap_in(self, adapter: LoRAAdapter, keep: set) -> int:
         """A free slot, else the least recently used one whose adapter this step does not need."""
         taken = set(self.resident.values())

@@ -295,3 +295,21 @@ def test_error_inside_a_lora_step_restores_the_model(setup):
     assert served(generator, [prompt], ["all"]) == expected_tokens(base, oracles, [prompt], ["all"])
     with pytest.raises(ValueError, match="adapters must be a dict"):
         engine(base, adapters=[str(folders["all"])])
+
+
+def test_a_request_waiting_for_a_slot_lets_others_pass(setup):
+    """max_loras=1: while 'qv' runs, a 'down' request waits; the base request behind it is admitted at once.
+    The waiting one runs when the slot frees up, and every request gets its oracle's tokens."""
+    base, folders, oracles = setup
+    generator = engine(base, max_loras=1, adapters={n: str(folders[n]) for n in ("qv", "down")})
+    prompts = random_prompts([6, 7, 8], seed=12)
+    adapters = ["qv", "down", None]
+    ids = [generator.add_request(p, greedy(), adapter=a) for p, a in zip(prompts, adapters)]
+    generator.step()
+    assert [r.request_id for r in generator.scheduler.running] == [ids[0], ids[2]]
+    results = {}
+    while generator.has_unfinished_requests():
+        for output in generator.step():
+            results[output.request_id] = output.outputs[0].token_ids
+    assert [results[i] for i in ids] == expected_tokens(base, oracles, prompts, adapters)
+    assert_no_leak(generator)
