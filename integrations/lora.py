@@ -126,12 +126,20 @@ class LoRAManager:
     def load(self, name: str, path) -> LoRAAdapter:
         """Read, validate and register an adapter (a new version when the name exists). ValueError and no
         change at all if the folder is unusable."""
+        self._check_not_sharded()
         adapter = read_adapter(name, path, self.model, self.max_rank, self._num_loads + 1)
         self._register(adapter)
         return adapter
 
+    def _check_not_sharded(self) -> None:
+        """Tensor-parallel Linears hold weight shards; full-size LoRA factors would not line up with them."""
+        tp_size = getattr(self.model, "tp_size", None) or 1
+        if tp_size > 1:
+            raise ValueError(f"LoRA adapters are not supported on a tensor-parallel model (tp_size={tp_size}) yet")
+
     def add_peft_model(self, peft_model) -> None:
         """Serve the adapters loaded in a PeftModel (whose base model is `self.model`) under their names."""
+        self._check_not_sharded()
         adapters = adapters_from_peft_model(peft_model, self.max_rank, self._num_loads + 1)
         for adapter in adapters:
             self._register(adapter)

@@ -313,3 +313,13 @@ def test_a_request_waiting_for_a_slot_lets_others_pass(setup):
             results[output.request_id] = output.outputs[0].token_ids
     assert [results[i] for i in ids] == expected_tokens(base, oracles, prompts, adapters)
     assert_no_leak(generator)
+
+
+def test_tensor_parallel_models_refuse_adapters(setup):
+    _, folders, _ = setup
+    sharded = tiny_model("llama")
+    sharded._tp_size = 2  # what transformers sets after tp_plan sharding
+    generator = engine(sharded)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        generator.load_adapter("qv", folders["qv"])
+    assert generator.adapter_names() == []
