@@ -27,7 +27,7 @@ DEFAULT_SYSTEMS = {
     "mixed": ("paged_hf", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
     "prefix": ("paged_hf", "paged_hf_noprefix", "hf_static_8", "hf_cb"),
     "decode": ("paged_hf", "hf_static_8", "hf_static_32", "hf_cb"),
-    "lora": ("paged_hf",),
+    "lora": ("paged_hf", "hf_static_8"),
 }
 #: transformers' continuous batching as tuned in MEASUREMENTS.md (its CPU defaults used 6-12 GB and were slower).
 HF_CB_CONFIG = {"max_batch_tokens": 512, "max_requests_per_batch": 8, "num_blocks": 128}
@@ -91,21 +91,20 @@ def skip_reason(system: str, workload: Workload, engine_config: dict) -> str | N
     """Why ``system`` cannot run ``workload`` at all (checked before a worker is started), or None."""
     if not workload.needs_adapters:
         return None
-    if system.startswith("paged_hf"):
-        return _lora_unavailable(engine_config, {r.adapter for r in workload.requests if r.adapter})
     if system == "hf_cb":
         return "skipped: transformers' continuous batching has no per-request LoRA adapters"
-    return "skipped: the HF generate baselines do not batch several LoRA adapters"
+    return _lora_unavailable(engine_config, {r.adapter for r in workload.requests if r.adapter},
+                             check_engine=system.startswith("paged_hf"))
 
 
-def _lora_unavailable(config: dict, names: set[str]) -> str | None:
+def _lora_unavailable(config: dict, names: set[str], check_engine: bool) -> str | None:
     missing = sorted(names - set(config.get("adapters") or {}))
     if missing:
         return (f"skipped: the lora workload needs LoRA adapters {', '.join(missing)} (pass --adapter NAME=PATH "
                 "for each) and an engine with LoRA support")
     import paged_hf  # noqa: PLC0415
 
-    if not hasattr(paged_hf.ContinuousBatchGenerator, "load_adapter"):
+    if check_engine and not hasattr(paged_hf.ContinuousBatchGenerator, "load_adapter"):
         return "skipped: this paged_hf engine has no LoRA support yet (ContinuousBatchGenerator.load_adapter)"
     return None
 
@@ -124,9 +123,9 @@ class _StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, clock=None):
+def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, clock=None, adapter_names=None):
     """HF generate on one left-padded batch, greedy, EOS neither stopping nor masked (as paged_hf's ignore_eos).
-    Returns the generated ids [batch, <= max_new_tokens]."""
+    ``adapter_names``: peft's mixed-adapter batch, one name per row. Returns the generated ids [batch, n]."""
     import torch  # noqa: PLC0415
     from transformers import StoppingCriteriaList  # noqa: PLC0415
 
@@ -135,25 +134,44 @@ def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, c
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     criteria = StoppingCriteriaList([clock]) if clock is not None else None
+    extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad,
-                             stopping_criteria=criteria)
+                             stopping_criteria=criteria, **extra)
     return out[:, width:]
 
 
-def run_hf_static(model, tokenizer, workload: Workload, batch_size: int, name: str) -> SystemRun:
+def with_peft_adapters(model, adapters: dict[str, str]):
+    """The model as a peft ``PeftModel`` holding every adapter: peft's own way to batch several adapters
+    (``generate(..., adapter_names=[one per row])``, ``"__base__"`` for the base model)."""
+    from peft import PeftModel  # noqa: PLC0415
+
+    (first, path), *rest = adapters.items()
+    peft_model = PeftModel.from_pretrained(model, path, adapter_name=first)
+    for name, path in rest:
+        peft_model.load_adapter(path, adapter_name=name)
+    return peft_model.eval()
+
+
+def run_hf_static(model, tokenizer, workload: Workload, batch_size: int, name: str,
+                  adapters: dict | None = None) -> SystemRun:
     """HF generate on batches in arrival order; a batch runs until its longest request is done. Only each
-    request's own max_new_tokens count as useful; the rest of its row is padding work the batch had to do."""
-    _hf_batch(model, tokenizer, [warmup_ids(tokenizer)], 2)
+    request's own max_new_tokens count as useful; the rest of its row is padding work the batch had to do.
+    The lora workload goes through peft's mixed-adapter batches."""
+    if workload.needs_adapters:
+        model = with_peft_adapters(model, adapters)
+    _hf_batch(model, tokenizer, [warmup_ids(tokenizer)], 2,
+              adapter_names=["__base__"] if workload.needs_adapters else None)
     requests = workload.requests
     outputs, ttft, tpot = [], [], []
     start = time.perf_counter()
     for first in range(0, len(requests), batch_size):
         batch = requests[first:first + batch_size]
         clock = _StepClock()
+        names = [r.adapter or "__base__" for r in batch] if workload.needs_adapters else None
         generated = _hf_batch(model, tokenizer, [r.prompt_token_ids for r in batch],
-                              max(r.max_new_tokens for r in batch), clock)
+                              max(r.max_new_tokens for r in batch), clock, names)
         for row, request in zip(generated.tolist(), batch):
             n = request.max_new_tokens
             outputs.append(row[:n])
@@ -219,10 +237,11 @@ def run_system(system: str, model, tokenizer, workload: Workload, engine_config:
         return SystemRun(system, skipped=reason)
     if system in ("paged_hf", "paged_hf_noprefix"):
         return run_paged_hf(model, tokenizer, workload, engine_config, enable_prefix_caching=system == "paged_hf")
+    adapters = engine_config.get("adapters")
     if system.startswith("hf_static_"):
-        return run_hf_static(model, tokenizer, workload, int(system.rsplit("_", 1)[1]), system)
+        return run_hf_static(model, tokenizer, workload, int(system.rsplit("_", 1)[1]), system, adapters)
     if system == "hf_single":
-        return run_hf_static(model, tokenizer, workload, 1, system)
+        return run_hf_static(model, tokenizer, workload, 1, system, adapters)
     if system == "hf_cb":
         return run_hf_cb(model, tokenizer, workload)
     raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEM_NAMES)}")
@@ -259,6 +278,8 @@ def worker_main(spec_path: str) -> int:
                                       spec.get("device", "cpu"))
         run = run_system(system, model, tokenizer, Workload.from_json(spec["workload"]), spec["engine_config"])
         run.num_threads = torch.get_num_threads()
+        if torch.cuda.is_available() and str(spec.get("device", "cpu")).startswith("cuda"):
+            run.extra["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
     except Exception as exc:  # reported as that system's error; the other systems still run
         traceback.print_exc()
         run = SystemRun(system, error=f"{type(exc).__name__}: {exc}")
