@@ -85,6 +85,7 @@ def test_lora_workload_is_skipped_clearly_without_adapters():
     lora = Workload("lora", "", 0, [BenchRequest([1, 2], 2, "lora_a"), BenchRequest([3], 2, None)])
     assert "lora_a" in skip_reason("paged_hf", lora, {}) and "--adapter" in skip_reason("paged_hf", lora, {})
     assert "skipped" in skip_reason("hf_static_8", lora, {}) and "skipped" in skip_reason("hf_cb", lora, {})
+    assert skip_reason("hf_single", lora, {"adapters": {"lora_a": "/a"}}) is None  # peft's own batches
     assert skip_reason("paged_hf", Workload("mixed", "", 0, [BenchRequest([1], 1)]), {}) is None
 
 

@@ -158,7 +158,8 @@ def format_table(report: dict) -> str:
 
 def _footer_lines(report: dict) -> list[str]:
     lines = []
-    loads = {n: (m.get("extra") or {}).get("other_cpu_load") for n, m in report["systems"].items()}
+    loads = {n: (m.get("extra") or {}).get("other_cpu_load") for n, m in report["systems"].items()
+             if "tokens_per_s" in m}
     loads = {n: v for n, v in loads.items() if v is not None}
     if loads and max(loads.values()) > 0.1:
         lines.append("note: other processes kept the CPUs busy while systems ran ("
