@@ -128,13 +128,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     outputs = generator.generate([to_prompt(r[1], tokenizer) for r in requests], [r[2] for r in requests],
                                  adapters=[r[3] for r in requests], use_tqdm=not args.quiet)
-    out = open(args.output, "w") if args.output not in (None, "-") else sys.stdout
-    try:
-        for (request_id, *_), output in zip(requests, outputs):
-            out.write(json.dumps(output_record(request_id, output)) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    lines = [json.dumps(output_record(r[0], output)) + "\n" for r, output in zip(requests, outputs)]
+    if args.output in (None, "-"):
+        sys.stdout.writelines(lines)
+    else:
+        with open(args.output, "w") as out:
+            out.writelines(lines)
     return 0
 
 

@@ -174,7 +174,7 @@ def test_bench_smoke_through_the_entry_point(tmp_path, default_cache):
     command = [*_entry_point(), "bench", "--workload", "decode", "--requests", "4", "--max-new-tokens-scale", "0.02",
                "--systems", ",".join(systems), "--out", str(tmp_path), "--threads", "1"]
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900,
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PAGED_HF_CACHE=str(default_cache)))
     print(f"\n[bench smoke] {time.perf_counter() - start:.1f} s\n{proc.stdout}")
     assert proc.returncode == 0, proc.stderr[-4000:]

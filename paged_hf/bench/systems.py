@@ -68,7 +68,8 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     generator.generate([warmup_ids(tokenizer)], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True),
                        use_tqdm=False)
-    params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0, ignore_eos=True) for r in workload.requests]
+    params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0, ignore_eos=True)
+              for r in workload.requests]
     adapters = [r.adapter for r in workload.requests] if workload.needs_adapters else None
     before = generator.stats()
     start = time.perf_counter()

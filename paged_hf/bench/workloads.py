@@ -76,7 +76,7 @@ class Workload:
     def needs_adapters(self) -> bool:
         return any(r.adapter is not None for r in self.requests)
 
-    def scaled(self, num_requests: int | None = None, max_new_tokens_scale: float | None = None) -> "Workload":
+    def scaled(self, num_requests: int | None = None, max_new_tokens_scale: float | None = None) -> Workload:
         """The first ``num_requests`` requests (a quick run keeps the arrival order of the full one), with every
         ``max_new_tokens`` multiplied by ``max_new_tokens_scale`` (at least 1 token)."""
         requests = list(self.requests[:num_requests] if num_requests else self.requests)
@@ -104,7 +104,7 @@ class Workload:
                 "requests": [[r.prompt_token_ids, r.max_new_tokens, r.adapter] for r in self.requests]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Workload":
+    def from_json(cls, data: dict) -> Workload:
         requests = [BenchRequest(list(p), int(m), a) for p, m, a in data["requests"]]
         return cls(data["name"], data["description"], int(data["seed"]), requests)
 
