@@ -17,7 +17,7 @@ logger = logging.get_logger(__name__)
 
 def select_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernel:
     """`auto`: FlashInfer on CUDA when it imports and supports the shapes, otherwise torch."""
-    if name == "torch":
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchKernel()
     if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
         try:
@@ -32,8 +32,6 @@ def select_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim:
         if name == "flashinfer":
             raise ValueError(f"attention_backend='flashinfer' cannot be used: {reason}")
         logger.info(f"paged_hf attention backend: torch ({reason})")
-        return TorchKernel()
-    logger.info(f"paged_hf attention backend: torch (device {device.type})")
     return TorchKernel()
 
 

@@ -40,6 +40,7 @@ class TorchPlan:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     masks: dict = field(default_factory=dict)  # (kind, index, window) -> bool mask, built on first use
+    buffers: dict = field(default_factory=dict)  # (kind, index, shape, dtype) -> gather destinations, reused by every layer
 
 
 class TorchKernel:
@@ -75,8 +76,9 @@ class TorchKernel:
             num_rows = group.rows.shape[0]
             q = query.index_select(0, group.rows).unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
             # [num_rows, num_kv_heads, max_blocks * block_size, head_dim]
-            k = key_cache.index_select(0, group.block_ids).view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v = value_cache.index_select(0, group.block_ids).view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
+            k, v = _gather_blocks(plan, ("decode", index), key_cache, value_cache, group.block_ids)
+            k = k.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
+            v = v.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
             mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window)
             output.index_copy_(0, group.rows, attention(q, k, v, mask, scaling, softcap).squeeze(2))
         for index, chunk in enumerate(plan.prefills):
@@ -85,8 +87,9 @@ class TorchKernel:
             if chunk.block_ids is None:
                 k, v = key[rows], value[rows]  # a fresh prompt: its context is this step's K/V
             else:  # [context_len, num_kv_heads, head_dim]
-                k = key_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
-                v = value_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+                k, v = _gather_blocks(plan, ("prefill", index), key_cache, value_cache, chunk.block_ids)
+                k = k.view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+                v = v.view(-1, num_kv_heads, head_dim)[: chunk.context_len]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_dim]
             v = v.transpose(0, 1).unsqueeze(0)
             if chunk.block_ids is None and sliding_window is None and softcap is None:
@@ -120,6 +123,20 @@ class TorchKernel:
                 mask &= key_pos > query_pos - window
             plan.masks[key] = mask  # [query_len, context_len]
         return plan.masks[key]
+
+
+def _gather_blocks(plan: TorchPlan, key, key_cache, value_cache, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy the listed blocks of K and V into buffers that every layer of the step reuses: allocating tens of
+    MB per layer costs more than the copy (fresh pages fault in on every use)."""
+    rows = key_cache[0].numel()
+    buffer_key = (*key, rows, key_cache.dtype)
+    if buffer_key not in plan.buffers:
+        empty = key_cache.new_empty(block_ids.shape[0], rows)
+        plan.buffers[buffer_key] = (empty, torch.empty_like(empty))
+    k, v = plan.buffers[buffer_key]
+    torch.index_select(key_cache.view(key_cache.shape[0], -1), 0, block_ids, out=k)  # [num_blocks, block elements]
+    torch.index_select(value_cache.view(value_cache.shape[0], -1), 0, block_ids, out=v)
+    return k, v
 
 
 def _group_by_length(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:

@@ -32,7 +32,8 @@ def dense_reference(q, k, v, scaling, window, softcap):
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 20.0), (3, 10.0)])
 @pytest.mark.parametrize("seed", range(4))
-def test_mixed_prefill_and_decode_batch_matches_dense(window, softcap, seed):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mixed_prefill_and_decode_batch_matches_dense(window, softcap, seed, dtype):
     torch.manual_seed(seed)
     # (context already cached, new tokens): fresh prompts, chunks with a past, and decodes
     shapes = [(0, 9), (6, 1), (0, 1), (13, 5), (21, 1), (3, 4)]
@@ -57,12 +58,14 @@ def test_mixed_prefill_and_decode_batch_matches_dense(window, softcap, seed):
     new_k = torch.cat([k[past:] for k, (past, _) in zip(full_k, shapes)])
     new_v = torch.cat([v[past:] for v, (past, _) in zip(full_v, shapes)])
     query = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM, dtype=torch.float64)
+    key_cache, value_cache, new_k, new_v, query = (t.to(dtype) for t in (key_cache, value_cache, new_k, new_v, query))
     kernel.write_kv(new_k, new_v, key_cache, value_cache, plan)
     out = kernel.attend(query, new_k, new_v, key_cache, value_cache, plan, scaling=0.3, sliding_window=window, softcap=softcap)
     for i, (past, new) in enumerate(shapes):
         rows = slice(starts[i], starts[i + 1])
-        expected = dense_reference(query[rows], full_k[i], full_v[i], 0.3, window, softcap)
-        torch.testing.assert_close(out[rows], expected, rtol=1e-10, atol=1e-10)
+        expected = dense_reference(query[rows].double(), full_k[i], full_v[i], 0.3, window, softcap)
+        tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+        torch.testing.assert_close(out[rows], expected.to(dtype), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_window"])
