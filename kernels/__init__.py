@@ -18,6 +18,7 @@ logger = logging.get_logger(__name__)
 def select_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernel:
     """`auto`: FlashInfer on CUDA when it imports and supports the shapes, otherwise torch."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
+        logger.info(f"paged_hf attention backend: torch ({'asked for' if name == 'torch' else f'device {device.type}'})")
         return TorchKernel()
     if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
         try:
