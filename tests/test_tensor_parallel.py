@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,16 @@ def test_two_ranks_match_single_process_hf_and_never_diverge(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     script = Path(__file__).parent / "scripts" / "tp_worker.py"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path / "model"),
-                    json.dumps(prompts), str(out_file)], check=True, timeout=240, env=env, capture_output=True)
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path / "model"),
+               json.dumps(prompts), str(out_file)]
+    # its own session, so a hung rank is killed with torchrun instead of outliving the test
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output.decode()[-3000:]
     result = json.loads(out_file.read_text())
     assert result["kv_heads"] == [1, 1]  # each rank's cache holds its share of the KV heads
     assert result["greedy"] == expected
