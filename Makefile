@@ -23,6 +23,12 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# On a GPU machine without network: wheels carried in wheels/ (FlashInfer's), the image's own PyTorch.
+gpu-check:
+	$(PYTHON) -m pip install -q --no-deps --no-index wheels/*.whl || echo "no wheels carried in wheels/"
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PYTHON) -m pytest -q -m gpu tests
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/paged-hf bench
 

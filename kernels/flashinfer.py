@@ -1,0 +1,120 @@
+"""FlashInfer's paged kernels on NVIDIA GPUs, over the same NHD cache layout the torch kernel uses.
+
+One plan per step and device, reused by every layer: `BatchDecodeWithPagedKVCacheWrapper` (tensor cores for
+grouped heads) for decode-only steps, `BatchPrefillWithPagedKVCacheWrapper` when the step holds prefill chunks
+(it serves the decode rows too). Layers that differ in window, soft-cap or scale get their own plan, made on
+first use. FlashInfer is imported only here, only when this kernel is selected.
+
+Not verified on a GPU yet: `build_csr` is tested on CPU against the torch kernel's view of the same batch;
+`make gpu-check` runs the GPU tests (tests/test_flashinfer.py) where one is available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class CSR:
+    """FlashInfer's description of a paged batch (all int32)."""
+
+    qo_indptr: torch.Tensor  # [num_requests + 1] query rows of each request
+    kv_indptr: torch.Tensor  # [num_requests + 1] pages of each request in kv_indices
+    kv_indices: torch.Tensor  # [total_pages] page (block) ids, request after request
+    kv_last_page_len: torch.Tensor  # [num_requests] tokens in each request's last page, in 1..page_size
+    decode_only: bool
+
+
+def build_csr(metadata, device: torch.device | str = "cpu") -> CSR:
+    """CSR metadata from the step's block tables, built once per step."""
+    block_size = metadata.block_size
+    kv_indptr, kv_indices, last_page_len = [0], [], []
+    for table, context_len in zip(metadata.block_tables, metadata.context_lens):
+        num_pages = -(-context_len // block_size)
+        kv_indices.extend(table[:num_pages])
+        kv_indptr.append(len(kv_indices))
+        last_page_len.append(context_len - (num_pages - 1) * block_size)
+    as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    return CSR(
+        qo_indptr=as_int32(metadata.query_start_loc),
+        kv_indptr=as_int32(kv_indptr),
+        kv_indices=as_int32(kv_indices),
+        kv_last_page_len=as_int32(last_page_len),
+        decode_only=all(length == 1 for length in metadata.query_lens),
+    )
+
+
+@dataclass
+class FlashInferPlan:
+    csr: CSR
+    slot_mapping: torch.Tensor
+    page_size: int
+    planned: dict = field(default_factory=dict)  # wrapper key -> the wrapper, planned for this step
+
+
+class FlashInferKernel:
+    name = "flashinfer"
+
+    def __init__(self):
+        import flashinfer  # noqa: PLC0415
+
+        self.flashinfer = flashinfer
+        self.workspaces: dict[torch.device, torch.Tensor] = {}
+        self.wrappers: dict[tuple, object] = {}  # made once (they own buffers), planned again every step
+
+    @staticmethod
+    def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        if device.type != "cuda":
+            return f"FlashInfer needs a CUDA device, the model is on {device}"
+        if dtype not in SUPPORTED_DTYPES:
+            return f"FlashInfer serves float16/bfloat16, the model is {dtype}"
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"FlashInfer does not support head_dim {head_dim}"
+        import flashinfer  # noqa: F401, PLC0415 (raises ImportError when missing)
+
+        return None
+
+    def plan(self, metadata, device: torch.device) -> FlashInferPlan:
+        return FlashInferPlan(build_csr(metadata, device), metadata.slot_mapping.to(device), metadata.block_size)
+
+    def write_kv(self, key, value, key_cache, value_cache, plan: FlashInferPlan) -> None:
+        num_kv_heads, head_dim = key_cache.shape[-2:]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, value)
+
+    def attend(self, query, key, value, key_cache, value_cache, plan: FlashInferPlan, *, scaling, sliding_window, softcap):
+        wrapper = self._wrapper(plan, query, key_cache, scaling, sliding_window, softcap)
+        return wrapper.run(query, (key_cache, value_cache))  # [num_tokens, num_heads, head_dim]
+
+    def _wrapper(self, plan: FlashInferPlan, query, key_cache, scaling, window, softcap):
+        num_heads, num_kv_heads, head_dim = query.shape[1], key_cache.shape[2], key_cache.shape[3]
+        csr = plan.csr
+        key = (query.device, csr.decode_only, window, softcap, scaling, num_heads, num_kv_heads, query.dtype)
+        if key not in plan.planned:
+            wrapper = self.wrappers.get(key) or self._new_wrapper(query.device, csr.decode_only, num_heads != num_kv_heads)
+            self.wrappers[key] = wrapper
+            # window_left counts the keys left of the query: HF's window W (q - k < W) is W - 1
+            common = dict(pos_encoding_mode="NONE", window_left=-1 if window is None else window - 1,
+                          logits_soft_cap=softcap, sm_scale=scaling, q_data_type=query.dtype, kv_data_type=key_cache.dtype)
+            if csr.decode_only:
+                wrapper.plan(csr.kv_indptr, csr.kv_indices, csr.kv_last_page_len, num_heads, num_kv_heads, head_dim,
+                             plan.page_size, **common)
+            else:  # prefill defaults to causal=False and float16: both passed
+                wrapper.plan(csr.qo_indptr, csr.kv_indptr, csr.kv_indices, csr.kv_last_page_len, num_heads, num_kv_heads,
+                             head_dim, plan.page_size, causal=True, **common)
+            plan.planned[key] = wrapper
+        return plan.planned[key]
+
+    def _new_wrapper(self, device: torch.device, decode_only: bool, grouped_heads: bool):
+        workspace = self.workspaces.get(device)
+        if workspace is None:
+            workspace = self.workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if decode_only:
+            return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=grouped_heads)
+        return self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
