@@ -22,3 +22,12 @@ class AttentionKernel(Protocol):
                softcap: float | None) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: this step's [num_tokens, num_kv_heads, head_dim]
         (already in the cache). Returns [num_tokens, num_heads, head_dim]. Causal and window masking are ours."""
+
+
+def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """The NHD cache write every kernel shares: token i's K/V go to flat slot slot_mapping[i], so any kernel
+    reads what another wrote."""
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .base import write_kv_by_slots
+
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -84,9 +86,7 @@ class FlashInferKernel:
         return FlashInferPlan(build_csr(metadata, device), metadata.slot_mapping.to(device), metadata.block_size)
 
     def write_kv(self, key, value, key_cache, value_cache, plan: FlashInferPlan) -> None:
-        num_kv_heads, head_dim = key_cache.shape[-2:]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, value)
+        write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping)
 
     def attend(self, query, key, value, key_cache, value_cache, plan: FlashInferPlan, *, scaling, sliding_window, softcap):
         wrapper = self._wrapper(plan, query, key_cache, scaling, sliding_window, softcap)

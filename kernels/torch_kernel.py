@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .base import write_kv_by_slots
+
 MAX_DECODE_PADDING = 1.25  # a decode group's padded K/V may be at most this much larger than its real K/V
 
 
@@ -65,9 +67,7 @@ class TorchKernel:
         )
 
     def write_kv(self, key, value, key_cache, value_cache, plan: TorchPlan) -> None:
-        num_kv_heads, head_dim = key_cache.shape[-2:]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, value)
+        write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping)
 
     def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap):
         num_kv_heads, head_dim = key_cache.shape[-2:]
