@@ -1,7 +1,8 @@
 """Attention and KV-write kernels behind one small interface: plan once per step, run once per layer.
 
-`torch` is pure PyTorch (the CPU path, and the reference every other kernel is tested against);
-`flashinfer` runs on NVIDIA GPUs and is imported only when selected.
+`torch` is pure PyTorch (runs anywhere, and is the reference every other kernel is tested against); `cpu` is
+the torch kernel with decode attention compiled for this machine (built on first use, cached); `flashinfer`
+runs on NVIDIA GPUs and is imported only when selected.
 """
 
 from __future__ import annotations
@@ -15,25 +16,54 @@ from .torch_kernel import TorchKernel
 logger = logging.get_logger(__name__)
 
 
-def select_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernel:
-    """`auto`: FlashInfer on CUDA when it imports and supports the shapes, otherwise torch."""
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        logger.info(f"paged_hf attention backend: torch ({'asked for' if name == 'torch' else f'device {device.type}'})")
+def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, head_dims: list[int]) -> AttentionKernel:
+    """`auto`: FlashInfer on CUDA, the compiled CPU kernel on CPU, each when it is usable for every layer
+    (`devices`, `head_dims`: per layer); otherwise torch. Naming a kernel that cannot be used is a ValueError."""
+    if name == "torch":
+        logger.info("paged_hf attention backend: torch (asked for)")
         return TorchKernel()
-    if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
-        try:
-            from .flashinfer import FlashInferKernel  # noqa: PLC0415 (lazy: never imported on CPU)
-
-            reason = FlashInferKernel.unsupported_reason(device, dtype, head_dim)
-        except ImportError as error:
-            reason = f"flashinfer is not importable ({error})"
-        if reason is None:
-            logger.info("paged_hf attention backend: flashinfer")
-            return FlashInferKernel()
-        if name == "flashinfer":
-            raise ValueError(f"attention_backend='flashinfer' cannot be used: {reason}")
-        logger.info(f"paged_hf attention backend: torch ({reason})")
+    device_types = sorted({torch.device(d).type for d in devices})
+    device = torch.device(devices[0]) if len(device_types) == 1 else None
+    if device is None:
+        kernel, reason = None, f"the layers span devices of several types ({', '.join(device_types)})"
+    elif name == "cpu" or (name == "auto" and device.type == "cpu"):
+        kernel, reason = _try_cpu(device, dtype, head_dims)
+    elif name == "flashinfer" or (name == "auto" and device.type == "cuda"):
+        kernel, reason = _try_flashinfer(device, dtype, head_dims)
+    else:
+        kernel, reason = None, f"no kernel of its own for device {device.type}"
+    if kernel is not None:
+        logger.info(f"paged_hf attention backend: {kernel.name}")
+        return kernel
+    if name != "auto":
+        raise ValueError(f"attention_backend={name!r} cannot be used: {reason}")
+    logger.info(f"paged_hf attention backend: torch ({reason})")
     return TorchKernel()
+
+
+def _try_cpu(device, dtype, head_dims) -> tuple[AttentionKernel | None, str | None]:
+    from .cpu_kernel import CpuKernel  # noqa: PLC0415
+    from .native import NativeBuildError  # noqa: PLC0415
+
+    reason = CpuKernel.unsupported_reason(device, dtype, head_dims)
+    if reason is not None:
+        return None, reason
+    try:
+        return CpuKernel(dtype, head_dims), None
+    except NativeBuildError as error:
+        logger.warning_once(f"paged_hf: the compiled CPU kernel is unavailable, using the torch kernel: {error}")
+        return None, str(error)
+
+
+def _try_flashinfer(device, dtype, head_dims) -> tuple[AttentionKernel | None, str | None]:
+    try:
+        from .flashinfer import FlashInferKernel  # noqa: PLC0415 (lazy: never imported on CPU)
+
+        reasons = [FlashInferKernel.unsupported_reason(device, dtype, d) for d in sorted(set(head_dims))]
+        reason = next((r for r in reasons if r is not None), None)
+    except ImportError as error:
+        reason = f"flashinfer is not importable ({error})"
+    return (FlashInferKernel() if reason is None else None), reason
 
 
 __all__ = ["AttentionKernel", "TorchKernel", "select_kernel"]

@@ -11,6 +11,7 @@ gathers its context's blocks with an offset causal mask. Everything index-shaped
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ class PrefillChunk:
 @dataclass
 class TorchPlan:
     slot_mapping: torch.Tensor  # [num_tokens]
-    decode_groups: list[DecodeGroup]
+    decodes: Any  # what `attend_decodes` needs: here a list[DecodeGroup]; subclasses plan their own
     prefills: list[PrefillChunk]
     masks: dict = field(default_factory=dict)  # (kind, index, window) -> bool mask, built on first use
     buffers: dict = field(default_factory=dict)  # (kind, index, shape, dtype) -> gather destinations, reused by every layer
@@ -60,19 +61,27 @@ class TorchKernel:
             else:
                 block_ids = None if query_len == context_len else torch.tensor(table, dtype=torch.long, device=device)
                 prefills.append(PrefillChunk(starts[i], query_len, context_len, block_ids))
-        return TorchPlan(
-            slot_mapping=metadata.slot_mapping.to(device),
-            decode_groups=[_decode_group(group, device) for group in _group_by_length(decodes)],
-            prefills=prefills,
-        )
+        return TorchPlan(metadata.slot_mapping.to(device), self.plan_decodes(decodes, device), prefills)
+
+    def plan_decodes(self, decodes: list[tuple[int, int, list[int]]], device: torch.device) -> list[DecodeGroup]:
+        """decodes: (context_len, row, block_table) of every one-token query of the step."""
+        return [_decode_group(group, device) for group in _group_by_length(decodes)]
 
     def write_kv(self, key, value, key_cache, value_cache, plan: TorchPlan) -> None:
         write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping)
 
     def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap):
-        num_kv_heads, head_dim = key_cache.shape[-2:]
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        for index, group in enumerate(plan.decode_groups):
+        masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap)
+        self.attend_decodes(query, output, key_cache, value_cache, plan, **masking)
+        self.attend_prefills(query, key, value, output, key_cache, value_cache, plan, **masking)
+        return output
+
+    def attend_decodes(self, query, output, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window,
+                       softcap) -> None:
+        """Writes the output rows of the one-token queries."""
+        num_kv_heads, head_dim = key_cache.shape[-2:]
+        for index, group in enumerate(plan.decodes):
             num_rows = group.rows.shape[0]
             q = query.index_select(0, group.rows).unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
             # [num_rows, num_kv_heads, max_blocks * block_size, head_dim]
@@ -81,6 +90,11 @@ class TorchKernel:
             v = v.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
             mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window)
             output.index_copy_(0, group.rows, attention(q, k, v, mask, scaling, softcap).squeeze(2))
+
+    def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
+                        sliding_window, softcap) -> None:
+        """Writes the output rows of the prefill chunks."""
+        num_kv_heads, head_dim = key_cache.shape[-2:]
         for index, chunk in enumerate(plan.prefills):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
@@ -97,7 +111,6 @@ class TorchKernel:
             else:
                 out = attention(q, k, v, self._prefill_mask(plan, index, chunk, sliding_window, q.device), scaling, softcap)
             output[rows] = out[0].transpose(0, 1)
-        return output
 
     @staticmethod
     def _decode_mask(plan: TorchPlan, index: int, group: DecodeGroup, padded_len: int, window: int | None) -> torch.Tensor:

@@ -16,7 +16,7 @@ class PagedConfig:
     max_num_batched_tokens: int = 512  # per-step token budget = chunk size of chunked prefill
     max_model_len: int | None = None  # default: the model's max positions
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flashinfer"
     adapters: dict[str, str] = field(default_factory=dict)
     max_loras: int = 4
     max_lora_rank: int = 64
@@ -34,8 +34,8 @@ class PagedConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
             raise ValueError(f"max_model_len must be an int >= 1 or None, got {self.max_model_len!r}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "flashinfer"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'flashinfer', got {self.attention_backend!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "PagedConfig":

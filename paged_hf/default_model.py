@@ -99,15 +99,18 @@ def default_gguf_file() -> Path:
     return default_model_path() / DEFAULT_GGUF_FILE
 
 
-def default_cache_dir() -> Path:
-    """Where the converted default checkpoint lives unless a ``cache_dir`` is given."""
+def cache_root() -> Path:
+    """paged_hf's cache folder: ``$PAGED_HF_CACHE``, else ``$XDG_CACHE_HOME/paged_hf`` or ``~/.cache/paged_hf``."""
     root = os.environ.get(CACHE_ENV_VAR)
     if root:
-        base = Path(root).expanduser()
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "paged_hf"
-    return base / DEFAULT_MODEL
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "paged_hf"
+
+
+def default_cache_dir() -> Path:
+    """Where the converted default checkpoint lives unless a ``cache_dir`` is given."""
+    return cache_root() / DEFAULT_MODEL
 
 
 def is_complete_checkpoint(folder: str | os.PathLike) -> bool:

@@ -22,7 +22,7 @@ class ModelRunner:
         self.model = model
         self.info = info
         self.block_size = config.block_size
-        self.kernel = select_kernel(config.attention_backend, info.layer_devices[0], info.dtype, info.head_dim[0])
+        self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim)
         self.cache = PagedCache(num_blocks, config.block_size, info.num_kv_heads, info.head_dim, info.dtype,
                                 info.layer_devices, self.kernel)
         output_embeddings = model.get_output_embeddings()

@@ -48,7 +48,7 @@ def test_csr_describes_exactly_the_tokens_the_torch_kernel_reads(shapes):
     assert csr.qo_indptr.tolist() == metadata.query_start_loc
     plan = TorchKernel().plan(metadata, torch.device("cpu"))
     torch_view = {}  # request index -> the blocks the torch kernel gathers for it
-    for group in plan.decode_groups:
+    for group in plan.decodes:
         for row, blocks in zip(group.rows.tolist(), group.block_ids.view(group.rows.shape[0], -1).tolist()):
             torch_view[metadata.query_start_loc.index(row)] = blocks
     for chunk in plan.prefills:

@@ -24,12 +24,15 @@ def run_engine(model, prompts, max_new, **config):
     return [o.outputs[0].token_ids for o in outputs], generator
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_parity_with_hf_per_family(family):
+def test_parity_with_hf_per_family(family, backend):
     model = tiny_model(family)
     prompts = random_prompts(LENGTHS)
     expected = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_NEW)]
-    got, _ = run_engine(model, prompts, MAX_NEW, num_blocks=128, block_size=4, max_num_batched_tokens=64)
+    got, generator = run_engine(model, prompts, MAX_NEW, num_blocks=128, block_size=4, max_num_batched_tokens=64,
+                                attention_backend=backend)
+    assert generator.runner.kernel.name == backend
     assert got == expected
 
 

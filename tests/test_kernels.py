@@ -1,4 +1,4 @@
-"""The torch kernel against dense attention over each request's whole sequence, on random paged batches."""
+"""The torch and CPU kernels against dense attention over each request's whole sequence, on random paged batches."""
 
 from __future__ import annotations
 
@@ -6,16 +6,15 @@ import pytest
 import torch
 
 from paged_hf.integrations.transformers import register
-from paged_hf.kernels import TorchKernel
+from paged_hf.kernels import TorchKernel, select_kernel
+from paged_hf.kernels.cpu_kernel import CpuKernel
 from paged_hf.step_inputs import AttentionMetadata
-
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
 
 
 def dense_reference(q, k, v, scaling, window, softcap):
     """q: [query_len, heads, dim] for the last query_len positions of a sequence with K/V k, v: [len, kv, dim]."""
     query_len, context_len = q.shape[0], k.shape[0]
-    groups = NUM_HEADS // NUM_KV_HEADS
+    groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scaling
@@ -30,42 +29,97 @@ def dense_reference(q, k, v, scaling, window, softcap):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 20.0), (3, 10.0)])
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_mixed_prefill_and_decode_batch_matches_dense(window, softcap, seed, dtype):
+def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap,
+                        seed, scaling=0.3):
+    """Builds a paged batch of requests with (cached, new) token counts on scattered blocks, writes the new K/V
+    through the kernel, attends, and compares every request's rows with dense attention in float64."""
     torch.manual_seed(seed)
-    # (context already cached, new tokens): fresh prompts, chunks with a past, and decodes
-    shapes = [(0, 9), (6, 1), (0, 1), (13, 5), (21, 1), (3, 4)]
-    permutation = torch.randperm(NUM_BLOCKS).tolist()  # scattered blocks, as after churn
-    key_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.float64)
+    num_blocks = sum(-(-(past + new) // block_size) for past, new in shapes) + 8
+    permutation = torch.randperm(num_blocks).tolist()  # scattered blocks, as after churn
+    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float64)
     value_cache = torch.zeros_like(key_cache)
     full_k, full_v, tables, slots, starts, context_lens = [], [], [], [], [0], []
     for past, new in shapes:
         total = past + new
-        table = [permutation.pop() for _ in range((total + BLOCK_SIZE - 1) // BLOCK_SIZE)]
-        k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, dtype=torch.float64)
+        table = [permutation.pop() for _ in range(-(-total // block_size))]
+        k = torch.randn(total, num_kv_heads, head_dim, dtype=torch.float64)
         v = torch.randn_like(k)
         for pos in range(past):  # the past is already in the cache
-            key_cache[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = k[pos]
-            value_cache[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = v[pos]
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(past, total)]
+            key_cache[table[pos // block_size], pos % block_size] = k[pos]
+            value_cache[table[pos // block_size], pos % block_size] = v[pos]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(past, total)]
         full_k.append(k), full_v.append(v), tables.append(table), context_lens.append(total)
         starts.append(starts[-1] + new)
-    metadata = AttentionMetadata(BLOCK_SIZE, starts, context_lens, tables, torch.tensor(slots))
-    kernel = TorchKernel()
+    metadata = AttentionMetadata(block_size, starts, context_lens, tables, torch.tensor(slots))
     plan = kernel.plan(metadata, torch.device("cpu"))
     new_k = torch.cat([k[past:] for k, (past, _) in zip(full_k, shapes)])
     new_v = torch.cat([v[past:] for v, (past, _) in zip(full_v, shapes)])
-    query = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM, dtype=torch.float64)
+    # the model hands the kernel a transposed (non-contiguous) query, as here
+    query = torch.randn(num_heads, starts[-1], head_dim, dtype=torch.float64).transpose(0, 1)
     key_cache, value_cache, new_k, new_v, query = (t.to(dtype) for t in (key_cache, value_cache, new_k, new_v, query))
     kernel.write_kv(new_k, new_v, key_cache, value_cache, plan)
-    out = kernel.attend(query, new_k, new_v, key_cache, value_cache, plan, scaling=0.3, sliding_window=window, softcap=softcap)
-    for i, (past, new) in enumerate(shapes):
+    out = kernel.attend(query, new_k, new_v, key_cache, value_cache, plan, scaling=scaling, sliding_window=window,
+                        softcap=softcap)
+    for i in range(len(shapes)):
         rows = slice(starts[i], starts[i + 1])
-        expected = dense_reference(query[rows].double(), full_k[i], full_v[i], 0.3, window, softcap)
+        expected = dense_reference(query[rows].double(), full_k[i], full_v[i], scaling, window, softcap)
         tolerance = 1e-10 if dtype == torch.float64 else 2e-5
         torch.testing.assert_close(out[rows], expected.to(dtype), rtol=tolerance, atol=tolerance)
+
+
+def make_kernel(name: str, dtype, head_dim: int):
+    return TorchKernel() if name == "torch" else CpuKernel(dtype, [head_dim])
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 20.0), (3, 10.0)])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kernel_name", ["torch", "cpu"])
+def test_mixed_prefill_and_decode_batch_matches_dense(kernel_name, window, softcap, seed, dtype):
+    # (context already cached, new tokens): fresh prompts, chunks with a past, and decodes
+    shapes = [(0, 9), (6, 1), (0, 1), (13, 5), (21, 1), (3, 4), (7, 1)]
+    check_against_dense(make_kernel(kernel_name, dtype, 16), shapes, num_heads=4, num_kv_heads=2, head_dim=16,
+                        block_size=4, dtype=dtype, window=window, softcap=softcap, seed=seed)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (18, 2, 32), (4, 4, 128), (8, 1, 16)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 30.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_kernel_decodes_long_contexts(num_heads, num_kv_heads, head_dim, window, softcap, dtype):
+    """Decode rows over many blocks: group sizes from 1 to 9 (past the 8 query heads done at once), a window
+    that starts mid-block, last blocks full and partial, and the scale of a real model."""
+    shapes = [(past, 1) for past in (0, 15, 16, 47, 300, 511, 129)]
+    check_against_dense(make_kernel("cpu", dtype, head_dim), shapes, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim, block_size=16, dtype=dtype, window=window, softcap=softcap, seed=head_dim,
+                        scaling=head_dim ** -0.5)
+
+
+def test_kernel_selection():
+    cpu = [torch.device("cpu")]
+    assert isinstance(select_kernel("auto", cpu, torch.float32, [64]), CpuKernel)
+    assert type(select_kernel("torch", cpu, torch.float32, [64])) is TorchKernel
+    # what the compiled kernel cannot tile falls back to torch under auto, and is refused when asked for
+    assert type(select_kernel("auto", cpu, torch.bfloat16, [64])) is TorchKernel
+    assert type(select_kernel("auto", cpu, torch.float32, [24])) is TorchKernel
+    with pytest.raises(ValueError, match="float32/float64"):
+        select_kernel("cpu", cpu, torch.bfloat16, [64])
+    with pytest.raises(ValueError, match="CUDA"):
+        select_kernel("flashinfer", cpu, torch.float16, [64])
+
+
+def test_cpu_kernel_without_a_compiler_falls_back_to_torch(monkeypatch, tmp_path):
+    from paged_hf.kernels import native
+
+    monkeypatch.setenv("PAGED_HF_CACHE", str(tmp_path))  # nothing cached: a build is needed
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    native.load_paged_decode.cache_clear()
+    try:
+        assert type(select_kernel("auto", [torch.device("cpu")], torch.float32, [64])) is TorchKernel
+        with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+            select_kernel("cpu", [torch.device("cpu")], torch.float32, [64])
+    finally:
+        native.load_paged_decode.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_window"])

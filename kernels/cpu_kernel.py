@@ -1,0 +1,77 @@
+"""The CPU kernel: the torch kernel, with one-token queries (decodes) run by a compiled paged decode kernel.
+
+Decode attention is where a CPU step spends its memory bandwidth: the torch kernel gathers each row's blocks
+into a dense buffer before SDPA reads them, the compiled kernel (`csrc/paged_decode.cpp`) reads the blocks in
+place, once. Prefill chunks are compute-bound and stay with SDPA. The torch kernel remains the reference this
+one is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import native
+from .torch_kernel import TorchKernel
+
+
+@dataclass
+class NativeDecodes:
+    rows: torch.Tensor  # [num_rows] token index of each decode query in the packed row
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int64, padded with block 0 (never read)
+    context_lens: torch.Tensor  # [num_rows] int64
+
+
+class CpuKernel(TorchKernel):
+    name = "cpu"
+
+    def __init__(self, dtype: torch.dtype, head_dims: list[int]):
+        """Builds (or loads the cached build of) the decode library for each head_dim; raises
+        native.NativeBuildError when that is impossible here, ValueError for what it cannot serve."""
+        reason = self.unsupported_reason(torch.device("cpu"), dtype, head_dims)
+        if reason is not None:
+            raise ValueError(reason)
+        self._functions = {
+            head_dim: getattr(native.load_paged_decode(head_dim), f"paged_decode_{native.DTYPES[dtype]}")
+            for head_dim in set(head_dims)
+        }
+
+    @staticmethod
+    def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dims: list[int]) -> str | None:
+        if device.type != "cpu":
+            return f"the CPU kernel runs on CPU, the model is on {device}"
+        if dtype not in native.DTYPES:
+            return f"the CPU kernel serves float32/float64, the model is {dtype}"
+        if not all(native.head_dim_fits(dtype, d) for d in head_dims):
+            return f"the CPU kernel needs head_dim a multiple of 64 bytes of {dtype}, got {sorted(set(head_dims))}"
+        return None
+
+    def plan_decodes(self, decodes: list[tuple[int, int, list[int]]], device: torch.device) -> NativeDecodes | None:
+        if not decodes:
+            return None
+        max_blocks = max(len(table) for _, _, table in decodes)
+        return NativeDecodes(
+            rows=torch.tensor([row for _, row, _ in decodes], dtype=torch.long),
+            block_tables=torch.tensor([table + [0] * (max_blocks - len(table)) for _, _, table in decodes],
+                                      dtype=torch.long),
+            context_lens=torch.tensor([length for length, _, _ in decodes], dtype=torch.long),
+        )
+
+    def attend_decodes(self, query, output, key_cache, value_cache, plan, *, scaling, sliding_window, softcap) -> None:
+        decodes: NativeDecodes | None = plan.decodes
+        if decodes is None:
+            return
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        assert key_cache.is_contiguous() and value_cache.is_contiguous() and query.dtype == key_cache.dtype
+        q = query.index_select(0, decodes.rows)  # [num_rows, num_heads, head_dim], contiguous
+        out = torch.empty_like(q)
+        status = self._functions[head_dim](
+            q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), decodes.block_tables.data_ptr(),
+            decodes.context_lens.data_ptr(), out.data_ptr(), q.shape[0], decodes.block_tables.shape[1],
+            q.shape[1], num_kv_heads, block_size, scaling, sliding_window or 0, softcap or 0.0,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"paged decode kernel failed (status {status}: {'out of memory' if status == 1 else 'head_dim'})")
+        output.index_copy_(0, decodes.rows, out)

@@ -1,0 +1,201 @@
+// Decode attention read straight from the paged KV cache: one query token per row, no gathered copy.
+//
+// Why: the pure-PyTorch kernel first gathers each row's blocks into a dense buffer, so every K/V byte crosses
+// memory three times (read, write, read again), and decode attention on a CPU is memory-bound. Here each
+// block is read once, in place: blocks are the outer loop (K and V of a block are used together by an online
+// softmax) and the next block is prefetched while this one is computed (blocks are scattered over the pool,
+// the hardware prefetcher cannot guess them).
+//
+// Built at run time by kernels/native.py for the model's head_dim (-DPAGED_HF_HEAD_DIM), with -march=native,
+// and loaded with ctypes. The OpenMP runtime it links is the one torch already loaded (same soname), so its
+// threads are torch's own.
+//
+// Layouts, all contiguous: q, out [num_rows, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
+// num_kv_heads, head_dim]; block_tables [num_rows, max_blocks]; context_lens [num_rows]. window > 0 keeps the
+// last `window` keys; softcap > 0 maps a score s to softcap * tanh(s / softcap).
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#ifndef PAGED_HF_HEAD_DIM
+#error "compile with -DPAGED_HF_HEAD_DIM=<head_dim>"
+#endif
+
+namespace {
+
+constexpr int kMaxGroup = 8;  // query heads per KV head handled at once (their q lives in registers)
+
+// 64 bytes of T (one AVX-512 register; GCC splits it on narrower machines).
+template <typename T> struct Vec;
+template <> struct Vec<float> {
+  typedef float type __attribute__((vector_size(64), aligned(4)));
+  static constexpr int lanes = 16;
+  static float sum(type v) {
+    typedef float half __attribute__((vector_size(32)));
+    typedef float quarter __attribute__((vector_size(16)));
+    half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+  }
+};
+template <> struct Vec<double> {
+  typedef double type __attribute__((vector_size(64), aligned(8)));
+  static constexpr int lanes = 8;
+  static double sum(type v) {
+    typedef double half __attribute__((vector_size(32)));
+    half a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (a[0] + a[2]) + (a[1] + a[3]);
+  }
+};
+
+struct Batch {
+  const int64_t *block_tables, *context_lens;
+  int64_t num_rows, max_blocks, num_heads, num_kv_heads, block_size, window;
+  double scale, softcap;
+};
+
+inline void prefetch(const void *data, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char *>(data) + offset);
+}
+
+// Running softmax state of one query head: max score so far, sum of exp(score - max), and the weighted sum
+// of values (in `out`).
+template <typename T> struct Running {
+  T max, sum;
+};
+
+// G query heads (sharing one KV head) against the keys [lo, hi) of one block: scores, online-softmax update,
+// values. `scores` is scratch for [G][block_size].
+template <typename T, int G>
+void attend_block(const T *q, const T *keys, const T *values, int64_t token_stride, int64_t lo, int64_t hi,
+                  const Batch &batch, Running<T> *state, T *out, T *scores) {
+  using V = typename Vec<T>::type;
+  constexpr int NV = PAGED_HF_HEAD_DIM / Vec<T>::lanes;
+  const T scale = static_cast<T>(batch.scale), softcap = static_cast<T>(batch.softcap);
+  const int64_t bs = batch.block_size;
+  V qv[G][NV];
+  std::memcpy(qv, q, sizeof(qv));
+  T block_max[G];
+  for (int g = 0; g < G; ++g) block_max[g] = state[g].max;
+  for (int64_t i = lo; i < hi; ++i) {
+    V k[NV];
+    std::memcpy(k, keys + i * token_stride, sizeof(k));
+    for (int g = 0; g < G; ++g) {
+      V dot = qv[g][0] * k[0];
+      for (int j = 1; j < NV; ++j) dot += qv[g][j] * k[j];
+      T score = Vec<T>::sum(dot) * scale;
+      if (softcap > 0) score = softcap * std::tanh(score / softcap);
+      scores[g * bs + i] = score;
+      block_max[g] = score > block_max[g] ? score : block_max[g];
+    }
+  }
+  V acc[G][NV];
+  std::memcpy(acc, out, sizeof(acc));
+  for (int g = 0; g < G; ++g) {  // rescale what was accumulated under the old max
+    const T correction = std::exp(state[g].max - block_max[g]);
+    T block_sum = 0;
+    for (int64_t i = lo; i < hi; ++i) block_sum += (scores[g * bs + i] = std::exp(scores[g * bs + i] - block_max[g]));
+    state[g] = {block_max[g], state[g].sum * correction + block_sum};
+    for (int j = 0; j < NV; ++j) acc[g][j] *= correction;
+  }
+  for (int64_t i = lo; i < hi; ++i) {
+    V v[NV];
+    std::memcpy(v, values + i * token_stride, sizeof(v));
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < NV; ++j) acc[g][j] += scores[g * bs + i] * v[j];
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+
+template <typename T>
+using BlockFn = void (*)(const T *, const T *, const T *, int64_t, int64_t, int64_t, const Batch &, Running<T> *, T *, T *);
+
+template <typename T> BlockFn<T> block_fn(int64_t group) {
+  switch (group) {
+    case 1: return attend_block<T, 1>;
+    case 2: return attend_block<T, 2>;
+    case 3: return attend_block<T, 3>;
+    case 4: return attend_block<T, 4>;
+    case 5: return attend_block<T, 5>;
+    case 6: return attend_block<T, 6>;
+    case 7: return attend_block<T, 7>;
+    default: return attend_block<T, 8>;
+  }
+}
+
+// One row: all its query heads over its blocks, block by block.
+template <typename T>
+void attend_row(const T *q, const T *k_cache, const T *v_cache, int64_t row, const Batch &batch,
+                Running<T> *state, T *scores, T *out) {
+  constexpr int64_t D = PAGED_HF_HEAD_DIM;
+  const int64_t len = batch.context_lens[row], bs = batch.block_size;
+  const int64_t start = (batch.window > 0 && len > batch.window) ? len - batch.window : 0;
+  const int64_t *table = batch.block_tables + row * batch.max_blocks;
+  const int64_t group = batch.num_heads / batch.num_kv_heads;
+  const int64_t token_stride = batch.num_kv_heads * D, block_stride = bs * token_stride;
+  for (int64_t h = 0; h < batch.num_heads; ++h) state[h] = {-INFINITY, 0};
+  std::memset(out, 0, sizeof(T) * batch.num_heads * D);
+  const int64_t first = start / bs, last = (len - 1) / bs;
+  for (int64_t b = first; b <= last; ++b) {
+    if (b < last) {
+      prefetch(k_cache + table[b + 1] * block_stride, block_stride * sizeof(T));
+      prefetch(v_cache + table[b + 1] * block_stride, block_stride * sizeof(T));
+    }
+    const int64_t t0 = b * bs, lo = start > t0 ? start - t0 : 0, hi = len - t0 < bs ? len - t0 : bs;
+    for (int64_t kv_head = 0; kv_head < batch.num_kv_heads; ++kv_head) {
+      const T *keys = k_cache + table[b] * block_stride + kv_head * D;
+      const T *values = v_cache + table[b] * block_stride + kv_head * D;
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {  // query heads of this KV head, at most 8 at once
+        const int64_t head = kv_head * group + g0, heads = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
+        block_fn<T>(heads)(q + head * D, keys, values, token_stride, lo, hi, batch, state + head, out + head * D, scores);
+      }
+    }
+  }
+  for (int64_t h = 0; h < batch.num_heads; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] /= state[h].sum;
+}
+
+template <typename T>
+int paged_decode(const T *q, const T *k_cache, const T *v_cache, T *out, const Batch &batch, int num_threads) {
+  if constexpr (PAGED_HF_HEAD_DIM % Vec<T>::lanes != 0) {
+    return 2;  // this dtype's vectors do not tile head_dim (nothing else is instantiated for it)
+  } else {
+  int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+  {
+    auto *state = static_cast<Running<T> *>(std::malloc(sizeof(Running<T>) * batch.num_heads));
+    auto *scores = static_cast<T *>(std::malloc(sizeof(T) * kMaxGroup * batch.block_size));
+    if (!state || !scores) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t row = 0; row < batch.num_rows; ++row) {
+      if (!state || !scores) continue;
+      const int64_t offset = row * batch.num_heads * PAGED_HF_HEAD_DIM;
+      attend_row<T>(q + offset, k_cache, v_cache, row, batch, state, scores, out + offset);
+    }
+    std::free(state);
+    std::free(scores);
+  }
+  return failed;
+  }
+}
+
+}  // namespace
+
+// Entry points for ctypes. Returns 0 on success, 1 when scratch memory could not be allocated, 2 when the
+// library was built for a head_dim this dtype cannot tile.
+#define PAGED_HF_ENTRY(NAME, T)                                                                                 \
+  extern "C" int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_tables,             \
+                      const int64_t *context_lens, T *out, int64_t num_rows, int64_t max_blocks,              \
+                      int64_t num_heads, int64_t num_kv_heads, int64_t block_size, double scale,               \
+                      int64_t window, double softcap, int num_threads) {                                       \
+    const Batch batch{block_tables, context_lens, num_rows, max_blocks, num_heads, num_kv_heads, block_size,  \
+                      window, scale, softcap};                                                                 \
+    return paged_decode<T>(q, k_cache, v_cache, out, batch, num_threads);                                     \
+  }
+PAGED_HF_ENTRY(paged_decode_float32, float)
+PAGED_HF_ENTRY(paged_decode_float64, double)

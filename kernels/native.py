@@ -1,0 +1,87 @@
+"""Builds `csrc/paged_decode.cpp` for this machine and loads it with ctypes.
+
+Why at run time: the kernel is specialized to the model's head_dim and compiled with `-march=native`, so it
+cannot ship prebuilt. A build takes ~2 s with the system C++ compiler and is cached on disk, keyed by the
+source, the flags and the CPU, so it happens once per machine and head_dim. No torch headers are involved:
+the library sees raw pointers, and the OpenMP runtime it links resolves to the one torch already loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+
+
+class NativeBuildError(RuntimeError):
+    """The compiled kernel is unavailable here (no compiler, or it failed); callers fall back to torch."""
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = [line for line in cpuinfo if line.startswith(("model name", "flags"))]
+        return "".join(dict.fromkeys(lines))
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    from paged_hf.default_model import cache_root  # noqa: PLC0415 (engine module; keeps kernels import-light)
+
+    return cache_root() / "kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def load_paged_decode(head_dim: int) -> ctypes.CDLL:
+    """The paged decode library for `head_dim`, built on first use. Raises NativeBuildError when it cannot be."""
+    compiler = _compiler()
+    flags = (*COMPILE_FLAGS, f"-DPAGED_HF_HEAD_DIM={head_dim}")
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), compiler, *flags, _cpu_signature(), platform.machine()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode_d{head_dim}_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, rename into place: atomic
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise NativeBuildError(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr[-2000:]}")
+            os.replace(built, target)
+        logger.info(f"paged_hf: built the native paged decode kernel for head_dim {head_dim} ({target})")
+    library = ctypes.CDLL(str(target))
+    for dtype_name in DTYPES.values():
+        function = getattr(library, f"paged_decode_{dtype_name}")
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [
+            ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
+    return library
+
+
+def head_dim_fits(dtype: torch.dtype, head_dim: int) -> bool:
+    """The kernel works in 64-byte vectors: head_dim must be a whole number of them."""
+    return dtype in DTYPES and head_dim % (64 // torch.empty((), dtype=dtype).element_size()) == 0
