@@ -22,15 +22,17 @@ from dataclasses import asdict, dataclass, field
 
 from .workloads import Workload
 
-SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "hf_static_8", "hf_static_32", "hf_single", "hf_cb")
+SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
 DEFAULT_SYSTEMS = {
     "mixed": ("paged_hf", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
     "prefix": ("paged_hf", "paged_hf_noprefix", "hf_static_8", "hf_cb"),
     "decode": ("paged_hf", "hf_static_8", "hf_static_32", "hf_cb"),
     "lora": ("paged_hf", "hf_static_8"),
 }
-#: transformers' continuous batching as tuned in MEASUREMENTS.md (its CPU defaults used 6-12 GB and were slower).
-HF_CB_CONFIG = {"max_batch_tokens": 512, "max_requests_per_batch": 8, "num_blocks": 128}
+#: transformers' continuous batching: `hf_cb` as tuned in MEASUREMENTS.md, `hf_cb_default` with transformers'
+#: own defaults (the configuration of issue 5's 20.9 tok/s; on CPU it is slower and uses 6-12 GB).
+HF_CB_CONFIGS = {"hf_cb": {"max_batch_tokens": 512, "max_requests_per_batch": 8, "num_blocks": 128},
+                 "hf_cb_default": {}}
 
 
 @dataclass
@@ -92,7 +94,7 @@ def skip_reason(system: str, workload: Workload, engine_config: dict) -> str | N
     """Why ``system`` cannot run ``workload`` at all (checked before a worker is started), or None."""
     if not workload.needs_adapters:
         return None
-    if system == "hf_cb":
+    if system in HF_CB_CONFIGS:
         return "skipped: transformers' continuous batching has no per-request LoRA adapters"
     return _lora_unavailable(engine_config, {r.adapter for r in workload.requests if r.adapter},
                              check_engine=system.startswith("paged_hf"))
@@ -182,12 +184,12 @@ def run_hf_static(model, tokenizer, workload: Workload, batch_size: int, name: s
     return SystemRun(name, wall, outputs, ttft, tpot, extra={"batch_size": batch_size})
 
 
-def run_hf_cb(model, tokenizer, workload: Workload, cb_config: dict | None = None) -> SystemRun:
+def run_hf_cb(model, tokenizer, workload: Workload, name: str = "hf_cb") -> SystemRun:
     """transformers' own continuous batching: its manager takes each request with its own max_new_tokens
     (``add_request(..., max_new_tokens=...)``; ``generate_batch`` only takes one for all) and eos_token_id=-1."""
     from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: PLC0415
 
-    cb_config = dict(HF_CB_CONFIG if cb_config is None else cb_config)
+    cb_config = dict(HF_CB_CONFIGS[name])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=pad, max_new_tokens=16)
     manager = model.init_continuous_batching(generation_config=generation_config,
@@ -208,7 +210,7 @@ def run_hf_cb(model, tokenizer, workload: Workload, cb_config: dict | None = Non
         ttft.append(stamps[0] - result.created_time if stamps else None)
         n = len(stamps)
         tpot.append((stamps[-1] - stamps[0]) / (n - 1) if n > 1 else 0.0)
-    return SystemRun("hf_cb", wall, outputs, ttft, tpot, extra={"cb_config": cb_config})
+    return SystemRun(name, wall, outputs, ttft, tpot, extra={"cb_config": cb_config})
 
 
 def _cb_collect(manager, jobs: list[tuple[list[int], int]], prefix: str, timeout_s: float = 3600.0) -> list:
@@ -243,8 +245,8 @@ def run_system(system: str, model, tokenizer, workload: Workload, engine_config:
         return run_hf_static(model, tokenizer, workload, int(system.rsplit("_", 1)[1]), system, adapters)
     if system == "hf_single":
         return run_hf_static(model, tokenizer, workload, 1, system, adapters)
-    if system == "hf_cb":
-        return run_hf_cb(model, tokenizer, workload)
+    if system in HF_CB_CONFIGS:
+        return run_hf_cb(model, tokenizer, workload, system)
     raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEM_NAMES)}")
 
 
