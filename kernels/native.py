@@ -64,22 +64,29 @@ def load_paged_decode(head_dim: int) -> ctypes.CDLL:
         "\0".join([SOURCE.read_text(), compiler, *flags, _cpu_signature(), platform.machine()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode_d{head_dim}_{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, rename into place: atomic
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise NativeBuildError(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr[-2000:]}")
-            os.replace(built, target)
-        logger.info(f"paged_hf: built the native paged decode kernel for head_dim {head_dim} ({target})")
-    library = ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            _build(compiler, flags, target)
+            logger.info(f"paged_hf: built the native paged decode kernel for head_dim {head_dim} ({target})")
+        library = ctypes.CDLL(str(target))
+    except OSError as error:  # an unwritable cache, a compiler that cannot start, a library that cannot load
+        raise NativeBuildError(f"cannot build or load {target}: {error}") from error
     for dtype_name in DTYPES.values():
         function = getattr(library, f"paged_decode_{dtype_name}")
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [
             ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
     return library
+
+
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, rename into place: atomic
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise NativeBuildError(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr[-2000:]}")
+        os.replace(built, target)
 
 
 def head_dim_fits(dtype: torch.dtype, head_dim: int) -> bool:

@@ -107,16 +107,26 @@ def test_kernel_selection():
         select_kernel("flashinfer", cpu, torch.float16, [64])
 
 
-def test_cpu_kernel_without_a_compiler_falls_back_to_torch(monkeypatch, tmp_path):
+@pytest.mark.parametrize("broken, message", [
+    ("no compiler", "no C\\+\\+ compiler"),
+    ("failing compiler", "failed to build"),
+    ("unwritable cache", "cannot build or load"),
+])
+def test_cpu_kernel_that_cannot_be_built_falls_back_to_torch(broken, message, monkeypatch, tmp_path):
     from paged_hf.kernels import native
 
-    monkeypatch.setenv("PAGED_HF_CACHE", str(tmp_path))  # nothing cached: a build is needed
-    monkeypatch.setenv("CXX", "")
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PAGED_HF_CACHE", str(tmp_path / "cache"))  # nothing cached: a build is needed
+    if broken == "no compiler":
+        monkeypatch.setenv("CXX", "")
+        monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    elif broken == "failing compiler":
+        monkeypatch.setenv("CXX", "false")  # exists, exits 1
+    else:
+        (tmp_path / "cache").write_text("a file where the cache folder should be")
     native.load_paged_decode.cache_clear()
     try:
         assert type(select_kernel("auto", [torch.device("cpu")], torch.float32, [64])) is TorchKernel
-        with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+        with pytest.raises(ValueError, match=message):
             select_kernel("cpu", [torch.device("cpu")], torch.float32, [64])
     finally:
         native.load_paged_decode.cache_clear()
