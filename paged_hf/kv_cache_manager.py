@@ -28,13 +28,15 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int], extra_keys: byte
     return digest.digest()
 
 
-def request_extra_keys(request: Request) -> bytes:
-    """The default extra keys of a request's blocks: its adapter name and its cache salt, length-prefixed so
-    that no two different (adapter, salt) pairs give the same bytes. (The LoRA side may pass a key function
-    that adds the adapter's version.)"""
+def request_cache_key(request: Request) -> bytes:
+    """The extra keys of a request's blocks: adapter name and version (a re-loaded adapter, same name with new
+    weights, must never hit blocks computed with the old weights) and cache salt, each length-prefixed so
+    that no two different combinations give the same bytes."""
     parts = []
     if request.adapter is not None:
         parts.append(b"adapter:" + request.adapter.encode())
+    if request.adapter_version is not None:
+        parts.append(b"adapter_version:" + str(request.adapter_version).encode())
     if request.cache_salt is not None:
         parts.append(b"salt:" + request.cache_salt.encode())
     return b"".join(len(part).to_bytes(4, "little") + part for part in parts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache_manager import KVCacheManager, request_extra_keys
+from .kv_cache_manager import KVCacheManager, request_cache_key
 from .request import Request, RequestStatus
 
 
@@ -42,25 +42,13 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-def request_cache_key(request: Request) -> bytes:
-    """The extra keys of a request's blocks: adapter name and cache salt, plus the adapter's version, so
-    that a re-loaded adapter (same name, new weights) never hits blocks computed with the old weights."""
-    keys = request_extra_keys(request)
-    if request.adapter_version is not None:
-        part = b"adapter_version:" + str(request.adapter_version).encode()
-        keys += len(part).to_bytes(4, "little") + part
-    return keys
-
-
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 cache_key=None, max_loras: int | None = None):
+                 max_loras: int | None = None):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_loras = max_loras  # distinct adapters among the running requests (so in any step); None: no limit
-        # request -> bytes mixed into its block hashes (adapter identity and version, salt)
-        self.cache_key = cache_key or request_cache_key
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -128,7 +116,7 @@ class Scheduler:
             if adapters is not None and not self._adapter_fits(request, adapters):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits = kv_cache_manager.find_cached_prefix(request, self.cache_key(request))
+            hits = kv_cache_manager.find_cached_prefix(request, request_cache_key(request))
             num_cached = len(hits) * kv_cache_manager.block_size
             num_new = min(request.num_tokens_to_compute - num_cached, budget)
             if not kv_cache_manager.allocate_slots(request, num_new, hits):
@@ -200,7 +188,7 @@ class Scheduler:
         waiting siblings once the parent reached its fork point."""
         request = scheduled.request
         request.num_computed_tokens += scheduled.num_new_tokens
-        self.kv_cache_manager.cache_full_blocks(request, self.cache_key(request))
+        self.kv_cache_manager.cache_full_blocks(request, request_cache_key(request))
         if request.pending_forks and request.num_computed_tokens == request.fork_point:
             self._fork(request)
 
