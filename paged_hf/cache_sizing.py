@@ -7,6 +7,7 @@ from collections import defaultdict
 import torch
 
 from .config import PagedConfig
+from .distributed import min_over_ranks
 from .kv_cache_manager import cdiv
 from .model_info import ModelInfo, free_memory_bytes
 
@@ -38,4 +39,5 @@ def num_blocks_from_memory(info: ModelInfo, config: PagedConfig, max_model_len: 
         num_blocks = fits if num_blocks is None else min(num_blocks, fits)
     # no point in more blocks than every sequence at full length can use
     most_useful = config.max_num_seqs * cdiv(max_model_len, config.block_size)
-    return max(1, min(num_blocks, most_useful))
+    # tensor parallel: every rank must schedule identically, so all take the smallest pool
+    return min_over_ranks(max(1, min(num_blocks, most_useful)))

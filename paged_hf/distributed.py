@@ -15,6 +15,16 @@ def is_multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def min_over_ranks(value: int) -> int:
+    """The smallest `value` of all ranks: sizes every rank must agree on (ranks see different free memory)."""
+    if not is_multi_rank():
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 def broadcast_tokens(token_ids: list[int], device: torch.device) -> list[int]:
     """Rank 0's sampled tokens, on every rank (gloo on CPU, NCCL on GPUs)."""
     if not is_multi_rank() or not token_ids:

@@ -81,6 +81,8 @@ def _translate(paged_model, args: tuple, kwargs: dict) -> _Call:
         config = _merged_config(model, named.get("generation_config"), extra, input_ids, attention_mask)
         mask = _prompt_mask(model, config, input_ids, attention_mask)
         params = _sampling_params(config, input_ids.shape[1])
+        if params.repetition_penalty != 1.0 and not bool(mask.all()):
+            raise _Fallback("repetition_penalty on a padded batch (HF penalizes the pad tokens too)")
         criteria = _stop_criteria(config, tokenizer, input_ids.shape[0] * params.n)
         prompts = [row[row_mask].tolist() for row, row_mask in zip(input_ids.cpu(), mask)]
         for prompt in prompts:  # the engine's own limits (vocabulary, max_model_len, cache size): HF has none

@@ -151,9 +151,16 @@ def test_min_new_tokens_and_min_length(model, paged, engine_calls, length_kwarg)
 
 
 def test_repetition_penalty(model, paged, engine_calls):
-    ids, mask = BATCH
+    ids, mask = left_padded(random_prompts([7, 7, 7], seed=1))  # no padding: the engine serves it
     assert_same(model, paged, ids, attention_mask=mask, max_new_tokens=MAX_NEW, repetition_penalty=1.3, pad_token_id=PAD)
     assert len(engine_calls) == 1
+
+
+def test_repetition_penalty_on_a_padded_batch_is_left_to_hf(model, paged, engine_calls):
+    """HF's penalty also counts a padded row's pad tokens as seen; the engine never sees padding, so HF answers."""
+    ids, mask = BATCH
+    assert_same(model, paged, ids, attention_mask=mask, max_new_tokens=MAX_NEW, repetition_penalty=1.3, pad_token_id=PAD)
+    assert engine_calls == []
 
 
 def test_num_return_sequences(model, paged, engine_calls):
@@ -181,7 +188,7 @@ def test_return_dict_in_generate(model, paged, engine_calls):
 
 
 def test_generation_config_argument(model, paged, engine_calls):
-    ids, mask = BATCH
+    ids, mask = left_padded(random_prompts([7, 7, 7], seed=1))  # unpadded: a penalty on padding is HF's to serve
     eos = early_eos(free_run(model, ids, mask))
     config = GenerationConfig(max_new_tokens=10, eos_token_id=eos, pad_token_id=PAD, repetition_penalty=1.2)
     assert_same(model, paged, ids, config, attention_mask=mask)

@@ -36,3 +36,4 @@ def test_two_ranks_match_single_process_hf_and_never_diverge(tmp_path):
     assert result["greedy"] == expected
     rank0, rank1 = result["sampled"]
     assert rank0 == rank1  # differently seeded ranks still append rank 0's tokens
+    assert len(set(result["num_blocks"])) == 1  # budgets differed per rank, the pool sizes agree

@@ -86,7 +86,9 @@ def create_app(generator, tokenizer, model_name: str, settings: ServerSettings |
     settings = settings or ServerSettings()
     metrics = ServerMetrics()
     engine = EngineLoop(generator, metrics, settings.max_queue)
-    ctx = ServerContext(engine, tokenizer, model_name, settings, generator.max_model_len, metrics)
+    # a request must also fit the whole KV cache: default max_tokens never asks for more than that holds
+    max_model_len = min(generator.max_model_len, generator.block_pool.num_blocks * generator.config.block_size)
+    ctx = ServerContext(engine, tokenizer, model_name, settings, max_model_len, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -177,22 +179,13 @@ async def _sse(events):
     yield "data: [DONE]\n\n"
 
 
-def _new_pieces(deltas: Deltas, output):
-    """(completion, new text, new token ids, their logprob entries) of each choice with something new to send."""
-    for c in output.outputs:
-        text = deltas.text(c)
-        token_ids, entries = deltas.tokens(c)
-        if text or token_ids or c.finish_reason is not None:
-            yield c, text, token_ids, entries
-
-
 async def _completion_events(ctx: ServerContext, prepared: Prepared, source):
     deltas, k = Deltas.for_params(prepared.params), prepared.params.logprobs
     offsets: dict[int, int] = {}
     output = None
     async for output in source:
         choices = []
-        for c, text, token_ids, entries in _new_pieces(deltas, output):
+        for c, text, token_ids, entries in deltas.new_pieces(output):
             logprobs = None
             if k is not None:
                 logprobs = completion_logprobs(ctx.tokenizer, token_ids, entries, k, offsets.get(c.index, 0))
@@ -215,7 +208,7 @@ async def _chat_events(ctx: ServerContext, prepared: Prepared, source):
     output = None
     async for output in source:
         choices = []
-        for c, text, token_ids, entries in _new_pieces(deltas, output):
+        for c, text, token_ids, entries in deltas.new_pieces(output):
             logprobs = None if k is None else chat_logprobs(ctx.tokenizer, token_ids, entries, k)
             choices.append(ChatChunkChoice(index=c.index, delta=ChatDelta(content=text), logprobs=logprobs,
                                            finish_reason=c.finish_reason))

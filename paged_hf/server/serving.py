@@ -213,6 +213,7 @@ class Deltas:
     holdback: int = 0
     text_sent: dict = field(default_factory=dict)
     tokens_sent: dict = field(default_factory=dict)
+    finish_sent: set = field(default_factory=set)  # indexes whose finish_reason went out (n > 1 finish apart)
 
     @classmethod
     def for_params(cls, params: SamplingParams) -> "Deltas":
@@ -235,6 +236,18 @@ class Deltas:
         self.tokens_sent[completion.index] = len(completion.token_ids)
         return completion.token_ids[start:], (completion.logprobs or [])[start:]
 
+    def new_pieces(self, output):
+        """(completion, new text, new token ids, their logprob entries) of each sequence with something new
+        to send: text, tokens, or its finish (sent once, though the output keeps listing finished sequences)."""
+        for c in output.outputs:
+            text = self.text(c)
+            token_ids, entries = self.tokens(c)
+            finishing = c.finish_reason is not None and c.index not in self.finish_sent
+            if finishing:
+                self.finish_sent.add(c.index)
+            if text or token_ids or finishing:
+                yield c, text, token_ids, entries
+
 
 def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
@@ -248,8 +261,8 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: list, k: int) -> Cha
     content = []
     for token_id, entry in zip(token_ids, entries):
         text = _token_text(tokenizer, token_id)
-        top = [TopLogprob(token=_token_text(tokenizer, t), logprob=lp,
-                          bytes=list(_token_text(tokenizer, t).encode())) for t, lp in _top(entry, k)]
+        top = [TopLogprob(token=piece, logprob=lp, bytes=list(piece.encode()))
+               for piece, lp in ((_token_text(tokenizer, t), lp) for t, lp in _top(entry, k))]
         content.append(TokenLogprob(token=text, logprob=entry.get(token_id, float("-inf")), bytes=list(text.encode()),
                                     top_logprobs=top))
     return ChatLogprobs(content=content)
