@@ -7,10 +7,11 @@ and writes the table, the JSON and the plot (:mod:`.report`).
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 
+from ..config import PagedConfig
+from ..kv_cache_manager import cdiv
 from .systems import DEFAULT_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
 from .workloads import WORKLOAD_NAMES, Workload, build_workload
 
@@ -33,8 +34,8 @@ def sized_engine_config(engine_config: dict, workload: Workload) -> dict:
     comparable with the baselines' (the engine's CPU default would reserve up to 4 GiB of zeros)."""
     if engine_config.get("num_blocks") or engine_config.get("kv_cache_memory"):
         return dict(engine_config)
-    block_size = engine_config.get("block_size", 16)
-    needed = sum(math.ceil((len(r.prompt_token_ids) + r.max_new_tokens) / block_size) for r in workload.requests)
+    block_size = engine_config.get("block_size", PagedConfig.block_size)
+    needed = sum(cdiv(len(r.prompt_token_ids) + r.max_new_tokens, block_size) for r in workload.requests)
     return dict(engine_config, num_blocks=needed + 4)
 
 

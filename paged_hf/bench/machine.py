@@ -117,7 +117,6 @@ def measure(shape: ModelShape, device="cpu", rows: int = 256, min_seconds: float
         "num_threads": torch.get_num_threads(),
         "matmul_rows": rows,
         "matmul_flops_mlp": matmul_flops(rows, hidden, inter, device, min_seconds),
-        "matmul_flops_attn_proj": matmul_flops(rows, hidden, hidden, device, min_seconds),
         "matmul_flops_lm_head": matmul_flops(rows, *shape.lm_head_shape, device, min_seconds),
         "matmul_flops_one_row": matmul_flops(1, hidden, inter, device, min_seconds),
         "copy_bandwidth_bytes_per_s": copy_bandwidth(device=device, min_seconds=min_seconds),

@@ -53,6 +53,11 @@ class SystemRun:
 
 # --- running one system (inside the worker) -------------------------------------------------------------------
 
+def time_per_output_token(first: float | None, last: float | None, num_tokens: int) -> float | None:
+    """(last - first) / (tokens - 1); None for a request of one token (it has no time between tokens)."""
+    return (last - first) / (num_tokens - 1) if num_tokens > 1 else None
+
+
 def warmup_ids(tokenizer) -> list[int]:
     """A tiny prompt without the chat template, so warming up leaves nothing in a prefix cache that the workload
     could hit."""
@@ -83,7 +88,7 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     for out in outputs:
         m, n = out.metrics, len(out.outputs[0].token_ids)
         ttft.append(m.first_token_time - m.arrival_time)
-        tpot.append((m.finish_time - m.first_token_time) / (n - 1) if n > 1 else 0.0)
+        tpot.append(time_per_output_token(m.first_token_time, m.finish_time, n))
     extra = {key: after[key] - before[key] for key in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")}
     extra["num_blocks"] = after["num_blocks"]
     extra["engine_config"] = config
@@ -179,7 +184,7 @@ def run_hf_static(model, tokenizer, workload: Workload, batch_size: int, name: s
             n = request.max_new_tokens
             outputs.append(row[:n])
             ttft.append(clock.times[0] - start)  # every request arrived at the start, as for the other systems
-            tpot.append((clock.times[n - 1] - clock.times[0]) / (n - 1) if n > 1 else 0.0)
+            tpot.append(time_per_output_token(clock.times[0], clock.times[n - 1], n))
     wall = time.perf_counter() - start
     return SystemRun(name, wall, outputs, ttft, tpot, extra={"batch_size": batch_size})
 
@@ -209,7 +214,7 @@ def run_hf_cb(model, tokenizer, workload: Workload, name: str = "hf_cb") -> Syst
         outputs.append(list(result.generated_tokens))
         ttft.append(stamps[0] - result.created_time if stamps else None)
         n = len(stamps)
-        tpot.append((stamps[-1] - stamps[0]) / (n - 1) if n > 1 else 0.0)
+        tpot.append(time_per_output_token(stamps[0] if stamps else None, stamps[-1] if stamps else None, n))
     return SystemRun(name, wall, outputs, ttft, tpot, extra={"cb_config": cb_config})
 
 
