@@ -370,3 +370,21 @@ def test_cli_serve_fails_at_startup_for_an_adapter_it_cannot_serve(tiny_load_mod
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: pytest.fail("must not start serving"))
     assert cli.main(["serve", "--adapter", f"tenant={tmp_path / 'missing'}", "--num-blocks", "8"]) == 2
     assert "adapter" in capsys.readouterr().err.lower()
+
+
+def test_stream_sends_each_sequence_finish_once():
+    """With n > 1 a finished sequence stays in every later output; its finish goes out once, the others go on."""
+    from paged_hf.outputs import CompletionOutput, RequestOutput
+    from paged_hf.server.serving import Deltas
+
+    deltas = Deltas()
+
+    def step(*outputs):
+        output = RequestOutput("r", [1], list(outputs), finished=False)
+        return [(c.index, text, ids, c.finish_reason) for c, text, ids, _ in deltas.new_pieces(output)]
+
+    assert step(CompletionOutput(0, [5], "a", "length"), CompletionOutput(1, [6], "b")) == [
+        (0, "a", [5], "length"), (1, "b", [6], None)]
+    assert step(CompletionOutput(0, [5], "a", "length"), CompletionOutput(1, [6, 7], "bc")) == [(1, "c", [7], None)]
+    assert step(CompletionOutput(0, [5], "a", "length"), CompletionOutput(1, [6, 7], "bc", "stop")) == [
+        (1, "", [], "stop")]
