@@ -388,3 +388,16 @@ def test_stream_sends_each_sequence_finish_once():
     assert step(CompletionOutput(0, [5], "a", "length"), CompletionOutput(1, [6, 7], "bc")) == [(1, "c", [7], None)]
     assert step(CompletionOutput(0, [5], "a", "length"), CompletionOutput(1, [6, 7], "bc", "stop")) == [
         (1, "", [], "stop")]
+
+
+def test_streamed_logprob_offsets_equal_non_streamed(client):
+    """A stop string holds streamed text back; the tokens' text_offset must not lag with it."""
+    kwargs = dict(model=MODEL, prompt="the time of day", max_tokens=10, temperature=0, logprobs=1, stop=["zzz"])
+    full = client.completions.create(**kwargs).choices[0].logprobs
+    offsets, tokens = [], []
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                offsets += c.logprobs.text_offset
+                tokens += c.logprobs.tokens
+    assert tokens == full.tokens and offsets == full.text_offset

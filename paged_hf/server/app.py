@@ -181,7 +181,7 @@ async def _sse(events):
 
 async def _completion_events(ctx: ServerContext, prepared: Prepared, source):
     deltas, k = Deltas.for_params(prepared.params), prepared.params.logprobs
-    offsets: dict[int, int] = {}
+    offsets: dict[int, int] = {}  # text_offset of each sequence's next token: its tokens' texts so far, as unstreamed
     output = None
     async for output in source:
         choices = []
@@ -189,7 +189,7 @@ async def _completion_events(ctx: ServerContext, prepared: Prepared, source):
             logprobs = None
             if k is not None:
                 logprobs = completion_logprobs(ctx.tokenizer, token_ids, entries, k, offsets.get(c.index, 0))
-            offsets[c.index] = offsets.get(c.index, 0) + len(text)
+                offsets[c.index] = offsets.get(c.index, 0) + sum(len(token) for token in logprobs.tokens)
             choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason))
         if choices:
             yield CompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices)
