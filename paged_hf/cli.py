@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 
@@ -159,12 +160,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_adapters_loaded(generator, config.get("adapters", {}))
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                               max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue)
-    name = args.served_model_name or args.model or DEFAULT_MODEL
+    name = args.served_model_name or default_served_name(args.model or DEFAULT_MODEL)
     app = create_app(generator, tokenizer, name, settings)
-    print(f"paged-hf serve: {name} on http://{args.host}:{args.port}/v1 "
-          f"({generator.stats()['num_blocks']} KV blocks, max_model_len {generator.max_model_len})", file=sys.stderr)
+    print(f"paged-hf serve: {name} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "
+          f"blocks, max_model_len {app.state.ctx.max_model_len})", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def default_served_name(model: str) -> str:
+    """A local folder is served under its own name: /v1/models and error messages never show the server's
+    file system. A hub id is served as it is."""
+    if os.path.exists(model):
+        return os.path.basename(os.path.normpath(os.path.abspath(model)))
+    return model
 
 
 def check_adapters_loaded(generator, adapters: dict) -> None:
@@ -184,7 +193,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
-    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients use (default: the --model folder's name, or its hub id)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     parser.add_argument("--max-n", type=int, default=16, help="most completions per request (n)")
     parser.add_argument("--max-tokens-cap", type=int, default=4096, help="most max_tokens per request (0: none)")

@@ -1,0 +1,40 @@
+"""`paged-hf serve` start-up: the served name and the banner (the server itself: test_server.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+uvicorn = pytest.importorskip("uvicorn")
+
+from conftest import tiny_model  # noqa: E402
+
+from paged_hf import cli, default_model  # noqa: E402
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """Runs `paged-hf serve` on the tiny model up to uvicorn.run; returns what uvicorn would have served."""
+    from test_server import tiny_tokenizer  # noqa: PLC0415
+
+    monkeypatch.setattr(default_model, "load_model",
+                        lambda name, dtype, device: (tiny_model("llama", dtype=torch.float32), tiny_tokenizer()))
+    result = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: result.update(app=app, **kwargs))
+    return result
+
+
+def test_a_model_folder_is_served_under_its_name_not_its_path(served, tmp_path):
+    folder = tmp_path / "models" / "my-llama"
+    folder.mkdir(parents=True)
+    assert cli.main(["serve", "--model", f"{folder}/", "--num-blocks", "8"]) == 0
+    assert served["app"].state.ctx.model_name == "my-llama"
+    assert cli.default_served_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_the_banner_reports_the_max_model_len_the_kv_cache_holds(served, capsys):
+    """8 blocks of 16 tokens hold 128 tokens, though the model knows 512 positions."""
+    assert cli.main(["serve", "--num-blocks", "8", "--block-size", "16"]) == 0
+    banner = capsys.readouterr().err
+    assert "max_model_len 128)" in banner, banner
+    assert served["app"].state.ctx.max_model_len == 128
