@@ -17,6 +17,7 @@ from .block_pool import BlockPool
 from .config import PagedConfig
 from .kv_cache_manager import KVCacheManager, cdiv
 from .cache_sizing import num_blocks_from_memory
+from .detokenizer import IncrementalDetokenizer
 from .distributed import broadcast_tokens
 from .model_info import inspect_model
 from .model_runner import ModelRunner
@@ -46,7 +47,7 @@ class ContinuousBatchGenerator:
         self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    max_loras=self.config.max_loras)
         self.sampler = Sampler(self.info.eos_token_ids)
-        self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len, tokenizer)
+        self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
         self._finished_aborts: list[RequestGroup] = []
         self._ids = itertools.count()
@@ -83,14 +84,16 @@ class ContinuousBatchGenerator:
         children = [
             Request(request_id, i, list(prompt_ids), params, adapter, cache_salt=cache_salt, lora=lora,
                     adapter_version=None if lora is None else lora.version,
-                    generator=make_generator(params.seed, i, device) if params.seed is not None else None)
+                    generator=make_generator(params.seed, i, device) if params.seed is not None else None,
+                    detokenizer=None if self.tokenizer is None else
+                    IncrementalDetokenizer(self.tokenizer, params.stop, params.min_new_tokens))
             for i in range(params.n)
         ]
         parent, *siblings = children
         parent.pending_forks = siblings
         for child in siblings:
             child.fork_parent = parent
-        self.groups[request_id] = RequestGroup(request_id, prompt_ids, children, self.tokenizer)
+        self.groups[request_id] = RequestGroup(request_id, prompt_ids, children)
         self.scheduler.add(parent)
         return request_id
 

@@ -45,8 +45,7 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] | None = None
-    output_text: str = ""  # set when a stop string cut the text
-    stop_string_hit: bool = False
+    detokenizer: object | None = field(default=None, repr=False)  # IncrementalDetokenizer, with a tokenizer
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids

@@ -7,11 +7,10 @@ from .request import Request
 
 
 class RequestGroup:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], children: list[Request], tokenizer=None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], children: list[Request]):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.children = children
-        self.tokenizer = tokenizer
 
     @property
     def finished(self) -> bool:
@@ -34,11 +33,10 @@ class RequestGroup:
 
     def _completion(self, child: Request) -> CompletionOutput:
         text = None
-        if self.tokenizer is not None:
-            if child.stop_string_hit:
-                text = child.output_text
-            else:
-                text = self.tokenizer.decode(child.output_token_ids, skip_special_tokens=True)
+        detokenizer = child.detokenizer
+        if detokenizer is not None:  # only the tokens it has not read yet are decoded
+            detokenizer.update(child.output_token_ids[len(detokenizer.token_ids):])
+            text = detokenizer.visible_text(child.is_finished)
         return CompletionOutput(
             index=child.index,
             token_ids=list(child.output_token_ids),

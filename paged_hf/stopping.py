@@ -6,10 +6,9 @@ from .request import Request
 
 
 class StopChecker:
-    def __init__(self, eos_token_ids: list[int], max_model_len: int, tokenizer=None):
+    def __init__(self, eos_token_ids: list[int], max_model_len: int):
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.tokenizer = tokenizer
 
     def check(self, request: Request) -> str | None:
         """Call after each appended token: "stop", "length" or None (keep going)."""
@@ -21,21 +20,8 @@ class StopChecker:
                 return "stop"
             if params.stop_token_ids and token_id in params.stop_token_ids:
                 return "stop"
-            if params.stop and self._hits_stop_string(request):
-                return "stop"
+        if params.stop and request.detokenizer.update(request.output_token_ids[len(request.detokenizer.token_ids):]):
+            return "stop"  # the detokenizer searches only the new text, past min_new_tokens (see detokenizer.py)
         if num_generated >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-    def _hits_stop_string(self, request: Request) -> bool:
-        """Stop strings are matched on the decoded text and cut from it (as vLLM); the tokens stay."""
-        if self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: pass tokenizer= to wrap()")
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        positions = [text.find(stop) for stop in request.sampling_params.stop]
-        positions = [p for p in positions if p >= 0]
-        if not positions:
-            return False
-        request.output_text = text[: min(positions)]
-        request.stop_string_hit = True
-        return True

@@ -180,7 +180,7 @@ async def _sse(events):
 
 
 async def _completion_events(ctx: ServerContext, prepared: Prepared, source):
-    deltas, k = Deltas.for_params(prepared.params), prepared.params.logprobs
+    deltas, k = Deltas(), prepared.params.logprobs
     offsets: dict[int, int] = {}  # text_offset of each sequence's next token: its tokens' texts so far, as unstreamed
     output = None
     async for output in source:
@@ -198,7 +198,7 @@ async def _completion_events(ctx: ServerContext, prepared: Prepared, source):
 
 
 async def _chat_events(ctx: ServerContext, prepared: Prepared, source):
-    deltas, k = Deltas.for_params(prepared.params), prepared.params.logprobs
+    deltas, k = Deltas(), prepared.params.logprobs
 
     def chunk(choices, **extra):
         return ChatCompletionChunk(id=prepared.request_id, model=prepared.model, choices=choices, **extra)

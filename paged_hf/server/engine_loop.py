@@ -49,10 +49,25 @@ class RequestStream:
 
     def deliver(self, item) -> None:
         """Engine thread -> event loop. A closed loop (server shutting down) has nobody left to tell."""
+        deliver_all([(self, item)])
+
+
+def deliver_all(deliveries: list[tuple[RequestStream, object]]) -> None:
+    """Hand a whole step's outputs to the event loop in one call per loop (each call wakes the loop and takes
+    its lock: once per step, not once per request)."""
+    by_loop: dict = {}
+    for stream, item in deliveries:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, items in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # a closed loop (server shutting down) has nobody left to tell
             pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
 
 
 class EngineLoop:
@@ -171,15 +186,17 @@ class EngineLoop:
         outputs = self.generator.step()  # an exception (the model failed) is handled in _run
         now = time.monotonic()
         self._mark_started(now)
+        deliveries = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted: nobody waits for it
                 continue
             self._observe(stream, output, now)
-            stream.deliver(output)
+            deliveries.append((stream, output))
             if output.finished:
                 del self._streams[output.request_id]
                 self._release(1)
+        deliver_all(deliveries)
 
     def _mark_started(self, now: float) -> None:
         """Queue time ends when the engine first computes any of the request's tokens. The public API has no
@@ -216,8 +233,7 @@ class EngineLoop:
         """Every request in flight gets `error`, and the generator is left empty (blocks free)."""
         streams, self._streams = self._streams, {}
         self._release(len(streams))
-        for request_id, stream in streams.items():
-            stream.deliver(error)
+        deliver_all([(stream, error) for stream in streams.values()])
         try:
             for request_id in streams:
                 self.generator.abort(request_id)

@@ -205,31 +205,18 @@ def usage(prepared: Prepared, output) -> Usage:
 class Deltas:
     """What each sequence has already sent, so a stream sends only what is new.
 
-    Text is held back while it might still change: the last `holdback` characters (a stop string may be
-    starting there, and the final text is cut before it), and a trailing U+FFFD (half of a multi-byte
-    character). So the streamed pieces always add up to the final, non-streamed text.
+    The engine's text only ever grows while a sequence runs (its detokenizer holds back what a stop string or
+    half a multi-byte character could still change), so the new text is simply what follows the text sent.
     """
 
-    holdback: int = 0
-    text_sent: dict = field(default_factory=dict)
+    text_sent: dict = field(default_factory=dict)  # index -> characters sent
     tokens_sent: dict = field(default_factory=dict)
     finish_sent: set = field(default_factory=set)  # indexes whose finish_reason went out (n > 1 finish apart)
 
-    @classmethod
-    def for_params(cls, params: SamplingParams) -> "Deltas":
-        return cls(max((len(s) for s in params.stop or ()), default=1) - 1)
-
     def text(self, completion) -> str:
-        text, sent = completion.text or "", self.text_sent.get(completion.index, "")
-        done = completion.finish_reason is not None
-        if not text.startswith(sent) and not done:
-            return ""  # earlier text decoded differently; wait until it settles
-        end = len(text) if done else len(text) - self.holdback
-        while not done and end > len(sent) and text[end - 1] == "\ufffd":
-            end -= 1
-        end = max(end, len(sent))
-        self.text_sent[completion.index] = text[:end]
-        return text[len(sent):end]
+        text, sent = completion.text or "", self.text_sent.get(completion.index, 0)
+        self.text_sent[completion.index] = max(sent, len(text))
+        return text[sent:]
 
     def tokens(self, completion) -> tuple[list[int], list]:
         start = self.tokens_sent.get(completion.index, 0)
