@@ -6,6 +6,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .paged_cache import PagedCache
 from .paged_model import PagedModel, wrap
 from .sampling_params import SamplingParams
+from .structured_output import StructuredOutputsParams
 
 __all__ = [
     "CompletionOutput",
@@ -16,6 +17,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "wrap",
 ]
 __version__ = "0.1.0"

@@ -28,6 +28,7 @@ from .sampler import Sampler, SamplingRow, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stopping import StopChecker
+from .structured_output import GrammarCompiler, grammar_compiler
 
 logger = logging.get_logger(__name__)
 
@@ -48,6 +49,7 @@ class ContinuousBatchGenerator:
                                    max_loras=self.config.max_loras)
         self.sampler = Sampler(self.info.eos_token_ids)
         self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len)
+        self.grammar_compiler: GrammarCompiler | None = None  # made with the first structured-output request
         self.groups: dict[str, RequestGroup] = {}
         self._finished_aborts: list[RequestGroup] = []
         self._ids = itertools.count()
@@ -80,13 +82,15 @@ class ContinuousBatchGenerator:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        grammar = self._compile_grammar(params)
         device = self.runner.logits_device
         children = [
             Request(request_id, i, list(prompt_ids), params, adapter, cache_salt=cache_salt, lora=lora,
                     adapter_version=None if lora is None else lora.version,
                     generator=make_generator(params.seed, i, device) if params.seed is not None else None,
                     detokenizer=None if self.tokenizer is None else
-                    IncrementalDetokenizer(self.tokenizer, params.stop, params.min_new_tokens))
+                    IncrementalDetokenizer(self.tokenizer, params.stop, params.min_new_tokens),
+                    grammar=None if grammar is None else self.grammar_compiler.matcher(grammar))  # one per child
             for i in range(params.n)
         ]
         parent, *siblings = children
@@ -112,6 +116,16 @@ class ContinuousBatchGenerator:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
         return list(prompt)
+
+    def _compile_grammar(self, params: SamplingParams):
+        """The request's compiled grammar (cached per spec), or None; ValueError for an invalid spec."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer: pass tokenizer= to wrap()")
+            self.grammar_compiler = grammar_compiler(self.tokenizer, self.info.vocab_size, tuple(self.info.eos_token_ids))
+        return self.grammar_compiler.compile(params.structured_outputs)
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         total = len(prompt_ids) + params.max_new_tokens
@@ -179,7 +193,8 @@ class ContinuousBatchGenerator:
         requests = [scheduled.request for scheduled in inputs.sampled]
         if not requests:
             return list(touched)
-        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in requests]
+        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
+                for r in requests]
         sampled = self.sampler(logits, rows)
         token_ids = broadcast_tokens(sampled.token_ids, logits.device)  # tensor parallel: rank 0's tokens
         now = time.monotonic()

@@ -39,6 +39,7 @@ class Request:
     lora: object | None = field(default=None, repr=False)  # the adapter's weights (integrations.peft.LoRAAdapter)
     cache_salt: str | None = None  # mixed into the block hashes: cached blocks are shared only with equal salts
     generator: torch.Generator | None = None
+    grammar: object | None = field(default=None, repr=False)  # structured outputs: a GrammarState, own per child
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -86,5 +87,8 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        """The grammar advances with the tokens (the sampler only draws tokens it allows)."""
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            raise AssertionError(f"request {self.request_id}: token {token_id} is outside its grammar")
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_hf.sampling_params import SamplingParams
+from paged_hf.structured_output import GrammarState, apply_grammar_masks
 
 _MASK64 = (1 << 64) - 1
 
@@ -26,6 +27,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far (before this step's token)
     generator: torch.Generator | None  # set for seeded requests; None = the global RNG
+    grammar: GrammarState | None = None  # structured outputs: only the tokens it allows may be drawn
 
 
 @dataclass
@@ -77,6 +79,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+        if grammar_rows:  # first, as vLLM: every processor and the logprobs see the grammar's distribution
+            logits = apply_grammar_masks(logits, grammar_rows, [rows[i].grammar for i in grammar_rows])
         if all(_is_plain_greedy(row) for row in rows):  # the hot path: nothing but argmax
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .structured_output import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # A grammar the output must follow (JSON schema, regex, choice...); a dict is read as its fields.
+    structured_outputs: StructuredOutputsParams | None = None
     # Not in the public contract: extra token ids that end the request like EOS (HF's eos_token_id list).
     eos_token_ids: list[int] | None = field(default=None, repr=False)
 
@@ -43,6 +47,12 @@ class SamplingParams:
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
         _check(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "a list of non-empty strings")
         _check(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "a list of token ids")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams, a dict of its fields or None")
+        _check(self.structured_outputs is None or self.min_new_tokens == 0, "min_new_tokens", self.min_new_tokens,
+               "0 with structured_outputs (the grammar decides where the output ends)")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs", self.logprobs, "an int >= 0 or None")
 
     @property
