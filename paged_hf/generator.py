@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
 
 import torch
 from transformers.utils import logging
@@ -29,6 +28,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stopping import StopChecker
 from .structured_output import GrammarCompiler, grammar_compiler
+from .token_stream import TokenStream
 
 logger = logging.get_logger(__name__)
 
@@ -50,8 +50,13 @@ class ContinuousBatchGenerator:
         self.sampler = Sampler(self.info.eos_token_ids)
         self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len)
         self.grammar_compiler: GrammarCompiler | None = None  # made with the first structured-output request
-        self.groups: dict[str, RequestGroup] = {}
-        self._finished_aborts: list[RequestGroup] = []
+        self.groups: dict[str, RequestGroup] = {}  # unfinished requests by id
+        # Outputs step() owes: requests of add_request that changed while generate()/stream() stepped the
+        # engine, and aborts. Requests of generate()/stream() (claimed) are reported by those calls only.
+        self._undelivered: dict[RequestGroup, None] = {}
+        self._claimed: set[RequestGroup] = set()
+        self._in_step = False
+        self._deferred_releases: list[RequestGroup] = []  # streams dropped (finalized) during a step
         self._ids = itertools.count()
         if peft_model is not None:
             self._lora_manager().add_peft_model(peft_model)
@@ -69,6 +74,9 @@ class ContinuousBatchGenerator:
         prompt (sharing its KV blocks), so the prompt is computed once. `cache_salt`: prefix-cache blocks are
         shared only between requests with the same salt (e.g. one per tenant).
         """
+        return self._submit(prompt, sampling_params, adapter, request_id, cache_salt).request_id
+
+    def _submit(self, prompt, sampling_params, adapter, request_id, cache_salt=None) -> RequestGroup:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -97,9 +105,9 @@ class ContinuousBatchGenerator:
         parent.pending_forks = siblings
         for child in siblings:
             child.fork_parent = parent
-        self.groups[request_id] = RequestGroup(request_id, prompt_ids, children)
+        group = self.groups[request_id] = RequestGroup(request_id, prompt_ids, children)
         self.scheduler.add(parent)
-        return request_id
+        return group
 
     def _prompt_token_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -174,30 +182,54 @@ class ContinuousBatchGenerator:
 
     # --- running --------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._finished_aborts)
+        return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration; the outputs (cumulative) of every request that changed."""
+        """One scheduler iteration; the outputs (cumulative) of every request of `add_request` that changed,
+        since the last step() (so also while generate() or stream() stepped the engine)."""
         touched = self._step()
-        return [group.output() for group in touched]
+        ready, self._undelivered = self._undelivered, {}
+        ready.update((group, None) for group in touched if group not in self._claimed)
+        self._apply_deferred_releases()
+        return [group.output() for group in ready]
+
+    def _step_for_call(self) -> list[RequestGroup]:
+        """A step taken by generate() or stream(): what it does to other requests waits for step()."""
+        touched = self._step()
+        self._undelivered.update((group, None) for group in touched if group not in self._claimed)
+        self._apply_deferred_releases()
+        return touched
 
     def _step(self) -> list[RequestGroup]:
-        touched = dict.fromkeys(self._finished_aborts)
-        self._finished_aborts = []
+        """One iteration of the engine; -> the requests that changed."""
+        self._apply_deferred_releases()  # left over by a step that raised
+        self._in_step = True
+        try:
+            return self._schedule_run_postprocess()
+        finally:
+            self._in_step = False
+
+    def _apply_deferred_releases(self) -> None:
+        deferred, self._deferred_releases = self._deferred_releases, []
+        for group in deferred:
+            self._release(group)
+
+    def _schedule_run_postprocess(self) -> list[RequestGroup]:
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return list(touched)
+            return []
         logits, inputs = self.runner.run(out)  # [num_sampled, vocab_size]
         for scheduled in out.scheduled:
             self.scheduler.advance(scheduled)
         requests = [scheduled.request for scheduled in inputs.sampled]
         if not requests:
-            return list(touched)
+            return []
         rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
                 for r in requests]
         sampled = self.sampler(logits, rows)
         token_ids = broadcast_tokens(sampled.token_ids, logits.device)  # tensor parallel: rank 0's tokens
         now = time.monotonic()
+        touched: dict[RequestGroup, None] = {}
         for request, token_id, logprobs in zip(requests, token_ids, sampled.logprobs):
             request.append_token(token_id)
             if request.first_token_time is None:
@@ -211,66 +243,75 @@ class ContinuousBatchGenerator:
             touched[self.groups[request.request_id]] = None
         for group in touched:
             if group.finished:
-                self.groups.pop(group.request_id, None)
+                del self.groups[group.request_id]
         return list(touched)
 
     def abort(self, request_id: str) -> None:
-        """Free the request's blocks now; its final output (finish_reason "abort") comes with the next step."""
-        group = self.groups.pop(str(request_id), None)
-        if group is None:
-            return
-        for child in reversed(group.children):  # siblings waiting for their fork first: none is promoted
+        """Free the request's blocks now; its final output (finish_reason "abort") comes with the next step.
+        An unknown or finished id is ignored."""
+        group = self.groups.get(str(request_id))
+        if group is not None:
+            self._abort_group(group)
+
+    def _abort_group(self, group: RequestGroup) -> None:
+        if self.groups.get(group.request_id) is not group:
+            return  # finished already (the id may serve a newer request now)
+        del self.groups[group.request_id]
+        for child in reversed(group.children):  # siblings waiting for their fork first
             if not child.is_finished:
                 self.scheduler.finish(child, "abort")
-        self._finished_aborts.append(group)
+        if group not in self._claimed:
+            self._undelivered[group] = None
 
-    def generate(self, prompts: Sequence, sampling_params=None, adapters=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order. On any error the call's requests are aborted."""
-        prompts = list(prompts)
+    def _release(self, group: RequestGroup) -> None:
+        """generate() or stream() is done with its request: abort it if it still runs, forget it."""
+        if self._in_step:  # a finalizer (a dropped stream) ran inside a step: not under the scheduler's feet
+            self._deferred_releases.append(group)
+            return
+        self._abort_group(group)
+        self._claimed.discard(group)
+
+    def generate(self, prompts, sampling_params=None, adapters=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order. A single prompt (a string, a list of token ids)
+        is one request. On any error the call's requests are aborted."""
+        prompts = _prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         adapter_names = _per_prompt(adapters, len(prompts), "adapters")
-        request_ids: list[str] = []
+        groups: list[RequestGroup] = []
         try:
             for prompt, p, adapter in zip(prompts, params, adapter_names):
-                request_ids.append(self.add_request(prompt, p, adapter))
-            return self._run_to_completion(request_ids, use_tqdm)
-        except BaseException:
-            for request_id in request_ids:
-                self.abort(request_id)
-            self._finished_aborts = [g for g in self._finished_aborts if g.request_id not in set(request_ids)]
-            raise
+                groups.append(self._submit(prompt, p, adapter, None))
+                self._claimed.add(groups[-1])
+            return self._run_to_completion(groups, use_tqdm)
+        finally:
+            for group in groups:
+                self._release(group)
 
-    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_to_completion(self, groups: list[RequestGroup], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm  # noqa: PLC0415
 
-        pending = set(request_ids)
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="paged_hf", unit="req", disable=not use_tqdm) as bar:
+        pending = set(groups)
+        results: dict[RequestGroup, RequestOutput] = {}
+        with tqdm(total=len(groups), desc="paged_hf", unit="req", disable=not use_tqdm) as bar:
             while pending:
-                for group in self._step():
-                    if group.finished and group.request_id in pending:
-                        results[group.request_id] = group.output()
-                        pending.discard(group.request_id)
+                touched = self._step_for_call()
+                # nothing ran: the rest ended outside of a step (aborted)
+                for group in touched if touched else list(pending):
+                    if group.finished and group in pending:
+                        results[group] = group.output()
+                        pending.discard(group)
                         bar.update(1)
-        return [results[request_id] for request_id in request_ids]
+        return [results[group] for group in groups]
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None, adapter: str | None = None) -> Iterator[list[int]]:
-        """Yield the new token ids of one request as they are generated (other requests keep running too)."""
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, adapter: str | None = None) -> TokenStream:
+        """Submit one request now (bad input raises here) and iterate over its new token ids as they come;
+        other requests keep running too. The request ends when the stream is closed, left (`with`) or
+        dropped (a `break` out of `for tokens in gen.stream(...)`); it leaves no output for step()."""
         if sampling_params is not None and sampling_params.n != 1:
             raise ValueError("stream() serves one sequence: use n=1 (or step() for n > 1)")
-        request_id = self.add_request(prompt, sampling_params, adapter)
-        group = self.groups[request_id]
-        num_seen = 0
-        try:
-            while not group.finished:
-                self._step()
-                tokens = group.children[0].output_token_ids
-                if len(tokens) > num_seen:
-                    yield tokens[num_seen:]
-                    num_seen = len(tokens)
-        finally:
-            if not group.finished:
-                self.abort(request_id)
+        group = self._submit(prompt, sampling_params, adapter, None)
+        self._claimed.add(group)
+        return TokenStream(self, group)
 
     def stats(self) -> dict:
         return {
@@ -290,6 +331,18 @@ def _split_peft_model(model: torch.nn.Module):
     if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
         return model, model.get_base_model()
     return None, model
+
+
+def _prompt_list(prompts) -> list:
+    """generate()'s prompts: one prompt (a string, a list of token ids, a 1-D tensor) or a sequence of them."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        return [prompts] if prompts.dim() == 1 else list(prompts)
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    return prompts
 
 
 def _per_prompt(value, count: int, name: str) -> list:

@@ -232,7 +232,6 @@ def _run_streamed(generator, call: _Call) -> list[int]:
             call.streamer.put(torch.tensor([token]))
             if call.stop_criteria is not None and _first_stop(call, 0, tokens, len(tokens) - 1) is not None:
                 break  # closing the stream aborts the request and frees its blocks
-    _deliver_aborts(generator)
     call.streamer.end()
     return tokens
 
