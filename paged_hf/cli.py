@@ -159,7 +159,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     check_adapters_loaded(generator, config.get("adapters", {}))
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
-                              max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue)
+                              max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
+                              tool_call_parser=args.tool_call_parser)
     name = args.served_model_name or default_served_name(args.model or DEFAULT_MODEL)
     app = create_app(generator, tokenizer, name, settings)
     print(f"paged-hf serve: {name} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "
@@ -199,6 +200,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-n", type=int, default=16, help="most completions per request (n)")
     parser.add_argument("--max-tokens-cap", type=int, default=4096, help="most max_tokens per request (0: none)")
     parser.add_argument("--max-queue", type=int, default=256, help="unfinished requests at once; more get 503")
+    parser.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
+                        help="how tool calls are found in the model's output (tool_choice auto)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
     parser.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")

@@ -25,6 +25,7 @@ from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCom
                        CompletionResponse, ModelCard, ModelList)
 from .serving import (Deltas, Prepared, ServerContext, chat_logprobs, completion_logprobs, outputs, prepare,
                       submit, usage)
+from .tool_calls import ToolCallStreamer, finish_reason, parse_output, parser_for
 
 
 @dataclass
@@ -36,6 +37,7 @@ class ServerSettings:
     max_n: int = 16  # 400 above
     max_tokens_cap: int | None = 4096  # 400 above; also caps the default max_tokens
     max_queue: int = 256  # unfinished requests at once; 503 above
+    tool_call_parser: str = "hermes"  # how tool calls are found in the output: hermes, llama3_json, mistral
 
 
 class GuardMiddleware:
@@ -162,9 +164,14 @@ def _completion_response(ctx: ServerContext, prepared: Prepared, output) -> Comp
 
 def _chat_response(ctx: ServerContext, prepared: Prepared, output) -> ChatCompletionResponse:
     k = prepared.params.logprobs
-    choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text or ""), finish_reason=c.finish_reason,
-                          logprobs=None if k is None else chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], k))
-               for c in output.outputs]
+    parser = parser_for(ctx.settings.tool_call_parser)
+    choices = []
+    for c in output.outputs:
+        content, calls = parse_output(prepared.tools, parser, ctx.tokenizer, c)
+        choices.append(ChatChoice(
+            index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None),
+            finish_reason=finish_reason(c, calls),
+            logprobs=None if k is None else chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], k)))
     return ChatCompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices,
                                   usage=usage(prepared, output))
 
@@ -205,13 +212,19 @@ async def _chat_events(ctx: ServerContext, prepared: Prepared, source):
 
     yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                  for i in range(prepared.params.n)])
+    tools = None
+    if prepared.tools.kind != "none":
+        tools = ToolCallStreamer(prepared.tools, parser_for(ctx.settings.tool_call_parser), ctx.tokenizer)
     output = None
     async for output in source:
         choices = []
         for c, text, token_ids, entries in deltas.new_pieces(output):
             logprobs = None if k is None else chat_logprobs(ctx.tokenizer, token_ids, entries, k)
-            choices.append(ChatChunkChoice(index=c.index, delta=ChatDelta(content=text), logprobs=logprobs,
-                                           finish_reason=c.finish_reason))
+            delta, finish = ChatDelta(content=text), c.finish_reason
+            if tools is not None:
+                content, calls, finish = tools.delta(c, text)
+                delta = ChatDelta(content=content, tool_calls=calls)
+            choices.append(ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish))
         if choices:
             yield chunk(choices)
     if prepared.include_usage and output is not None:

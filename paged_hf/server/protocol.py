@@ -9,9 +9,12 @@ dropped: a silently wrong answer is worse than an error.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .structured import ResponseFormat
+from .tool_calls import ChatTool, DeltaToolCall, ToolCall, ToolChoice
 
 StopField = str | list[str] | None
 
@@ -40,6 +43,8 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension
+    response_format: ResponseFormat | None = None  # text, json_object, json_schema (enforced by a grammar)
+    structured_outputs: dict[str, Any] | None = None  # vLLM extension: json, regex, choice, grammar, json_object
 
     @field_validator("stop")
     @classmethod
@@ -98,6 +103,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # accepted; a model may always write several calls
 
 
 # --- responses ------------------------------------------------------------------------------------------------
@@ -148,6 +156,7 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -169,6 +178,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -16,6 +16,8 @@ from paged_hf.sampling_params import SamplingParams
 
 from .engine_loop import EngineError, QueueFullError, RequestStream
 from .errors import ApiError
+from .structured import structured_outputs
+from .tool_calls import ToolMode, parser_for, template_messages, tool_mode
 from .protocol import (ChatCompletionRequest, ChatLogprobs, CompletionLogprobs, CompletionRequest, TokenLogprob,
                        TopLogprob, Usage)
 
@@ -36,6 +38,7 @@ class Prepared:
     include_usage: bool
     chat: bool
     arrival_time: float
+    tools: ToolMode = field(default_factory=ToolMode)
 
 
 @dataclass
@@ -73,21 +76,28 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer) -> list[int]:
     return list(prompt)
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer) -> list[int]:
-    """The chat template with the assistant's turn opened (add_generation_prompt=True)."""
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer, tools: ToolMode | None = None,
+                    tool_call_parser: str = "hermes") -> list[int]:
+    """The chat template with the assistant's turn opened (add_generation_prompt=True), with the tools."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template: use /v1/completions", "no_chat_template", "messages")
     try:
         messages = [{**message.model_dump(exclude_none=True), "content": message.text()}
                     for message in request.messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        messages, extra = template_messages(messages, tools or ToolMode(), parser_for(tool_call_parser),
+                                            tokenizer.chat_template)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                            **extra)
+    except ApiError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a template error is about these messages: the client's
         raise ApiError(400, f"the chat messages do not fit the chat template: {exc}", "invalid_messages",
                        "messages") from None
     return list(ids)
 
 
-def sampling_params(request, num_prompt_tokens: int, ctx: ServerContext, chat: bool) -> SamplingParams:
+def sampling_params(request, num_prompt_tokens: int, ctx: ServerContext, chat: bool,
+                    tools: ToolMode | None = None) -> SamplingParams:
     settings = ctx.settings
     prompt_field = "messages" if chat else "prompt"
     if num_prompt_tokens >= ctx.max_model_len:
@@ -111,9 +121,20 @@ def sampling_params(request, num_prompt_tokens: int, ctx: ServerContext, chat: b
         return SamplingParams(
             max_new_tokens=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty, n=request.n,
-            seed=request.seed, stop=request.stop, ignore_eos=request.ignore_eos, logprobs=logprobs, **optional)
+            seed=request.seed, stop=request.stop, ignore_eos=request.ignore_eos, logprobs=logprobs,
+            structured_outputs=_grammar(request, tools), **optional)
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_sampling_params") from None
+
+
+def _grammar(request, tools: ToolMode | None):
+    """The request's grammar: from response_format / structured_outputs, or the tool_choice it enforces."""
+    spec = structured_outputs(request)
+    tool_spec = tools.structured_outputs() if tools is not None else None
+    if spec is not None and tool_spec is not None:
+        raise ApiError(400, f"tool_choice {tools.kind!r} is enforced with its own schema: drop response_format "
+                       "and structured_outputs", "invalid_request", "tool_choice")
+    return spec or tool_spec
 
 
 def _max_tokens(requested: int | None, num_prompt_tokens: int, ctx: ServerContext, prompt_field: str) -> int:
@@ -134,12 +155,16 @@ def _max_tokens(requested: int | None, num_prompt_tokens: int, ctx: ServerContex
 
 def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float) -> Prepared:
     adapter = ctx.resolve_model(request.model)
-    ids = chat_prompt_ids(request, ctx.tokenizer) if chat else completion_prompt_ids(request, ctx.tokenizer)
-    params = sampling_params(request, len(ids), ctx, chat)
+    tools = tool_mode(request) if chat else ToolMode()
+    parser = getattr(ctx.settings, "tool_call_parser", "hermes")
+    ids = (chat_prompt_ids(request, ctx.tokenizer, tools, parser) if chat
+           else completion_prompt_ids(request, ctx.tokenizer))
+    params = sampling_params(request, len(ids), ctx, chat, tools)
     prefix = "chatcmpl" if chat else "cmpl"
     options = request.stream_options
     return Prepared(f"{prefix}-{uuid.uuid4().hex}", request.model or ctx.model_name, adapter, ids, params,
-                    request.stream, bool(request.stream and options and options.include_usage), chat, arrival_time)
+                    request.stream, bool(request.stream and options and options.include_usage), chat, arrival_time,
+                    tools)
 
 
 async def submit(ctx: ServerContext, prepared: Prepared) -> RequestStream:
