@@ -2,7 +2,8 @@
 
 Decode attention is where a CPU step spends its memory bandwidth: the torch kernel gathers each row's blocks
 into a dense buffer before SDPA reads them, the compiled kernel (`csrc/paged_decode.cpp`) reads the blocks in
-place, once. Prefill chunks are compute-bound and stay with SDPA. The torch kernel remains the reference this
+place, once. A bf16/fp16 cache is read at its own width and widened to float32 in registers (products and
+sums in float32). Prefill chunks are compute-bound and stay with SDPA. The torch kernel remains the reference this
 one is tested against.
 """
 
@@ -42,9 +43,10 @@ class CpuKernel(TorchKernel):
         if device.type != "cpu":
             return f"the CPU kernel runs on CPU, the model is on {device}"
         if dtype not in native.DTYPES:
-            return f"the CPU kernel serves float32/float64, the model is {dtype}"
+            return f"the CPU kernel serves float32/float64/bfloat16/float16, the model is {dtype}"
         if not all(native.head_dim_fits(dtype, d) for d in head_dims):
-            return f"the CPU kernel needs head_dim a multiple of 64 bytes of {dtype}, got {sorted(set(head_dims))}"
+            compute = native.COMPUTE_DTYPES[dtype]
+            return f"the CPU kernel needs head_dim a multiple of 64 bytes of {compute}, got {sorted(set(head_dims))}"
         return None
 
     def plan_decodes(self, decodes: list[tuple[int, int, list[int]]], device: torch.device) -> NativeDecodes | None:
@@ -64,7 +66,8 @@ class CpuKernel(TorchKernel):
             return
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         assert key_cache.is_contiguous() and value_cache.is_contiguous() and query.dtype == key_cache.dtype
-        q = query.index_select(0, decodes.rows)  # [num_rows, num_heads, head_dim], contiguous
+        # [num_rows, num_heads, head_dim], contiguous, in the compute dtype (float32 for a bf16/fp16 cache)
+        q = query.index_select(0, decodes.rows).to(native.COMPUTE_DTYPES[key_cache.dtype])
         out = torch.empty_like(q)
         status = self._functions[head_dim](
             q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), decodes.block_tables.data_ptr(),
@@ -74,4 +77,4 @@ class CpuKernel(TorchKernel):
         )
         if status != 0:
             raise RuntimeError(f"paged decode kernel failed (status {status}: {'out of memory' if status == 1 else 'head_dim'})")
-        output.index_copy_(0, decodes.rows, out)
+        output.index_copy_(0, decodes.rows, out.to(output.dtype))

@@ -25,7 +25,11 @@ logger = logging.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
-DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+#: the cache dtypes the kernel reads, by entry-point suffix; bf16/fp16 are computed in float32
+DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: the dtype of the query and output each cache dtype is computed in
+COMPUTE_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32,
+                  torch.float16: torch.float32}
 
 
 class NativeBuildError(RuntimeError):
@@ -90,5 +94,5 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
 
 
 def head_dim_fits(dtype: torch.dtype, head_dim: int) -> bool:
-    """The kernel works in 64-byte vectors: head_dim must be a whole number of them."""
-    return dtype in DTYPES and head_dim % (64 // torch.empty((), dtype=dtype).element_size()) == 0
+    """The kernel computes in 64-byte vectors of the compute dtype: head_dim must be a whole number of them."""
+    return dtype in DTYPES and head_dim % (64 // COMPUTE_DTYPES[dtype].itemsize) == 0

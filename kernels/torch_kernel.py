@@ -183,13 +183,12 @@ def attention(q, k, v, mask, scaling, softcap, is_causal=False) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=is_causal,
                                               enable_gqa=q.shape[1] != k.shape[1])
     groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
+    dtype, compute = q.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16 scores would round before tanh
+    q, k, v = q.to(compute), k.repeat_interleave(groups, dim=1).to(compute), v.repeat_interleave(groups, dim=1).to(compute)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
     scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-    return torch.matmul(probs, v)
+    return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)

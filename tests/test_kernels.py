@@ -62,9 +62,18 @@ def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, bl
                         softcap=softcap)
     for i in range(len(shapes)):
         rows = slice(starts[i], starts[i + 1])
-        expected = dense_reference(query[rows].double(), full_k[i], full_v[i], scaling, window, softcap)
-        tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+        k, v = full_k[i], full_v[i]
+        if dtype in HALF_TOLERANCE:  # the reference sees the cache's rounded K/V: only the kernel's arithmetic counts
+            k, v = k.to(dtype).double(), v.to(dtype).double()
+        expected = dense_reference(query[rows].double(), k, v, scaling, window, softcap)
+        tolerance = {torch.float64: 1e-10, torch.float32: 2e-5}.get(dtype) or HALF_TOLERANCE[dtype]
         torch.testing.assert_close(out[rows], expected.to(dtype), rtol=tolerance, atol=tolerance)
+
+
+#: bf16/fp16 outputs against float64 attention over the same rounded inputs: one rounding of the output (half an
+#: ulp: 2^-9 for bf16, 2^-12 for fp16) plus float32 accumulation; a kernel that rounded scores or weights to
+#: bf16 on the way would miss these
+HALF_TOLERANCE = {torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 
 def make_kernel(name: str, dtype, head_dim: int):
@@ -73,7 +82,7 @@ def make_kernel(name: str, dtype, head_dim: int):
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 20.0), (3, 10.0)])
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel_name", ["torch", "cpu"])
 def test_mixed_prefill_and_decode_batch_matches_dense(kernel_name, window, softcap, seed, dtype):
     # (context already cached, new tokens): fresh prompts, chunks with a past, and decodes
@@ -84,7 +93,7 @@ def test_mixed_prefill_and_decode_batch_matches_dense(kernel_name, window, softc
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (18, 2, 32), (4, 4, 128), (8, 1, 16)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 30.0)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_cpu_kernel_decodes_long_contexts(num_heads, num_kv_heads, head_dim, window, softcap, dtype):
     """Decode rows over many blocks: group sizes from 1 to 9 (past the 8 query heads done at once), a window
     that starts mid-block, last blocks full and partial, and the scale of a real model."""
@@ -98,11 +107,17 @@ def test_kernel_selection():
     cpu = [torch.device("cpu")]
     assert isinstance(select_kernel("auto", cpu, torch.float32, [64]), CpuKernel)
     assert type(select_kernel("torch", cpu, torch.float32, [64])) is TorchKernel
+    # bf16 and fp16 caches are read by the compiled kernel too (computed in float32: head_dim in 16s)
+    assert isinstance(select_kernel("auto", cpu, torch.bfloat16, [64]), CpuKernel)
+    assert isinstance(select_kernel("auto", cpu, torch.float16, [16]), CpuKernel)
     # what the compiled kernel cannot tile falls back to torch under auto, and is refused when asked for
-    assert type(select_kernel("auto", cpu, torch.bfloat16, [64])) is TorchKernel
     assert type(select_kernel("auto", cpu, torch.float32, [24])) is TorchKernel
-    with pytest.raises(ValueError, match="float32/float64"):
-        select_kernel("cpu", cpu, torch.bfloat16, [64])
+    assert type(select_kernel("auto", cpu, torch.bfloat16, [24])) is TorchKernel
+    assert type(select_kernel("auto", cpu, torch.float8_e5m2, [64])) is TorchKernel
+    with pytest.raises(ValueError, match="float32/float64/bfloat16/float16"):
+        select_kernel("cpu", cpu, torch.float8_e5m2, [64])
+    with pytest.raises(ValueError, match="64 bytes of torch.float32"):
+        select_kernel("cpu", cpu, torch.bfloat16, [24])
     with pytest.raises(ValueError, match="CUDA"):
         select_kernel("flashinfer", cpu, torch.float16, [64])
 

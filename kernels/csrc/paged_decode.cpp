@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #ifndef PAGED_HF_HEAD_DIM
 #error "compile with -DPAGED_HF_HEAD_DIM=<head_dim>"
@@ -49,6 +50,41 @@ template <> struct Vec<double> {
     return (a[0] + a[2]) + (a[1] + a[3]);
   }
 };
+
+// Storage types of the KV cache. bf16/fp16 are widened to float in registers (bf16: the 16 bits become the top
+// half of a float; fp16: a hardware conversion), so every product and sum is float32: the cache is read at half
+// the bytes and nothing is lost that the float32 kernel keeps.
+struct bf16 {
+  uint16_t bits;
+};
+template <typename S> struct Compute { typedef S type; };
+template <> struct Compute<bf16> { typedef float type; };
+template <> struct Compute<_Float16> { typedef float type; };
+
+// n vectors of compute type from n * lanes stored elements.
+template <typename S, int N> inline void load(typename Vec<typename Compute<S>::type>::type (&dst)[N], const S *src) {
+  using T = typename Compute<S>::type;
+  constexpr int L = Vec<T>::lanes;
+  if constexpr (std::is_same_v<S, T>) {
+    std::memcpy(dst, src, sizeof(dst));
+  } else if constexpr (std::is_same_v<S, bf16>) {
+    typedef uint16_t Half __attribute__((vector_size(32), aligned(2)));  // T is float here: 16 lanes
+    typedef uint32_t Wide __attribute__((vector_size(64)));
+    for (int j = 0; j < N; ++j) {
+      Half h;
+      std::memcpy(&h, src + j * L, sizeof(h));
+      const Wide w = __builtin_convertvector(h, Wide) << 16;
+      std::memcpy(&dst[j], &w, sizeof(w));
+    }
+  } else {
+    typedef _Float16 Half __attribute__((vector_size(32), aligned(2)));
+    for (int j = 0; j < N; ++j) {
+      Half h;
+      std::memcpy(&h, src + j * L, sizeof(h));
+      dst[j] = __builtin_convertvector(h, typename Vec<T>::type);
+    }
+  }
+}
 
 struct Batch {
   const int64_t *block_tables, *context_lens;
@@ -105,9 +141,9 @@ template <typename T> struct Running {
 };
 
 // G query heads (sharing one KV head) against the keys [lo, hi) of one block: scores, online-softmax update,
-// values. `scores` is scratch for [G][block_size].
-template <typename T, int G>
-void attend_block(const T *q, const T *keys, const T *values, int64_t token_stride, int64_t lo, int64_t hi,
+// values. `scores` is scratch for [G][block_size]. K/V are stored as S, everything else is T.
+template <typename S, int G, typename T = typename Compute<S>::type>
+void attend_block(const T *q, const S *keys, const S *values, int64_t token_stride, int64_t lo, int64_t hi,
                   const Batch &batch, Running<T> *state, T *out, T *scores) {
   using V = typename Vec<T>::type;
   constexpr int NV = PAGED_HF_HEAD_DIM / Vec<T>::lanes;
@@ -119,7 +155,7 @@ void attend_block(const T *q, const T *keys, const T *values, int64_t token_stri
   for (int g = 0; g < G; ++g) block_max[g] = state[g].max;
   for (int64_t i = lo; i < hi; ++i) {
     V k[NV];
-    std::memcpy(k, keys + i * token_stride, sizeof(k));
+    load<S, NV>(k, keys + i * token_stride);
     for (int g = 0; g < G; ++g) {
       V dot = qv[g][0] * k[0];
       for (int j = 1; j < NV; ++j) dot += qv[g][j] * k[j];
@@ -139,32 +175,32 @@ void attend_block(const T *q, const T *keys, const T *values, int64_t token_stri
   }
   for (int64_t i = lo; i < hi; ++i) {
     V v[NV];
-    std::memcpy(v, values + i * token_stride, sizeof(v));
+    load<S, NV>(v, values + i * token_stride);
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < NV; ++j) acc[g][j] += scores[g * bs + i] * v[j];
   }
   std::memcpy(out, acc, sizeof(acc));
 }
 
-template <typename T>
-using BlockFn = void (*)(const T *, const T *, const T *, int64_t, int64_t, int64_t, const Batch &, Running<T> *, T *, T *);
+template <typename S, typename T = typename Compute<S>::type>
+using BlockFn = void (*)(const T *, const S *, const S *, int64_t, int64_t, int64_t, const Batch &, Running<T> *, T *, T *);
 
-template <typename T> BlockFn<T> block_fn(int64_t group) {
+template <typename S> BlockFn<S> block_fn(int64_t group) {
   switch (group) {
-    case 1: return attend_block<T, 1>;
-    case 2: return attend_block<T, 2>;
-    case 3: return attend_block<T, 3>;
-    case 4: return attend_block<T, 4>;
-    case 5: return attend_block<T, 5>;
-    case 6: return attend_block<T, 6>;
-    case 7: return attend_block<T, 7>;
-    default: return attend_block<T, 8>;
+    case 1: return attend_block<S, 1>;
+    case 2: return attend_block<S, 2>;
+    case 3: return attend_block<S, 3>;
+    case 4: return attend_block<S, 4>;
+    case 5: return attend_block<S, 5>;
+    case 6: return attend_block<S, 6>;
+    case 7: return attend_block<S, 7>;
+    default: return attend_block<S, 8>;
   }
 }
 
 // One row: all its query heads over its blocks, block by block.
-template <typename T>
-void attend_row(const T *q, const T *k_cache, const T *v_cache, int64_t row, const Batch &batch,
+template <typename S, typename T = typename Compute<S>::type>
+void attend_row(const T *q, const S *k_cache, const S *v_cache, int64_t row, const Batch &batch,
                 Running<T> *state, T *scores, T *out) {
   constexpr int64_t D = PAGED_HF_HEAD_DIM;
   const int64_t len = batch.context_lens[row], bs = batch.block_size;
@@ -177,16 +213,16 @@ void attend_row(const T *q, const T *k_cache, const T *v_cache, int64_t row, con
   const int64_t first = start / bs, last = (len - 1) / bs;
   for (int64_t b = first; b <= last; ++b) {
     if (b < last) {
-      prefetch(k_cache + table[b + 1] * block_stride, block_stride * sizeof(T));
-      prefetch(v_cache + table[b + 1] * block_stride, block_stride * sizeof(T));
+      prefetch(k_cache + table[b + 1] * block_stride, block_stride * sizeof(S));
+      prefetch(v_cache + table[b + 1] * block_stride, block_stride * sizeof(S));
     }
     const int64_t t0 = b * bs, lo = start > t0 ? start - t0 : 0, hi = len - t0 < bs ? len - t0 : bs;
     for (int64_t kv_head = 0; kv_head < batch.num_kv_heads; ++kv_head) {
-      const T *keys = k_cache + table[b] * block_stride + kv_head * D;
-      const T *values = v_cache + table[b] * block_stride + kv_head * D;
+      const S *keys = k_cache + table[b] * block_stride + kv_head * D;
+      const S *values = v_cache + table[b] * block_stride + kv_head * D;
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {  // query heads of this KV head, at most 8 at once
         const int64_t head = kv_head * group + g0, heads = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
-        block_fn<T>(heads)(q + head * D, keys, values, token_stride, lo, hi, batch, state + head, out + head * D, scores);
+        block_fn<S>(heads)(q + head * D, keys, values, token_stride, lo, hi, batch, state + head, out + head * D, scores);
       }
     }
   }
@@ -194,8 +230,8 @@ void attend_row(const T *q, const T *k_cache, const T *v_cache, int64_t row, con
     for (int64_t d = 0; d < D; ++d) out[h * D + d] /= state[h].sum;
 }
 
-template <typename T>
-int paged_decode(const T *q, const T *k_cache, const T *v_cache, T *out, const Batch &batch, int num_threads) {
+template <typename S, typename T = typename Compute<S>::type>
+int paged_decode(const T *q, const S *k_cache, const S *v_cache, T *out, const Batch &batch, int num_threads) {
   if constexpr (PAGED_HF_HEAD_DIM % Vec<T>::lanes != 0) {
     return 2;  // this dtype's vectors do not tile head_dim (nothing else is instantiated for it)
   } else {
@@ -212,7 +248,7 @@ int paged_decode(const T *q, const T *k_cache, const T *v_cache, T *out, const B
     for (int64_t row = 0; row < batch.num_rows; ++row) {
       if (!state || !scores) continue;
       const int64_t offset = row * batch.num_heads * PAGED_HF_HEAD_DIM;
-      attend_row<T>(q + offset, k_cache, v_cache, row, batch, state, scores, out + offset);
+      attend_row<S>(q + offset, k_cache, v_cache, row, batch, state, scores, out + offset);
     }
     std::free(state);
     std::free(scores);
@@ -224,15 +260,18 @@ int paged_decode(const T *q, const T *k_cache, const T *v_cache, T *out, const B
 }  // namespace
 
 // Entry points for ctypes. Returns 0 on success, 1 when scratch memory could not be allocated, 2 when the
-// library was built for a head_dim this dtype cannot tile.
-#define PAGED_HF_ENTRY(NAME, T)                                                                                 \
-  extern "C" int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_tables,             \
+// library was built for a head_dim this dtype cannot tile. q and out are in the compute type T (float for a
+// bf16/fp16 cache), k_cache and v_cache in the storage type S.
+#define PAGED_HF_ENTRY(NAME, S, T)                                                                              \
+  extern "C" int NAME(const T *q, const S *k_cache, const S *v_cache, const int64_t *block_tables,             \
                       const int64_t *context_lens, T *out, int64_t num_rows, int64_t max_blocks,              \
                       int64_t num_heads, int64_t num_kv_heads, int64_t block_size, double scale,               \
                       int64_t window, double softcap, int num_threads) {                                       \
     const Batch batch{block_tables, context_lens, num_rows, max_blocks, num_heads, num_kv_heads, block_size,  \
                       window, scale, softcap};                                                                 \
-    return paged_decode<T>(q, k_cache, v_cache, out, batch, num_threads);                                     \
+    return paged_decode<S>(q, k_cache, v_cache, out, batch, num_threads);                                     \
   }
-PAGED_HF_ENTRY(paged_decode_float32, float)
-PAGED_HF_ENTRY(paged_decode_float64, double)
+PAGED_HF_ENTRY(paged_decode_float32, float, float)
+PAGED_HF_ENTRY(paged_decode_float64, double, double)
+PAGED_HF_ENTRY(paged_decode_bfloat16, bf16, float)
+PAGED_HF_ENTRY(paged_decode_float16, _Float16, float)
