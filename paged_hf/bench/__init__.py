@@ -13,6 +13,7 @@ import time
 from ..config import PagedConfig
 from ..kv_cache_manager import cdiv
 from .systems import DEFAULT_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
+from .vllm_system import default_vllm_python, run_vllm
 from .workloads import WORKLOAD_NAMES, Workload, build_workload
 
 __all__ = ["DEFAULT_SYSTEMS", "SYSTEM_NAMES", "WORKLOAD_NAMES", "Workload", "build_workload", "run_bench"]
@@ -83,12 +84,15 @@ def _load_tokenizer(model: str | None):
     return AutoTokenizer.from_pretrained(ensure_default_checkpoint() if is_default_model(model) else model)
 
 
-def _measure_limit(model: str | None, workload: Workload, device: str) -> dict | None:
+def _measure_limit(model: str | None, workload: Workload, device: str, dtype: str) -> dict | None:
+    """The limit in the dtype the systems ran: its matmul rates, and its weight bytes for the bandwidth floor."""
+    import torch  # noqa: PLC0415
+
     from . import machine  # noqa: PLC0415
 
     try:
-        shape = machine.model_shape(model)
-        return machine.limit(shape, workload, machine.measure(shape, device))
+        shape = machine.model_shape(model, getattr(torch, dtype).itemsize)
+        return machine.limit(shape, workload, machine.measure(shape, device, dtype=dtype))
     except Exception as exc:  # the limit is context, not the benchmark: report and go on
         _log(f"could not measure the machine's limit: {type(exc).__name__}: {exc}")
         return None
@@ -107,11 +111,16 @@ def run_bench(args) -> int:
     _log(f"workload {workload.name}: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt + "
          f"{summary['new_tokens']} new tokens; systems: {', '.join(systems)}")
     runs: dict[str, SystemRun] = {}
+    vllm_python = getattr(args, "vllm_python", None) or default_vllm_python()
     for system in systems:
         _log(f"running {system} in a fresh process ...")
         start, other_load = time.perf_counter(), _OtherLoad()
-        runs[system] = run_in_subprocess(system, workload, args.model, engine_config, args.device, args.dtype,
-                                         args.system_timeout, args.threads)
+        if system == "vllm":
+            runs[system] = run_vllm(workload, args.model, tokenizer, args.dtype, vllm_python, args.device,
+                                    args.system_timeout, args.threads)
+        else:
+            runs[system] = run_in_subprocess(system, workload, args.model, engine_config, args.device, args.dtype,
+                                             args.system_timeout, args.threads)
         runs[system].extra["other_cpu_load"] = other_load.fraction()
         status = runs[system].skipped or runs[system].error or f"{runs[system].wall_s:.1f} s timed"
         _log(f"{system}: {status} ({time.perf_counter() - start:.1f} s with start-up)")
@@ -119,9 +128,9 @@ def run_bench(args) -> int:
         import torch  # noqa: PLC0415
 
         torch.set_num_threads(args.threads)
-    limit = None if args.no_machine_limit else _measure_limit(args.model, workload, args.device)
+    limit = None if args.no_machine_limit else _measure_limit(args.model, workload, args.device, args.dtype)
     settings = {"model": args.model or "SmolLM2-135M-Instruct (default)", "device": args.device, "dtype": args.dtype,
-                "threads": args.threads,
+                "threads": args.threads, "vllm_python": vllm_python if "vllm" in systems else None,
                 "engine_config": engine_config, "systems": systems,
                 "max_new_tokens_scale": args.max_new_tokens_scale}
     report = reporting.build_report(workload, runs, limit, settings)

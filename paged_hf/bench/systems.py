@@ -22,11 +22,13 @@ from dataclasses import asdict, dataclass, field
 
 from .workloads import Workload
 
-SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
+SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb",
+                "hf_cb_default")
+#: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
 DEFAULT_SYSTEMS = {
-    "mixed": ("paged_hf", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
-    "prefix": ("paged_hf", "paged_hf_noprefix", "hf_static_8", "hf_cb"),
-    "decode": ("paged_hf", "hf_static_8", "hf_static_32", "hf_cb"),
+    "mixed": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
+    "prefix": ("paged_hf", "paged_hf_noprefix", "vllm", "hf_static_8", "hf_cb"),
+    "decode": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_cb"),
     "lora": ("paged_hf", "hf_static_8"),
 }
 #: transformers' continuous batching: `hf_cb` as tuned in MEASUREMENTS.md, `hf_cb_default` with transformers'
