@@ -1,5 +1,6 @@
 """paged_hf: serve any HuggingFace causal LM like vLLM does, without leaving transformers."""
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .config import PagedConfig
 from .generator import ContinuousBatchGenerator
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -9,6 +10,9 @@ from .sampling_params import SamplingParams
 from .structured_output import StructuredOutputsParams
 
 __all__ = [
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "ContinuousBatchGenerator",
     "PagedCache",

@@ -12,6 +12,7 @@ import time
 import torch
 from transformers.utils import logging
 
+from . import beam_search as _beam_search
 from .block_pool import BlockPool
 from .config import PagedConfig
 from .kv_cache_manager import KVCacheManager, cdiv
@@ -222,14 +223,15 @@ class ContinuousBatchGenerator:
         for scheduled in out.scheduled:
             self.scheduler.advance(scheduled)
         requests = [scheduled.request for scheduled in inputs.sampled]
+        requests, logits, beam_groups = _beam_search.route_beam_rows(self, requests, logits)
+        touched: dict[RequestGroup, None] = dict.fromkeys(beam_groups)  # beam searches that ended
         if not requests:
-            return []
+            return self._drop_finished(touched)
         rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
                 for r in requests]
         sampled = self.sampler(logits, rows)
         token_ids = broadcast_tokens(sampled.token_ids, logits.device)  # tensor parallel: rank 0's tokens
         now = time.monotonic()
-        touched: dict[RequestGroup, None] = {}
         for request, token_id, logprobs in zip(requests, token_ids, sampled.logprobs):
             request.append_token(token_id)
             if request.first_token_time is None:
@@ -241,10 +243,22 @@ class ContinuousBatchGenerator:
                 request.finish_time = now
                 self.scheduler.finish(request, reason)
             touched[self.groups[request.request_id]] = None
+        return self._drop_finished(touched)
+
+    def _drop_finished(self, touched: dict) -> list:
         for group in touched:
             if group.finished:
                 del self.groups[group.request_id]
         return list(touched)
+
+    def add_beam_request(self, prompt, params, adapter: str | None = None, request_id: str | None = None) -> str:
+        """Queue one beam search (`BeamSearchParams`); step() reports it once, finished, with its best
+        hypotheses as outputs. Its beams run in the same steps as every other request."""
+        return _beam_search.add_beam_request(self, prompt, params, adapter, request_id)
+
+    def beam_search(self, prompts: Sequence, params, adapters=None, use_tqdm: bool = False) -> list:
+        """Beam search over each prompt (vLLM's `LLM.beam_search`) -> list[BeamSearchOutput], in prompt order."""
+        return _beam_search.beam_search(self, prompts, params, adapters, use_tqdm)
 
     def abort(self, request_id: str) -> None:
         """Free the request's blocks now; its final output (finish_reason "abort") comes with the next step.

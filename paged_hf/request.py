@@ -54,6 +54,7 @@ class Request:
     num_cached_blocks: int = 0  # how many leading blocks of `block_ids` were offered to the prefix cache
     pending_forks: list["Request"] = field(default_factory=list, repr=False)  # siblings that fork from this one
     fork_parent: "Request | None" = field(default=None, repr=False)  # set while waiting in a parent's pending_forks
+    reserved_seats: int = 0  # a beam search's first sequence: seats for the beams it will fork
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -66,6 +67,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_seats(self) -> int:
+        """Seats of max_num_seqs it takes while running: itself and the sequences that will fork from it."""
+        return 1 + len(self.pending_forks) + self.reserved_seats
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -74,7 +74,7 @@ class Scheduler:
 
     def _num_seats(self) -> int:
         """Seats taken out of max_num_seqs: running requests and the siblings they will fork."""
-        return sum(1 + len(r.pending_forks) for r in self.running)
+        return sum(r.num_seats for r in self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -83,7 +83,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens_to_compute, budget)
-            assert num_new > 0, "a running request with nothing to compute"
+            if num_new == 0:  # a beam waiting for its siblings' logits (beam search): nothing to compute
+                index += 1
+                continue
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest request gives its blocks back
                 self._preempt(victim)
@@ -98,6 +100,8 @@ class Scheduler:
             break
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
+            if not out.scheduled and self.waiting:
+                self._unpark(out, budget)
         out.block_copies = self.kv_cache_manager.take_block_copies()
         return out
 
@@ -110,7 +114,7 @@ class Scheduler:
         skipped: list[Request] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            seats = min(1 + len(request.pending_forks), self.max_num_seqs)
+            seats = min(request.num_seats, self.max_num_seqs)
             if num_seats + seats > self.max_num_seqs:
                 break
             if adapters is not None and not self._adapter_fits(request, adapters):
@@ -122,7 +126,7 @@ class Scheduler:
             if not kv_cache_manager.allocate_slots(request, num_new, hits):
                 break
             self._count_lookup(request, num_cached)
-            num_seats += 1 + len(request.pending_forks)
+            num_seats += request.num_seats
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -172,6 +176,34 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             self.running.append(child)
         self.waiting.extendleft(reversed(siblings[num_seats:]))
+
+    def _unpark(self, out: SchedulerOutput, budget: int) -> None:
+        """Every running request is a beam waiting for its siblings (beam search) and the queue's head does
+        not fit: free the blocks of other requests' waiting beams, newest first, until it does. They keep
+        their logits and queue at the back (they recompute once their search moves on)."""
+        head = self.waiting[0].request_id
+        while not out.scheduled:
+            parked = [r for r in self.running if r.num_tokens_to_compute == 0 and r.request_id != head]
+            if not parked:
+                return
+            victim = parked[-1]
+            self.running.remove(victim)
+            self._preempt(victim)
+            self.waiting.remove(victim)
+            self.waiting.append(victim)
+            out.preempted.append(victim)
+            self._admit_waiting(out, budget)
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Beam search: each child holds the parent's tokens plus one of its own. A parent with blocks shares
+        them (the children join the running requests, seats allowing); one without (preempted) has none to
+        share, so the children queue at the front and recompute (prefix-cache hits included)."""
+        parent.reserved_seats = 0
+        if parent.status is RequestStatus.RUNNING:
+            parent.pending_forks = list(children)
+            self._fork(parent)
+        else:
+            self.waiting.extendleft(reversed(children))
 
     def _preempt(self, request: Request) -> None:
         """Give the request's blocks back; it is recomputed from zero later (siblings still waiting for
