@@ -58,7 +58,7 @@ def make_generator(seed: int, index: int, device) -> torch.Generator:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (
-        p.temperature == 0
+        p.greedy
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0
         and p.frequency_penalty == 0
@@ -86,11 +86,8 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         raw = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)  # [num_rows, vocab_size]
-        scores = self._mask_min_new_tokens(raw, rows)
-        scores = _apply_repetition_penalty(scores, rows)
-        scores = _apply_presence_frequency(scores, rows)
-
-        sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
+        scores = self.penalized(raw, rows)
+        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not sampled:
             token_ids = scores.argmax(dim=-1)  # [num_rows]
         elif len(sampled) == len(rows):
@@ -101,9 +98,17 @@ class Sampler:
             token_ids[index] = _sample(scores[index], [rows[i] for i in sampled])
         return SamplerOutput(token_ids.tolist(), _logprobs(raw, token_ids, rows))
 
+    def penalized(self, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The logits after min_new_tokens masking and the penalties: what greedy rows take the argmax of and
+        sampled rows go on from. No NaN, and every row keeps a token above -inf."""
+        scores = self._mask_min_new_tokens(raw, rows)
+        scores = _apply_repetition_penalty(scores, rows)
+        return _apply_presence_frequency(scores, rows)
+
     def _mask_min_new_tokens(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Until min_new_tokens exist, no token that would stop the request may be drawn (HF's
-        MinNewTokensLengthLogitsProcessor). With ignore_eos, EOS stops nothing, so only stop_token_ids."""
+        MinNewTokensLengthLogitsProcessor). With ignore_eos, EOS stops nothing, so only stop_token_ids.
+        A row whose every token would stop it keeps them all (there is nothing else to draw)."""
         vocab_size = scores.shape[-1]
         row_index, token_index = [], []
         for i, row in enumerate(rows):
@@ -114,6 +119,8 @@ class Sampler:
             if not p.ignore_eos:
                 ids += self.eos_token_ids + list(p.eos_token_ids or ())
             ids = [t for t in ids if t < vocab_size]
+            if len(set(ids)) == vocab_size:
+                continue
             row_index += [i] * len(ids)
             token_index += ids
         if not token_index:
@@ -127,7 +134,9 @@ def _indices(row_index: list[int], token_index: list[int], device) -> tuple[torc
 
 def _apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """HF's RepetitionPenaltyLogitsProcessor, per row: every token of prompt + output is divided by the
-    penalty when positive, multiplied when negative (so a penalty > 1 always makes it less likely)."""
+    penalty when positive, multiplied when negative (so a penalty > 1 always makes it less likely).
+    Extreme penalties saturate at the dtype's largest finite value: never +inf (NaN in the softmax), and
+    never -inf (that would mask the token) except for tokens that were masked already."""
     row_index, token_index, penalties = [], [], []
     for i, row in enumerate(rows):
         penalty = row.params.repetition_penalty
@@ -140,9 +149,11 @@ def _apply_repetition_penalty(scores: torch.Tensor, rows: Sequence[SamplingRow])
         return scores
     seen = torch.zeros_like(scores, dtype=torch.bool)  # [num_rows, vocab_size]
     seen[_indices(row_index, token_index, scores.device)] = True
+    finfo = torch.finfo(scores.dtype)
     penalty = torch.tensor(penalties, dtype=scores.dtype, device=scores.device)[:, None]  # [num_rows, 1]
-    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return torch.where(seen, penalized, scores)
+    penalty = penalty.clamp(finfo.tiny, finfo.max)  # a float64 penalty may be 0 or inf in float32
+    penalized = torch.where(scores < 0, scores * penalty, scores / penalty).clamp(-finfo.max, finfo.max)
+    return torch.where(seen & scores.isfinite(), penalized, scores)
 
 
 def _apply_presence_frequency(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -166,14 +177,32 @@ def _apply_presence_frequency(scores: torch.Tensor, rows: Sequence[SamplingRow])
 
 
 def _sample(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p (HF's warpers, in HF's order), then one draw per row.
-    scores: [num_rows, vocab_size], every row with temperature > 0. Returns [num_rows] token ids."""
+    """One draw per row from its warped distribution. scores: [num_rows, vocab_size], no greedy row.
+    Returns [num_rows] token ids."""
+    return _draw(_probabilities(scores, rows), rows)
+
+
+def _apply_temperature(scores: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """scores / temperature, as HF. Where that overflows (a temperature near 1e-5 over huge scores), the
+    row's maximum is subtracted first: the softmax is the same and the row keeps a finite maximum (0)."""
+    temperature = scores.new_tensor(temperatures).clamp(max=torch.finfo(scores.dtype).max)[:, None]  # [num_rows, 1]
+    scaled = scores / temperature
+    overflow = ~scaled.amax(dim=-1).isfinite()  # [num_rows]
+    if overflow.any():
+        shifted = (scores - scores.amax(dim=-1, keepdim=True)) / temperature  # <= 0, its maximum 0
+        scaled = torch.where(overflow[:, None], shifted, scaled)
+    return scaled
+
+
+def _probabilities(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p (HF's warpers, in HF's order) -> [num_rows, vocab_size] probabilities
+    (unnormalized after min-p). scores: from Sampler.penalized, no greedy row."""
     params = [row.params for row in rows]
     vocab_size = scores.shape[-1]
     neg_inf = float("-inf")
 
     if any(p.temperature != 1.0 for p in params):
-        scores = scores / scores.new_tensor([p.temperature for p in params])[:, None]
+        scores = _apply_temperature(scores, [p.temperature for p in params])
 
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # 0 = off
     if any(top_ks):
@@ -196,7 +225,11 @@ def _sample(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     if any(p.min_p > 0 for p in params):
         min_p = probs.new_tensor([p.min_p for p in params])[:, None]
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)  # max is kept
+    return probs
 
+
+def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row from `probs` [num_rows, vocab_size]; seeded rows from their own generator."""
     # Exponential race: argmax(probs / q) with q ~ Exp(1) is a draw from probs (no need to renormalize).
     q = torch.empty_like(probs)  # [num_rows, vocab_size]
     seeded = [i for i, row in enumerate(rows) if row.generator is not None]

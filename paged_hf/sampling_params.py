@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+#: a temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would overflow
+GREEDY_TEMPERATURE = 1e-5
 
 from .structured_output import StructuredOutputsParams
 
@@ -13,7 +17,7 @@ class SamplingParams:
 
     max_new_tokens: int = 16
     min_new_tokens: int = 0
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     min_p: float = 0.0
@@ -57,11 +61,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # rejects NaN
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, value, expected: str) -> None:

@@ -19,7 +19,8 @@ def generator(llama):
     ("max_new_tokens", 0), ("min_new_tokens", -1), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5),
     ("top_k", -2), ("min_p", 2.0), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -3.0), ("n", 0), ("seed", "x"), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("logprobs", -1), ("temperature", float("nan")),
+    ("logprobs", -1), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("repetition_penalty", float("inf")),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

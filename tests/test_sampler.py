@@ -21,6 +21,7 @@ from paged_hf.sampler import (
     SamplerOutput,
     SamplingRow,
     _apply_presence_frequency,
+    _probabilities,
     make_generator,
 )
 from paged_hf.sampling_params import SamplingParams
@@ -256,3 +257,60 @@ def test_logprobs_hold_the_sampled_token_and_the_raw_top_k():
         for token, value in entry.items():
             assert math.isclose(value, raw[i, token].item(), rel_tol=1e-5, abs_tol=1e-6)
     assert out.token_ids[3] != EOS and EOS in out.logprobs[3]
+
+
+# --- no accepted parameters give NaN or inf probabilities --------------------------------------------------
+
+VOCAB_SIZE = 24
+positive = dict(allow_nan=False, allow_infinity=False, allow_subnormal=True)
+
+
+@st.composite
+def sampling_rows(draw) -> SamplingRow:
+    """Any SamplingParams inside the accepted ranges, with extreme values favoured, over prompt/output ids."""
+    temperature = draw(st.one_of(st.sampled_from([0.0, 5e-324, 1e-45, 1e-8, 1e-5, 1.0, 1e300]),
+                                 st.floats(min_value=0, max_value=1e308, **positive)))
+    penalty = draw(st.one_of(st.sampled_from([5e-324, 1e-300, 1e-45, 0.5, 1.0, 2.0, 1e300, 1.7e308]),
+                             st.floats(min_value=0, max_value=1.7e308, exclude_min=True, **positive)))
+    max_new_tokens = draw(st.integers(1, 8))
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, min_new_tokens=draw(st.integers(0, max_new_tokens)),
+        temperature=temperature, top_p=draw(st.sampled_from([1.0, 0.5, 1e-9, 5e-324])),
+        top_k=draw(st.sampled_from([-1, 0, 1, 3, VOCAB_SIZE, VOCAB_SIZE + 5])),
+        min_p=draw(st.sampled_from([0.0, 0.1, 1.0])), repetition_penalty=penalty,
+        presence_penalty=draw(st.sampled_from([-2.0, 0.0, 2.0])), frequency_penalty=draw(st.sampled_from([-2.0, 0.0, 2.0])),
+        stop_token_ids=draw(st.sampled_from([None, [0], list(range(VOCAB_SIZE))])),
+        ignore_eos=draw(st.booleans()),
+    )
+    ids = st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=VOCAB_SIZE)
+    prompt = draw(ids.filter(bool) | st.just(list(range(VOCAB_SIZE))))
+    return row(params, prompt=prompt, output=draw(ids))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(sampling_rows(), min_size=1, max_size=4), scale=st.sampled_from([1.0, 1e4, 1e30]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**31))
+def test_no_accepted_parameters_give_nan_or_inf_probabilities(rows, scale, dtype, seed):
+    logits = (torch.randn(len(rows), VOCAB_SIZE, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+    sampler = Sampler([EOS])
+    scores = sampler.penalized(logits.to(dtype), rows)
+    assert not scores.isnan().any() and (scores > float("-inf")).any(dim=-1).all()
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    probs = torch.zeros_like(scores)
+    if sampled:
+        probs[sampled] = _probabilities(scores[sampled], [rows[i] for i in sampled])
+    assert probs.isfinite().all() and (probs >= 0).all() and (probs[sampled].sum(dim=-1) > 0).all(), probs
+    tokens = sampler(logits, rows).token_ids
+    for i, (token, r) in enumerate(zip(tokens, rows)):
+        if r.params.greedy:
+            assert token == scores[i].argmax().item()
+        else:
+            assert probs[i, token] > 0, (r.params, probs[i])
+
+
+def test_a_temperature_below_1e_5_is_greedy():
+    logits = torch.tensor([[1.0, 3.0, 2.0]]).expand(200, -1)
+    for temperature in (1e-45, 5e-324, 9.9e-6):
+        assert SamplingParams(temperature=temperature).greedy
+        assert set(Sampler([])(logits, [row(SamplingParams(temperature=temperature))] * 200).token_ids) == {1}
+    assert not SamplingParams(temperature=1e-5).greedy
