@@ -39,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", type=float, help="KV cache bytes, or a fraction of free memory (<= 1)")
     group.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    group.add_argument("--max-stop-strings", type=int, help="most stop strings per request (default: 64)")
+    group.add_argument("--max-stop-string-chars", type=int, help="longest stop string (default: 512 characters)")
     group.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                        help="a peft LoRA adapter folder to load under NAME (repeatable)")
 
@@ -46,7 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> dict:
     """Only the flags that were given, as PagedConfig keyword arguments."""
     config = {}
-    for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len"):
+    for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len",
+                 "max_stop_strings", "max_stop_string_chars"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     if args.kv_cache_memory is not None:

@@ -20,6 +20,9 @@ class PagedConfig:
     adapters: dict[str, str] = field(default_factory=dict)
     max_loras: int = 4
     max_lora_rank: int = 64
+    # bounds on a request's stop strings: each one is searched in every new token's text of that request
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 512
 
     def __post_init__(self) -> None:
         if not (isinstance(self.block_size, int) and self.block_size >= 1):
@@ -28,7 +31,8 @@ class PagedConfig:
             raise ValueError(f"num_blocks must be an int >= 1 or None, got {self.num_blocks!r}")
         if self.kv_cache_memory is not None and not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory must be bytes or a fraction in (0, 1], got {self.kv_cache_memory!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank", "max_stop_strings",
+                     "max_stop_string_chars"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

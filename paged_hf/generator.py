@@ -25,7 +25,7 @@ from .outputs import RequestOutput
 from .request import Request
 from .request_group import RequestGroup
 from .sampler import Sampler, SamplingRow, make_generator
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, check_stop_limits
 from .scheduler import Scheduler
 from .stopping import StopChecker
 from .structured_output import GrammarCompiler, grammar_compiler
@@ -83,6 +83,7 @@ class ContinuousBatchGenerator:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        check_stop_limits(params.stop, self.config.max_stop_strings, self.config.max_stop_string_chars)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
         prompt_ids = self._prompt_token_ids(prompt)

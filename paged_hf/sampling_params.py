@@ -64,6 +64,20 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+def check_stop_limits(stop: list[str] | None, max_stop_strings: int, max_stop_string_chars: int) -> None:
+    """Stop strings within the engine's bounds (PagedConfig): every one of them is searched at every step of
+    the request, so an unbounded list would slow the whole batch."""
+    if not stop:
+        return
+    if len(stop) > max_stop_strings:
+        raise ValueError(f"SamplingParams.stop has {len(stop)} strings; at most max_stop_strings={max_stop_strings} "
+                         "are accepted (a PagedConfig field)")
+    longest = max(stop, key=len)
+    if len(longest) > max_stop_string_chars:
+        raise ValueError(f"SamplingParams.stop holds a string of {len(longest)} characters; at most "
+                         f"max_stop_string_chars={max_stop_string_chars} are accepted (a PagedConfig field)")
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

@@ -38,3 +38,9 @@ def test_the_banner_reports_the_max_model_len_the_kv_cache_holds(served, capsys)
     banner = capsys.readouterr().err
     assert "max_model_len 128)" in banner, banner
     assert served["app"].state.ctx.max_model_len == 128
+
+
+def test_stop_string_bounds_are_engine_flags(served):
+    assert cli.main(["serve", "--num-blocks", "8", "--max-stop-strings", "3", "--max-stop-string-chars", "9"]) == 0
+    config = served["app"].state.ctx.engine.generator.config
+    assert (config.max_stop_strings, config.max_stop_string_chars) == (3, 9)

@@ -124,3 +124,20 @@ def test_abort_of_a_waiting_request_and_unknown_id(generator):
     assert [o.outputs[0].finish_reason for o in outputs] == ["abort"]
     assert not generator.has_unfinished_requests()
     assert_no_leak(generator)
+
+
+def test_stop_lists_are_bounded_by_the_config(llama):
+    from test_server import tiny_tokenizer  # noqa: PLC0415
+
+    config = PagedConfig(num_blocks=16, block_size=4, max_stop_strings=3, max_stop_string_chars=5)
+    generator = paged_hf.ContinuousBatchGenerator(llama, config, tiny_tokenizer())
+    with pytest.raises(ValueError, match="4 strings; at most max_stop_strings=3"):
+        generator.add_request([1, 2], SamplingParams(max_new_tokens=2, stop=["a", "b", "c", "d"]))
+    with pytest.raises(ValueError, match="6 characters; at most max_stop_string_chars=5"):
+        generator.add_request([1, 2], SamplingParams(max_new_tokens=2, stop=["abcdef"]))
+    assert not generator.has_unfinished_requests()
+    generator.add_request([1, 2], SamplingParams(max_new_tokens=2, stop=["a", "b", "abcde"]))
+    assert generator.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_stop_strings"):
+        PagedConfig(max_stop_strings=0)
+    assert PagedConfig().max_stop_strings == 64 and PagedConfig().max_stop_string_chars == 512

@@ -223,6 +223,8 @@ BAD_INPUTS = [
     (400, "/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
     (400, "/v1/chat/completions", {"model": MODEL}, "messages"),
     (413, "/v1/completions", {"model": MODEL, "prompt": "the " * 20000}, None),
+    (400, "/v1/completions", {"model": MODEL, "prompt": "the", "stop": [f"s{i}" for i in range(65)]}, "max_stop_strings"),
+    (400, "/v1/completions", {"model": MODEL, "prompt": "the", "stop": ["x" * 513]}, "max_stop_string_chars"),
 ]
 
 
