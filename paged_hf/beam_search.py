@@ -95,21 +95,12 @@ def _check(ok: bool, name: str, value, expected: str) -> None:
 
 # --- the engine calls (ContinuousBatchGenerator.add_beam_request / beam_search delegate here) -----------------
 def add_beam_request(generator, prompt, params: BeamSearchParams, adapter: str | None = None,
-                     request_id: str | None = None, lockstep: Lockstep | None = None, record: bool = False,
-                     eos_token_ids: list[int] | None = None) -> str:
+                     request_id: str | None = None, lockstep: Lockstep | None = None, record: bool = False) -> str:
     """Validate and queue one beam search; its first beam computes the prompt, the others fork from it.
-    `eos_token_ids` replaces the model's EOS (the drop-in passes HF's exact set); `lockstep` and `record`
-    serve the drop-in's `output_scores` (HF runs a batch until every prompt is done and keeps every round's
-    scores)."""
-    if not isinstance(params, BeamSearchParams):
-        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    if params.beam_width > generator.config.max_num_seqs:
-        raise ValueError(f"beam_width={params.beam_width} is more than max_num_seqs={generator.config.max_num_seqs} "
-                         "(every beam runs as one sequence)")
+    `lockstep` and `record` serve the drop-in's `output_scores` (HF runs a batch until every prompt is done
+    and keeps every round's scores)."""
     prompt_ids = generator._prompt_token_ids(prompt)
-    internal = SamplingParams(max_new_tokens=params.max_tokens, temperature=0, ignore_eos=True)
-    generator._check_fits(prompt_ids, internal)
-    _check_beams_fit(generator, len(prompt_ids), params)
+    internal = check_beam_request(generator, prompt_ids, params)
     lora = generator._adapter(adapter)
     request_id = str(next(generator._ids)) if request_id is None else str(request_id)
     if request_id in generator.groups:
@@ -117,12 +108,26 @@ def add_beam_request(generator, prompt, params: BeamSearchParams, adapter: str |
     first = Request(request_id, 0, list(prompt_ids), internal, adapter, lora=lora,
                     adapter_version=None if lora is None else lora.version)
     first.reserved_seats = params.beam_width - 1  # the beams it forks after the prompt have seats waiting
-    eos = generator.info.eos_token_ids if eos_token_ids is None else eos_token_ids
-    stop_ids = list(params.stop_token_ids or ()) + ([] if params.ignore_eos else [t for t in eos if t not in (params.stop_token_ids or ())])
+    stop_ids = list(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        stop_ids += [t for t in generator.info.eos_token_ids if t not in stop_ids]
     group = BeamGroup(request_id, prompt_ids, params, first, stop_ids, generator.tokenizer, lockstep, record)
     generator.groups[request_id] = group
     generator.scheduler.add(first)
     return request_id
+
+
+def check_beam_request(generator, prompt_ids: list[int], params: BeamSearchParams) -> SamplingParams:
+    """ValueError for a beam search the engine cannot hold; -> the SamplingParams its sequences carry."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if params.beam_width > generator.config.max_num_seqs:
+        raise ValueError(f"beam_width={params.beam_width} is more than max_num_seqs={generator.config.max_num_seqs} "
+                         "(every beam runs as one sequence)")
+    internal = SamplingParams(max_new_tokens=params.max_tokens, temperature=0, ignore_eos=True)
+    generator._check_fits(prompt_ids, internal)
+    _check_beams_fit(generator, len(prompt_ids), params)
+    return internal
 
 
 def _check_beams_fit(generator, num_prompt_tokens: int, params: BeamSearchParams) -> None:
@@ -141,24 +146,32 @@ def _check_beams_fit(generator, num_prompt_tokens: int, params: BeamSearchParams
 def beam_search(generator, prompts: Sequence, params, adapters=None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
     """Run beam searches to completion (batched with each other and with any other request in flight);
     outputs in prompt order. On any error the call's requests are aborted."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
     from .generator import _per_prompt  # noqa: PLC0415
 
     prompts = list(prompts)
     params_list = _per_prompt(params, len(prompts), "params")
     adapter_names = _per_prompt(adapters, len(prompts), "adapters")
+    groups = run_beam_searches(generator, prompts, params_list, adapter_names, use_tqdm)
+    return [group.beam_output() for group in groups]
+
+
+def run_beam_searches(generator, prompts: list, params: list[BeamSearchParams], adapters: list, use_tqdm: bool = False,
+                      lockstep: Lockstep | None = None, record: bool = False) -> list[BeamGroup]:
+    """Submit one beam search per prompt and step the engine until all ended; -> their groups. Their outputs
+    are this call's, not step()'s; on any error (or interrupt) they are aborted."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
     groups: list[BeamGroup] = []
     try:
-        for prompt, p, adapter in zip(prompts, params_list, adapter_names):
-            groups.append(generator.groups[add_beam_request(generator, prompt, p, adapter)])
-            generator._claimed.add(groups[-1])  # its output is this call's, not step()'s
+        for prompt, p, adapter in zip(prompts, params, adapters):
+            groups.append(generator.groups[add_beam_request(generator, prompt, p, adapter, None, lockstep, record)])
+            generator._claimed.add(groups[-1])
         with tqdm(total=len(groups), desc="paged_hf beam search", unit="req", disable=not use_tqdm) as bar:
             while not all(group.finished for group in groups):
                 num_done = sum(group.finished for group in groups)
                 generator._step_for_call()
                 bar.update(sum(group.finished for group in groups) - num_done)
-        return [group.beam_output() for group in groups]
+        return groups
     finally:
         for group in groups:
             generator._release(group)

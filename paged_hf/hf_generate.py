@@ -21,12 +21,14 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
+from . import hf_beam_generate
+from .beam_search import BeamSearchParams, check_beam_request
 from .sampling_params import SamplingParams
 
 logger = logging.get_logger(__name__)
 
 _GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
-_SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+_SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH)
 # Generation options the engine has no processor for: unsupported when set at all, or when not at an "off" value.
 _OPTIONS_SET = ("bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
                 "suppress_tokens", "begin_suppress_tokens", "watermarking_config", "max_time", "sequence_bias")
@@ -49,6 +51,7 @@ class _Call:
     pad_token_id: int | None
     streamer: object | None = None
     stop_criteria: StopStringCriteria | None = None
+    beam: BeamSearchParams | None = None  # num_beams > 1: HF's beam search
 
 
 class _Fallback(Exception):
@@ -62,6 +65,8 @@ def paged_generate(paged_model, *args, **kwargs):
     except _Fallback as reason:
         logger.warning_once(f"paged_hf: generate() falls back to the model's own generate: {reason}")
         return paged_model.unwrap().generate(*args, **kwargs)
+    if call.beam is not None:
+        return hf_beam_generate.generate_beams(paged_model.generator, call)
     sequences = _assemble(call, _run(paged_model.generator, call))
     if call.config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
@@ -83,19 +88,23 @@ def _translate(paged_model, args: tuple, kwargs: dict) -> _Call:
         params = _sampling_params(config, input_ids.shape[1])
         if params.repetition_penalty != 1.0 and not bool(mask.all()):
             raise _Fallback("repetition_penalty on a padded batch (HF penalizes the pad tokens too)")
+        beam = hf_beam_generate.beam_params(config, params) if config.num_beams > 1 else None
         criteria = _stop_criteria(config, tokenizer, input_ids.shape[0] * params.n)
         prompts = [row[row_mask].tolist() for row, row_mask in zip(input_ids.cpu(), mask)]
+        generator = paged_model.generator
         for prompt in prompts:  # the engine's own limits (vocabulary, max_model_len, cache size): HF has none
-            paged_model.generator._check_fits(paged_model.generator._prompt_token_ids(prompt), params)
+            generator._check_fits(generator._prompt_token_ids(prompt), params)
+            if beam is not None:
+                check_beam_request(generator, prompt, beam)
     except _Fallback:
         raise
     except Exception as error:  # noqa: BLE001 - HF refuses the call, or the engine would: let HF answer
         raise _Fallback(f"{type(error).__name__}: {error}") from None
     streamer = named.get("streamer")
-    if streamer is not None and input_ids.shape[0] * params.n != 1:
-        raise _Fallback("a streamer with more than one sequence")
+    if streamer is not None and (input_ids.shape[0] * params.n != 1 or beam is not None):
+        raise _Fallback("a streamer with more than one sequence, or with beam search")
     pad = None if config._pad_token_tensor is None else int(config._pad_token_tensor)
-    return _Call(input_ids, prompts, config, params, pad, streamer, criteria)
+    return _Call(input_ids, prompts, config, params, pad, streamer, criteria, beam)
 
 
 def _pop_inputs(named: dict, extra: dict) -> tuple[torch.Tensor, torch.Tensor | None, object]:
@@ -150,8 +159,9 @@ def _check_config(config: GenerationConfig) -> None:
         names += ["top_h"] if get("top_h") is not None else []
         names += ["typical_p"] if get("typical_p") is not None and get("typical_p") < 1.0 else []
         names += [name for name in ("epsilon_cutoff", "eta_cutoff") if get(name) is not None and 0 < get(name) < 1]
-    if config.return_dict_in_generate:  # the engine keeps no scores, logits or states
-        names += [name for name in _OUTPUTS if get(name)]
+    if config.return_dict_in_generate:  # the engine keeps no states, and scores or logits in beam search only
+        kept = ("output_scores", "output_logits") if (config.num_beams or 1) > 1 else ()
+        names += [name for name in _OUTPUTS if get(name) and name not in kept]
     if names:
         raise _Fallback(f"unsupported generation option(s) {names}")
 

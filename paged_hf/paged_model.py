@@ -20,8 +20,8 @@ class PagedModel:
         object.__setattr__(self, "generator", ContinuousBatchGenerator(model, config, tokenizer))
 
     def generate(self, *args, **kwargs):
-        """Same arguments and return value as `model.generate`; what the engine cannot serve (beam search,
-        assisted decoding, ...) falls back to the model's own `generate` with a one-time warning."""
+        """Same arguments and return value as `model.generate`; what the engine cannot serve (beam
+        sampling, assisted decoding, ...) falls back to the model's own `generate` with a one-time warning."""
         from .hf_generate import paged_generate  # noqa: PLC0415
 
         if self.generator.serves_peft_model:

@@ -221,12 +221,17 @@ def test_streamer_gets_what_hf_streams(model, paged):
     assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(our_streamer.puts, hf_streamer.puts))
 
 
-def test_beam_search_falls_back_with_one_warning(model, paged, caplog):
+def test_beam_sampling_falls_back_with_one_warning(model, paged, caplog):
+    """Beam search runs on the engine (test_hf_beam_generate.py); beam *sampling* is HF's, warned once."""
     ids, mask = BATCH
     hf_logging.warning_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="paged_hf.hf_generate"):
         for _ in range(2):
-            assert_same(model, paged, ids, attention_mask=mask, max_new_tokens=5, num_beams=2, pad_token_id=PAD)
+            kwargs = dict(attention_mask=mask, max_new_tokens=5, num_beams=2, do_sample=True, pad_token_id=PAD)
+            torch.manual_seed(0)
+            expected = model.generate(ids, **kwargs)
+            torch.manual_seed(0)
+            assert torch.equal(paged.generate(ids, **kwargs), expected)
     warnings = [r.getMessage() for r in caplog.records if r.name == "paged_hf.hf_generate"]
     assert len(warnings) == 1 and "beam" in warnings[0].lower(), warnings
 
