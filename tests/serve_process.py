@@ -1,0 +1,67 @@
+"""`paged-hf serve` as a real process around a tiny random model saved in a folder (tests of the server's
+lifecycle and of `paged-hf bench --serve`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+
+from conftest import tiny_model
+from test_server import tiny_tokenizer
+
+MODEL = "tiny"
+
+
+def save_tiny_model(folder) -> str:
+    model = tiny_model("llama", dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m paged_hf serve` on a free port; `url`, `process`; stopped (killed if need be) on exit."""
+
+    def __init__(self, folder: str, *flags: str, timeout: float = 120):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "paged_hf", "serve", "--model", folder, "--served-model-name", MODEL,
+                "--port", str(self.port), "--log-level", "warning", "--num-blocks", "256", "--max-model-len", "512",
+                *flags]
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, self.process.stdout.read()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+
+    def signal(self, sig=signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
