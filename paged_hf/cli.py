@@ -169,7 +169,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(generator, tokenizer, name, settings)
     print(f"paged-hf serve: {name} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "
           f"blocks, max_model_len {app.state.ctx.max_model_len})", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    from paged_hf.server.lifecycle import DrainingServer  # noqa: PLC0415
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    DrainingServer(config, app.state.ctx.engine, args.shutdown_grace).run()
     return 0
 
 
@@ -207,6 +210,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
                         help="how tool calls are found in the model's output (tool_choice auto)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    parser.add_argument("--shutdown-grace", type=float, default=5.0, help="on SIGTERM, seconds running requests "
+                        "may finish before they are aborted (default: 5; a second SIGTERM exits at once)")
     parser.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
 

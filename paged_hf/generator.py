@@ -22,7 +22,7 @@ from .detokenizer import IncrementalDetokenizer
 from .distributed import broadcast_tokens
 from .model_info import inspect_model
 from .model_runner import ModelRunner
-from .outputs import RequestOutput
+from .outputs import CompletionOutput, RequestOutput
 from .request import Request
 from .request_group import RequestGroup
 from .sampler import Sampler, SamplingRow, make_generator
@@ -59,6 +59,7 @@ class ContinuousBatchGenerator:
         self._claimed: set[RequestGroup] = set()
         self._in_step = False
         self._deferred_releases: list[RequestGroup] = []  # streams dropped (finalized) during a step
+        self._errors: dict[str, Exception] = {}  # request id -> what failed it alone (reported with its output)
         self._ids = itertools.count()
         if peft_model is not None:
             self._lora_manager().add_peft_model(peft_model)
@@ -194,7 +195,28 @@ class ContinuousBatchGenerator:
         ready, self._undelivered = self._undelivered, {}
         ready.update((group, None) for group in touched if group not in self._claimed)
         self._apply_deferred_releases()
-        return [group.output() for group in ready]
+        return [self._output(group) for group in ready]
+
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        """The group's output; an exception that belongs to this one request (its text could not be decoded)
+        fails only it: aborted, blocks freed, reported with `error`."""
+        error = self._errors.pop(group.request_id, None)
+        if error is None:
+            try:
+                return group.output()
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+        logger.error("request %s failed: %r", group.request_id, error)
+        for child in group.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, "abort")
+        if self.groups.get(group.request_id) is group:
+            del self.groups[group.request_id]
+        self._undelivered.pop(group, None)
+        completions = [CompletionOutput(c.index, list(c.output_token_ids), finish_reason=c.finish_reason)
+                       for c in group.children]
+        return RequestOutput(group.request_id, group.prompt_token_ids, completions, finished=True,
+                             error=f"{type(error).__name__}: {error}")
 
     def _step_for_call(self) -> list[RequestGroup]:
         """A step taken by generate() or stream(): what it does to other requests waits for step()."""
@@ -240,7 +262,11 @@ class ContinuousBatchGenerator:
                 request.first_token_time = now
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
-            reason = self.stop_checker.check(request)
+            try:
+                reason = self.stop_checker.check(request)
+            except Exception as exc:  # noqa: BLE001 - this request's own (its stop strings' text): fail only it
+                self._errors[request.request_id] = exc
+                reason = "abort"
             if reason is not None:
                 request.finish_time = now
                 self.scheduler.finish(request, reason)
@@ -314,9 +340,11 @@ class ContinuousBatchGenerator:
                 # nothing ran: the rest ended outside of a step (aborted)
                 for group in touched if touched else list(pending):
                     if group.finished and group in pending:
-                        results[group] = group.output()
+                        results[group] = output = self._output(group)
                         pending.discard(group)
                         bar.update(1)
+                        if output.error is not None:  # generate() raises; its caller aborts the call's others
+                            raise RuntimeError(f"request {group.request_id} failed: {output.error}")
         return [results[group] for group in groups]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, adapter: str | None = None) -> TokenStream:

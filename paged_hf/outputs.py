@@ -28,3 +28,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    error: str | None = None  # this request failed inside the engine (finished, finish_reason "abort"); others ran on

@@ -19,11 +19,15 @@ from test_server import tiny_tokenizer
 MODEL = "tiny"
 
 
-def save_tiny_model(folder) -> str:
+def save_tiny_model(folder, chat_template_prefix: str = "") -> str:
+    """The tiny random Llama and its word-level tokenizer, saved as an HF folder (`chat_template_prefix`: put in
+    front of the chat template, e.g. a slow loop)."""
     model = tiny_model("llama", dtype=torch.float32)
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = chat_template_prefix + tokenizer.chat_template
+    tokenizer.save_pretrained(folder)
     return str(folder)
 
 

@@ -353,13 +353,16 @@ def tiny_load_model(monkeypatch):
 def test_cli_serve_builds_the_app_from_its_flags(tiny_load_model, monkeypatch):
     from paged_hf import cli
 
+    from paged_hf.server.lifecycle import DrainingServer
+
     served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.update(app=app, **kwargs))
-    argv = ["serve", "--port", "8123", "--api-key", "k", "--max-n", "2", "--max-queue", "7", "--max-tokens-cap", "0",
+    monkeypatch.setattr(DrainingServer, "run", lambda self: served.update(
+        app=self.config.app, port=self.config.port, host=self.config.host, grace=self.grace_s))
+    argv = ["serve", "--port", "8123", "--shutdown-grace", "2.5", "--api-key", "k", "--max-n", "2", "--max-queue", "7", "--max-tokens-cap", "0",
             "--num-blocks", "40", "--max-model-len", "256", "--served-model-name", "tiny", "--max-loras", "3"]
     assert cli.main(argv) == 0
     ctx = served["app"].state.ctx
-    assert served["port"] == 8123 and served["host"] == "127.0.0.1"
+    assert served["port"] == 8123 and served["host"] == "127.0.0.1" and served["grace"] == 2.5
     assert (ctx.model_name, ctx.max_model_len, ctx.engine.stats["num_blocks"]) == ("tiny", 256, 40)
     assert ctx.engine.generator.config.max_loras == 3
     assert (ctx.settings.api_key, ctx.settings.max_n, ctx.settings.max_queue, ctx.settings.max_tokens_cap) == (
@@ -369,7 +372,9 @@ def test_cli_serve_builds_the_app_from_its_flags(tiny_load_model, monkeypatch):
 def test_cli_serve_fails_at_startup_for_an_adapter_it_cannot_serve(tiny_load_model, monkeypatch, tmp_path, capsys):
     from paged_hf import cli
 
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: pytest.fail("must not start serving"))
+    from paged_hf.server.lifecycle import DrainingServer
+
+    monkeypatch.setattr(DrainingServer, "run", lambda self: pytest.fail("must not start serving"))
     assert cli.main(["serve", "--adapter", f"tenant={tmp_path / 'missing'}", "--num-blocks", "8"]) == 2
     assert "adapter" in capsys.readouterr().err.lower()
 

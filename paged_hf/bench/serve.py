@@ -210,7 +210,7 @@ def _vllm(args, model_path: str, prompts, workdir: Path) -> dict:
         _log("vllm serve: skipped (no --vllm-python, and no .venv-vllm/bin/python)")
         return {"system": "vllm serve", "skipped": "no vLLM interpreter"}
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name",
-            SERVED_NAME, "--dtype", args.dtype, "--host", "127.0.0.1", "--disable-log-requests"]
+            SERVED_NAME, "--dtype", args.dtype, "--host", "127.0.0.1"]
     return serve_system("vllm serve", argv, _vllm_env(workdir / "vllm_meta"), args, prompts, workdir)
 
 

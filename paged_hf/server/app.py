@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine_loop import EngineError, EngineLoop
@@ -23,8 +23,9 @@ from .metrics import ServerMetrics
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatDelta, ChatMessageOut, CompletionChoice, CompletionRequest,
                        CompletionResponse, ModelCard, ModelList)
-from .serving import (Deltas, Prepared, ServerContext, chat_logprobs, completion_logprobs, outputs, prepare,
-                      submit, usage)
+from .lifecycle import AbortingStreamingResponse
+from .serving import (Deltas, Prepared, ServerContext, chat_logprobs, completion_logprobs, outputs,
+                      prepare_off_loop, submit, usage)
 from .tool_calls import ToolCallStreamer, finish_reason, parse_output, parser_for
 
 
@@ -134,13 +135,13 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 
 async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):
-    prepared = prepare(body, ctx, chat, time.monotonic())
-    stream = await submit(ctx, prepared)  # bad input fails here, before any streamed byte
+    prepared = await prepare_off_loop(ctx, body, chat, time.monotonic())
+    stream = await submit(ctx, prepared, reserved=True)  # bad input fails here, before any streamed byte
     source = outputs(ctx, http_request, stream)
     if prepared.stream:
         events = _chat_events(ctx, prepared, source) if chat else _completion_events(ctx, prepared, source)
-        return StreamingResponse(_sse(events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return AbortingStreamingResponse(_sse(events), ctx.engine, prepared.request_id, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     final = None
     try:
         async for output in source:

@@ -79,6 +79,8 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._lock = threading.Lock()
         self._num_in_flight = 0
+        self.draining = False
+        self._abort_at: float | None = None  # drain deadline (engine thread)
         self._thread: threading.Thread | None = None
         # Snapshots the engine thread refreshes, so other threads never call the generator themselves.
         self.stats: dict = generator.stats()
@@ -101,13 +103,32 @@ class EngineLoop:
         self._thread.join(timeout)
         self._thread = None
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params, adapter: str | None,
-                     arrival_time: float) -> RequestStream:
-        """Queue a request; raises QueueFullError, or the generator's ValueError for bad input."""
+    def reserve(self) -> None:
+        """Count a request against --max-queue before any work is done for it (tokenizing a large prompt
+        included); raises QueueFullError. Every reservation ends in `submit` or `release`."""
         with self._lock:
+            if self.draining:
+                raise QueueFullError("the server is shutting down")
             if self._num_in_flight >= self.max_queue:
                 raise QueueFullError(f"the server is at capacity ({self.max_queue} requests); retry later")
             self._num_in_flight += 1
+
+    def release(self) -> None:
+        """Give back a reservation that will not be submitted (bad input found while preparing it)."""
+        self._release(1)
+
+    def drain(self, grace_s: float) -> None:
+        """Thread-safe (a signal handler calls it): take no new request; what runs may finish for `grace_s`
+        seconds, then it is aborted and each request's last output says finish_reason "abort"."""
+        self.draining = True
+        self._commands.put(("drain", time.monotonic() + grace_s))
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params, adapter: str | None,
+                     arrival_time: float, reserved: bool = False) -> RequestStream:
+        """Queue a request; raises QueueFullError, or the generator's ValueError for bad input. `reserved`: the
+        caller already holds its slot (`reserve()`)."""
+        if not reserved:
+            self.reserve()
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, arrival_time)
         accepted = loop.create_future()
@@ -140,6 +161,10 @@ class EngineLoop:
         busy = self.generator.has_unfinished_requests()
         if not self._drain_commands(block=not busy):
             return False
+        if self._abort_at is not None and time.monotonic() >= self._abort_at:
+            self._abort_at = float("inf")
+            for request_id in list(self._streams):  # their "abort" outputs reach the clients with the next step
+                self.generator.abort(request_id)
         if self.generator.has_unfinished_requests():
             self._step()
         self._refresh_snapshots()
@@ -156,6 +181,8 @@ class EngineLoop:
                 return False
             if command[0] == "add":
                 self._add(*command[1:])
+            elif command[0] == "drain":
+                self._abort_at = min(command[1], self._abort_at or command[1])
             else:
                 self._abort(command[1])
             try:
@@ -165,6 +192,8 @@ class EngineLoop:
 
     def _add(self, stream: RequestStream, prompt_token_ids, params, adapter, accepted: asyncio.Future) -> None:
         try:
+            if self._abort_at is not None:  # prepared while the server began to drain: answer it now
+                raise QueueFullError("the server is shutting down")
             self.generator.add_request(prompt_token_ids, params, adapter=adapter, request_id=stream.request_id)
         except Exception as exc:  # noqa: BLE001 - ValueError is the client's, anything else goes back too
             self._release(1)
@@ -191,9 +220,17 @@ class EngineLoop:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted: nobody waits for it
                 continue
-            self._observe(stream, output, now)
-            deliveries.append((stream, output))
-            if output.finished:
+            try:
+                self._observe(stream, output, now)
+            except Exception as exc:  # noqa: BLE001 - belongs to this request: fail it, not the others
+                self.generator.abort(output.request_id)
+                output.error = f"{type(exc).__name__}: {exc}"
+            if output.error is not None:
+                logger.error("request %s failed: %s", output.request_id, output.error)
+                deliveries.append((stream, EngineError(f"the request failed in the engine: {output.error}")))
+            else:
+                deliveries.append((stream, output))
+            if output.finished or output.error is not None:
                 del self._streams[output.request_id]
                 self._release(1)
         deliver_all(deliveries)

@@ -167,10 +167,25 @@ def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float) -> Pre
                     tools)
 
 
-async def submit(ctx: ServerContext, prepared: Prepared) -> RequestStream:
+async def prepare_off_loop(ctx: ServerContext, request, chat: bool, arrival_time: float) -> Prepared:
+    """`prepare` in a worker thread, after the request took its --max-queue slot: tokenizing a large prompt or
+    rendering a chat template takes seconds, and on the event loop it would stall every stream and /health.
+    The slot is given back if the request turns out bad; else `submit(..., reserved=True)` uses it."""
+    try:
+        ctx.engine.reserve()
+    except QueueFullError as exc:
+        raise ApiError(503, str(exc), "server_overloaded") from None
+    try:
+        return await asyncio.to_thread(prepare, request, ctx, chat, arrival_time)
+    except BaseException:
+        ctx.engine.release()
+        raise
+
+
+async def submit(ctx: ServerContext, prepared: Prepared, reserved: bool = False) -> RequestStream:
     try:
         stream = await ctx.engine.submit(prepared.request_id, prepared.prompt_token_ids, prepared.params,
-                                         prepared.adapter, prepared.arrival_time)
+                                         prepared.adapter, prepared.arrival_time, reserved=reserved)
     except QueueFullError as exc:
         raise ApiError(503, str(exc), "server_overloaded") from None
     except ValueError as exc:
