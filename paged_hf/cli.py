@@ -241,8 +241,6 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--input-len", type=int, default=256, help="random prompt tokens per request")
     group.add_argument("--output-len", type=int, default=128, help="new tokens per request (EOS ignored)")
     group.add_argument("--server-timeout", type=float, default=600, help="seconds a server may take to start")
-    group.add_argument("--vllm-python", default=None, help="python of a vLLM venv (default: .venv-vllm/bin/python "
-                       "when present; without one vLLM is skipped)")
 
 
 def build_parser() -> argparse.ArgumentParser:

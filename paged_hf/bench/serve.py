@@ -2,7 +2,7 @@
 offline.
 
 Each system runs in a process of its own, one after the other: `paged-hf serve` (this interpreter), `vllm
-serve` (the interpreter `--vllm-python` names, when there is one) and paged_hf offline (`generate()` on the same
+serve` (the interpreter `--vllm-python` names, default `.venv-vllm/bin/python` from `make bench-vllm`) and paged_hf offline (`generate()` on the same
 token-id prompts, with `--max-num-seqs` = the concurrency, so the batch it can form is the server's). The load
 is vLLM's random dataset: `--input-len` random token ids, exactly `--output-len` new tokens (EOS ignored), greedy.
 """
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from .loadgen import run_load, summarize
+from .vllm_system import default_vllm_python
 
 SERVED_NAME = "bench-model"
 
@@ -48,12 +49,6 @@ def engine_flags(engine_config: dict) -> list[str]:
         else:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
-
-
-def default_vllm_python() -> str | None:
-    """`.venv-vllm/bin/python` (what `make bench-vllm` builds) when it exists."""
-    path = Path(".venv-vllm/bin/python")
-    return str(path) if path.exists() else None
 
 
 def _threads_env(args) -> dict | None:
