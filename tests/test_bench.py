@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from paged_hf import cli
 from paged_hf.bench import machine, parse_systems, sized_engine_config, vllm_system
-from paged_hf.bench.report import build_report, format_table, percentile
-from paged_hf.bench.systems import SystemRun, skip_reason
+from paged_hf.bench.report import build_report, format_table, percentile, useful_tokens
+from paged_hf.bench.systems import SystemRun, run_system, skip_reason
 from paged_hf.bench.workloads import LORA_ADAPTERS, BenchRequest, Workload, build_workload
 
 
@@ -205,3 +206,25 @@ def test_bench_smoke_through_the_entry_point(tmp_path, default_cache):
     assert report["systems"]["paged_hf"]["outputs_vs_reference"]["identical"] == 4  # exact greedy parity
     assert report["machine"]["min_time_s"] > 0 and 0 < report["paged_hf_fraction_of_limit"]
     assert "paged_hf" in proc.stdout and "identical" in proc.stdout
+
+
+@pytest.mark.slow
+def test_structured_workload_enforces_half_the_schemas_with_equal_work(tokenizer):
+    workload = build_workload("structured", tokenizer, num_requests=4, max_new_tokens_scale=0.1)
+    assert [r.schema is not None for r in workload.requests] == [False, True, False, True]
+    decode = build_workload("decode", tokenizer, num_requests=4)
+    assert [r.prompt_token_ids for r in workload.requests] == [r.prompt_token_ids for r in decode.requests]
+    assert Workload.from_json(json.loads(json.dumps(workload.to_json()))) == workload
+    assert parse_systems(None, "structured") == ["paged_hf", "paged_hf_noschema"]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512)).eval()  # tiny, with the real tokenizer
+    engine = sized_engine_config({}, workload)
+    enforced = run_system("paged_hf", model, tokenizer, workload, engine)
+    plain = run_system("paged_hf_noschema", model, tokenizer, workload, engine)
+    assert useful_tokens(enforced, workload) == useful_tokens(plain, workload) == workload.num_new_tokens
+    texts = [tokenizer.decode(out) for out in enforced.outputs]
+    assert all(texts[i].startswith('{"topic": "') for i in (1, 3)) and enforced.outputs[0] == plain.outputs[0]
+    assert not any(tokenizer.decode(out).startswith('{"topic": "') for out in plain.outputs)
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import json
+from typing import Literal
 
 import httpx
 import pytest
@@ -177,3 +178,19 @@ def test_tools_and_tool_messages_reach_the_template(server):
     text = server[1].decode(chat_prompt_ids(request, server[1], tool_mode(request)))
     assert '"name": "get_weather"' in text and "<tools>" in text and "sunny" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+
+
+def test_langchain_structured_output_and_tool_call(server):
+    """LangChain's ChatOpenAI: with_structured_output (json_schema, strict) and bind_tools with a forced tool."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=server[0] + "/v1", api_key="none", model="tiny", temperature=0,
+                                      max_tokens=80, max_retries=0)
+    assert isinstance(llm.with_structured_output(Item).invoke("an item, please"), Item)
+
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:  # a random model writes short args only if asked
+        """The weather in a city."""
+        return "sunny"
+
+    message = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("weather in Paris?")
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Rome")

@@ -22,14 +22,15 @@ from dataclasses import asdict, dataclass, field
 
 from .workloads import Workload
 
-SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb",
-                "hf_cb_default")
+SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", "vllm", "hf_static_8", "hf_static_32",
+                "hf_single", "hf_cb", "hf_cb_default")
 #: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
 DEFAULT_SYSTEMS = {
     "mixed": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
     "prefix": ("paged_hf", "paged_hf_noprefix", "vllm", "hf_static_8", "hf_cb"),
     "decode": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_cb"),
     "lora": ("paged_hf", "hf_static_8"),
+    "structured": ("paged_hf", "paged_hf_noschema"),  # JSON schemas enforced, and the same batch without
 }
 #: transformers' continuous batching: `hf_cb` as tuned in MEASUREMENTS.md, `hf_cb_default` with transformers'
 #: own defaults (the configuration of issue 5's 20.9 tok/s; on CPU it is slower and uses 6-12 GB).
@@ -66,18 +67,20 @@ def warmup_ids(tokenizer) -> list[int]:
     return tokenizer("Warm up.", add_special_tokens=False)["input_ids"] or [0]
 
 
-def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enable_prefix_caching=True) -> SystemRun:
+def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enable_prefix_caching=True,
+                 enforce_schemas=True) -> SystemRun:
     """paged_hf through its public API: wrap() once, then one generator.generate() call for the whole workload."""
     import paged_hf  # noqa: PLC0415
     from paged_hf import SamplingParams  # noqa: PLC0415
 
-    name = "paged_hf" if enable_prefix_caching else "paged_hf_noprefix"
+    name = "paged_hf_noschema" if not enforce_schemas else "paged_hf" if enable_prefix_caching else "paged_hf_noprefix"
     config = dict(engine_config, enable_prefix_caching=enable_prefix_caching and engine_config.get(
         "enable_prefix_caching", True))
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     generator.generate([warmup_ids(tokenizer)], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True),
                        use_tqdm=False)
-    params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0, ignore_eos=True)
+    params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0, ignore_eos=True,
+                             structured_outputs={"json": r.schema} if r.schema and enforce_schemas else None)
               for r in workload.requests]
     adapters = [r.adapter for r in workload.requests] if workload.needs_adapters else None
     before = generator.stats()
@@ -245,8 +248,10 @@ def run_system(system: str, model, tokenizer, workload: Workload, engine_config:
     reason = skip_reason(system, workload, engine_config)
     if reason:
         return SystemRun(system, skipped=reason)
-    if system in ("paged_hf", "paged_hf_noprefix"):
-        return run_paged_hf(model, tokenizer, workload, engine_config, enable_prefix_caching=system == "paged_hf")
+    if system in ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema"):
+        return run_paged_hf(model, tokenizer, workload, engine_config,
+                            enable_prefix_caching=system != "paged_hf_noprefix",
+                            enforce_schemas=system != "paged_hf_noschema")
     adapters = engine_config.get("adapters")
     if system.startswith("hf_static_"):
         return run_hf_static(model, tokenizer, workload, int(system.rsplit("_", 1)[1]), system, adapters)

@@ -47,7 +47,7 @@ QUESTION_TEMPLATES = (
 #: Adapter names of the lora workload (None = the base model). LoRA adapters are loaded by name into the engine.
 LORA_ADAPTERS = ("lora_a", "lora_b", "lora_c", "lora_d")
 
-WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora")
+WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora", "structured")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_new_tokens: int
     adapter: str | None = None
+    schema: dict | None = None  # a JSON schema the output must follow (structured outputs)
 
 
 @dataclass(frozen=True)
@@ -101,11 +102,11 @@ class Workload:
 
     def to_json(self) -> dict:
         return {"name": self.name, "description": self.description, "seed": self.seed,
-                "requests": [[r.prompt_token_ids, r.max_new_tokens, r.adapter] for r in self.requests]}
+                "requests": [[r.prompt_token_ids, r.max_new_tokens, r.adapter, r.schema] for r in self.requests]}
 
     @classmethod
     def from_json(cls, data: dict) -> Workload:
-        requests = [BenchRequest(list(p), int(m), a) for p, m, a in data["requests"]]
+        requests = [BenchRequest(list(p), int(m), a, *rest) for p, m, a, *rest in data["requests"]]
         return cls(data["name"], data["description"], int(data["seed"]), requests)
 
 
@@ -210,10 +211,29 @@ def build_lora(tokenizer, seed: int = 0, corpus: list[int] | None = None) -> Wor
                     "model", seed, requests)
 
 
+def answer_schema(max_new_tokens: int) -> dict:
+    """A JSON schema with an enum, a bounded integer and a free answer too long (minLength: 16 characters per
+    token) to close before max_new_tokens: a request with it does exactly the work of one without."""
+    return {"type": "object", "additionalProperties": False, "required": ["topic", "confidence", "answer"],
+            "properties": {"topic": {"enum": ["api", "example", "pitfall", "other"]},
+                           "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+                           "answer": {"type": "string", "minLength": 16 * max_new_tokens}}}
+
+
+def build_structured(tokenizer, seed: int = 0, num_requests: int = 64, new_range=(64, 128)) -> Workload:
+    """The decode workload's kind of requests, every other one with a JSON schema: what grammar masking costs."""
+    decode = build_decode(tokenizer, seed, num_requests, new_range)
+    schema = answer_schema(new_range[1])  # one schema: compiled once
+    requests = [replace(r, schema=schema if i % 2 else None) for i, r in enumerate(decode.requests)]
+    return Workload("structured", f"{num_requests} short questions, {new_range[0]}-{new_range[1]} new tokens each, "
+                    "every other one with a JSON schema (paged_hf_noschema: the same batch without)", seed, requests)
+
+
 def build_workload(name: str, tokenizer, seed: int = 0, num_requests: int | None = None,
                    max_new_tokens_scale: float | None = None) -> Workload:
     """The named workload, scaled down to its first ``num_requests`` requests if given."""
-    builders = {"mixed": build_mixed, "prefix": build_prefix, "decode": build_decode, "lora": build_lora}
+    builders = {"mixed": build_mixed, "prefix": build_prefix, "decode": build_decode, "lora": build_lora,
+                "structured": build_structured}
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}")
     if num_requests is not None and num_requests < 1:
