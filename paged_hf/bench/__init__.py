@@ -36,7 +36,9 @@ def sized_engine_config(engine_config: dict, workload: Workload) -> dict:
     if engine_config.get("num_blocks") or engine_config.get("kv_cache_memory"):
         return dict(engine_config)
     block_size = engine_config.get("block_size", PagedConfig.block_size)
-    needed = sum(cdiv(len(r.prompt_token_ids) + r.max_new_tokens, block_size) for r in workload.requests)
+    beams = workload.num_beams  # beams share their prompt's full blocks, each holds the rest itself
+    needed = sum(len(r.prompt_token_ids) // block_size + beams * (cdiv(len(r.prompt_token_ids) + r.max_new_tokens,
+                 block_size) - len(r.prompt_token_ids) // block_size) for r in workload.requests)
     return dict(engine_config, num_blocks=needed + 4)
 
 

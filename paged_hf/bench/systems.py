@@ -31,6 +31,7 @@ DEFAULT_SYSTEMS = {
     "decode": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_cb"),
     "lora": ("paged_hf", "hf_static_8"),
     "structured": ("paged_hf", "paged_hf_noschema"),  # JSON schemas enforced, and the same batch without
+    "beam": ("paged_hf", "hf_static_8", "hf_single"),  # HF generate(num_beams=k), 8 prompts a batch or one
 }
 #: transformers' continuous batching: `hf_cb` as tuned in MEASUREMENTS.md, `hf_cb_default` with transformers'
 #: own defaults (the configuration of issue 5's 20.9 tok/s; on CPU it is slower and uses 6-12 GB).
@@ -83,6 +84,8 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
                              structured_outputs={"json": r.schema} if r.schema and enforce_schemas else None)
               for r in workload.requests]
     adapters = [r.adapter for r in workload.requests] if workload.needs_adapters else None
+    if workload.num_beams > 1:
+        return _run_paged_beams(generator, workload, name, config)
     before = generator.stats()
     start = time.perf_counter()
     outputs = generator.generate([r.prompt_token_ids for r in workload.requests], params, adapters=adapters,
@@ -100,8 +103,24 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     return SystemRun(name, wall, [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot, extra=extra)
 
 
+def _run_paged_beams(generator, workload: Workload, name: str, config: dict) -> SystemRun:
+    """The beam workload through `generator.beam_search` (one call, every prompt's beams batched together)."""
+    from paged_hf import BeamSearchParams  # noqa: PLC0415
+
+    params = [BeamSearchParams(beam_width=workload.num_beams, max_tokens=r.max_new_tokens, ignore_eos=True,
+                               num_return_sequences=1) for r in workload.requests]
+    start = time.perf_counter()
+    outputs = generator.beam_search([r.prompt_token_ids for r in workload.requests], params)
+    wall = time.perf_counter() - start
+    extra = {"num_blocks": generator.stats()["num_blocks"], "engine_config": config,
+             "num_block_copies": generator.kv_cache_manager.num_block_copies}
+    return SystemRun(name, wall, [o.sequences[0].output_token_ids for o in outputs], extra=extra)
+
+
 def skip_reason(system: str, workload: Workload, engine_config: dict) -> str | None:
     """Why ``system`` cannot run ``workload`` at all (checked before a worker is started), or None."""
+    if workload.num_beams > 1 and system in HF_CB_CONFIGS:
+        return "skipped: transformers' continuous batching has no beam search"
     if not workload.needs_adapters:
         return None
     if system in HF_CB_CONFIGS:
@@ -136,7 +155,8 @@ class _StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, clock=None, adapter_names=None):
+def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, clock=None, adapter_names=None,
+              num_beams: int = 1):
     """HF generate on one left-padded batch, greedy, EOS neither stopping nor masked (as paged_hf's ignore_eos).
     ``adapter_names``: peft's mixed-adapter batch, one name per row. Returns the generated ids [batch, n]."""
     import torch  # noqa: PLC0415
@@ -151,7 +171,7 @@ def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, c
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad,
-                             stopping_criteria=criteria, **extra)
+                             stopping_criteria=criteria, num_beams=num_beams, **extra)
     return out[:, width:]
 
 
@@ -184,7 +204,7 @@ def run_hf_static(model, tokenizer, workload: Workload, batch_size: int, name: s
         clock = _StepClock()
         names = [r.adapter or "__base__" for r in batch] if workload.needs_adapters else None
         generated = _hf_batch(model, tokenizer, [r.prompt_token_ids for r in batch],
-                              max(r.max_new_tokens for r in batch), clock, names)
+                              max(r.max_new_tokens for r in batch), clock, names, workload.num_beams)
         for row, request in zip(generated.tolist(), batch):
             n = request.max_new_tokens
             outputs.append(row[:n])

@@ -30,6 +30,8 @@ def default_vllm_python() -> str | None:
 def skip_reason(vllm_python: str | None, workload: Workload, device: str) -> str | None:
     if workload.needs_adapters:
         return "skipped: the vllm system does not load the lora workload's adapters"
+    if workload.num_beams > 1:
+        return "skipped: the vllm system runs LLM.generate, not beam search"
     if not str(device).startswith("cpu"):
         return f"skipped: the vllm system runs vLLM's CPU build, the bench runs on {device}"
     if not vllm_python:

@@ -47,7 +47,7 @@ QUESTION_TEMPLATES = (
 #: Adapter names of the lora workload (None = the base model). LoRA adapters are loaded by name into the engine.
 LORA_ADAPTERS = ("lora_a", "lora_b", "lora_c", "lora_d")
 
-WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora", "structured")
+WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora", "structured", "beam")
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class Workload:
     description: str
     seed: int
     requests: list[BenchRequest] = field(default_factory=list)
+    num_beams: int = 1  # > 1: every system runs beam search of this width (EOS ignored, the best beam compared)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,17 +98,17 @@ class Workload:
             "prompt_tokens": sum(prompt_lengths), "new_tokens": sum(new_lengths),
             "prompt_len_range": [min(prompt_lengths, default=0), max(prompt_lengths, default=0)],
             "new_len_range": [min(new_lengths, default=0), max(new_lengths, default=0)],
-            "adapters": sorted({r.adapter for r in self.requests if r.adapter}),
+            "adapters": sorted({r.adapter for r in self.requests if r.adapter}), "num_beams": self.num_beams,
         }
 
     def to_json(self) -> dict:
-        return {"name": self.name, "description": self.description, "seed": self.seed,
+        return {"name": self.name, "description": self.description, "seed": self.seed, "num_beams": self.num_beams,
                 "requests": [[r.prompt_token_ids, r.max_new_tokens, r.adapter, r.schema] for r in self.requests]}
 
     @classmethod
     def from_json(cls, data: dict) -> Workload:
         requests = [BenchRequest(list(p), int(m), a, *rest) for p, m, a, *rest in data["requests"]]
-        return cls(data["name"], data["description"], int(data["seed"]), requests)
+        return cls(data["name"], data["description"], int(data["seed"]), requests, int(data.get("num_beams", 1)))
 
 
 # --- the corpus -----------------------------------------------------------------------------------------------
@@ -229,11 +230,23 @@ def build_structured(tokenizer, seed: int = 0, num_requests: int = 64, new_range
                     "every other one with a JSON schema (paged_hf_noschema: the same batch without)", seed, requests)
 
 
+def build_beam(tokenizer, seed: int = 0, num_requests: int = 16, num_beams: int = 4, max_new_tokens: int = 48,
+               corpus: list[int] | None = None) -> Workload:
+    """Summaries by beam search (HF's `generate(num_beams=4)`): HF keeps num_beams copies of each prompt's KV,
+    the engine one copy its beams share. One output length for all: a static batch of beam searches runs to
+    its longest request, and a longer search is another search (its best beam cut short is not the best)."""
+    mixed = build_mixed(tokenizer, seed, num_requests, prompt_range=(64, 400),
+                        new_range=(max_new_tokens, max_new_tokens), corpus=corpus)
+    return replace(mixed, name="beam", num_beams=num_beams,
+                   description=f"{num_requests} chat requests, prompts ~64-400 tokens, {max_new_tokens} new tokens, "
+                   f"beam search of width {num_beams}, EOS ignored")
+
+
 def build_workload(name: str, tokenizer, seed: int = 0, num_requests: int | None = None,
                    max_new_tokens_scale: float | None = None) -> Workload:
     """The named workload, scaled down to its first ``num_requests`` requests if given."""
     builders = {"mixed": build_mixed, "prefix": build_prefix, "decode": build_decode, "lora": build_lora,
-                "structured": build_structured}
+                "structured": build_structured, "beam": build_beam}
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}")
     if num_requests is not None and num_requests < 1:
