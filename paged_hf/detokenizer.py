@@ -23,7 +23,7 @@ class IncrementalDetokenizer:
     """The text of one sequence's output tokens, built token by token (equal to `tokenizer.decode(all)`)."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None, min_new_tokens: int = 0,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop_str: bool = False):
         self.tokenizer = tokenizer
         self.stop = list(stop or ())
         self.min_new_tokens = min_new_tokens
@@ -33,7 +33,9 @@ class IncrementalDetokenizer:
         self.text = ""  # every complete character decoded so far (cut before a stop string once one is hit)
         self.prefix_offset = 0  # the window's first token: context for the tokens after read_offset
         self.read_offset = 0  # tokens before this have their text in self.text
-        self.stopped = False  # a stop string was hit; self.text ends before it
+        self.stopped = False  # a stop string was hit; self.text ends before it (or with it: include_stop_str)
+        self.include_stop_str = include_stop_str  # vLLM's include_stop_str_in_output
+        self.stop_string: str | None = None  # the stop string that was hit (vLLM's stop_reason)
 
     def update(self, new_token_ids: list[int]) -> bool:
         """Add tokens; True when a stop string appeared (the text is then cut before it and final)."""
@@ -75,10 +77,11 @@ class IncrementalDetokenizer:
     def _find_stop(self, new_text_start: int) -> bool:
         """Search the new text (from `new_text_start`) and the `holdback` characters before it."""
         begin = max(0, new_text_start - self.holdback)
-        hits = [i for i in (self.text.find(s, begin) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, begin), s) for s in self.stop) if i >= 0]
         if not hits:
             return False
-        self.text = self.text[:min(hits)]
+        position, self.stop_string = min(hits, key=lambda hit: hit[0])
+        self.text = self.text[:position + len(self.stop_string) if self.include_stop_str else position]
         self.stopped = True
         return True
 

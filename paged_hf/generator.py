@@ -23,6 +23,7 @@ from .distributed import broadcast_tokens
 from .model_info import inspect_model
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
+from .prompt_logprobs import record_prompt_logprobs
 from .request import Request
 from .request_group import RequestGroup
 from .sampler import Sampler, SamplingRow, make_generator
@@ -31,6 +32,7 @@ from .scheduler import Scheduler
 from .stopping import StopChecker
 from .structured_output import GrammarCompiler, grammar_compiler
 from .token_stream import TokenStream
+from .token_constraints import bad_words_token_ids
 
 logger = logging.get_logger(__name__)
 
@@ -101,11 +103,17 @@ class ContinuousBatchGenerator:
                     adapter_version=None if lora is None else lora.version,
                     generator=make_generator(params.seed, i, device) if params.seed is not None else None,
                     detokenizer=None if self.tokenizer is None else
-                    IncrementalDetokenizer(self.tokenizer, params.stop, params.min_new_tokens),
+                    IncrementalDetokenizer(self.tokenizer, params.stop, params.min_new_tokens,
+                                           params.skip_special_tokens, params.include_stop_str_in_output),
                     grammar=None if grammar is None else self.grammar_compiler.matcher(grammar))  # one per child
             for i in range(params.n)
         ]
         parent, *siblings = children
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
+        for child in children:
+            child.bad_words_token_ids = bad_words
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = {}
         parent.pending_forks = siblings
         for child in siblings:
             child.fork_parent = parent
@@ -243,7 +251,10 @@ class ContinuousBatchGenerator:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        logits, inputs = self.runner.run(out)  # [num_sampled, vocab_size]
+        logits, inputs = self.runner.run(out)  # [num_kept, vocab_size]
+        if inputs.prompt_logprob_spans:
+            record_prompt_logprobs(logits, inputs.prompt_logprob_spans)
+            logits = logits[inputs.sample_rows.to(logits.device)]  # [num_sampled, vocab_size]
         for scheduled in out.scheduled:
             self.scheduler.advance(scheduled)
         requests = [scheduled.request for scheduled in inputs.sampled]
@@ -251,7 +262,8 @@ class ContinuousBatchGenerator:
         touched: dict[RequestGroup, None] = dict.fromkeys(beam_groups)  # beam searches that ended
         if not requests:
             return self._drop_finished(touched)
-        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
+        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar,
+                            r.bad_words_token_ids)
                 for r in requests]
         sampled = self.sampler(logits, rows)
         token_ids = broadcast_tokens(sampled.token_ids, logits.device)  # tensor parallel: rank 0's tokens

@@ -32,7 +32,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
-        """-> logits [num_sampled, vocab_size] of the requests that sample this step, and the step's inputs."""
+        """-> logits [num_kept, vocab_size] (the sampled requests' rows, and prompt-logprob rows), the step's inputs."""
         self.cache.copy_blocks([src for src, _ in out.block_copies], [dst for _, dst in out.block_copies])
         request_slots = None
         if self.lora is not None:  # the adapters of this step go to device slots (swapped in if needed)

@@ -12,6 +12,7 @@ class CompletionOutput:
     text: str | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS/length
 
 
 @dataclass
@@ -29,3 +30,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     error: str | None = None  # this request failed inside the engine (finished, finish_reason "abort"); others ran on
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

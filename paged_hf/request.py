@@ -47,6 +47,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] | None = None
     detokenizer: object | None = field(default=None, repr=False)  # IncrementalDetokenizer, with a tokenizer
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # sampling_params.bad_words, tokenized
+    # {position: {token_id: logprob}} of prompt tokens 1.. (child 0 only; filled while its prompt is computed)
+    prompt_logprobs: dict[int, dict[int, float]] | None = field(default=None, repr=False)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids

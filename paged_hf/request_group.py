@@ -29,7 +29,15 @@ class RequestGroup:
                 first_token_time=min(first) if first else None,
                 finish_time=max(finish) if finish and self.finished else None,
             ),
+            prompt_logprobs=self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        """Child 0 computed the prompt (the others fork after it); its entries, in prompt order."""
+        entries = self.children[0].prompt_logprobs
+        if entries is None:
+            return None
+        return [None] + [entries.get(p) for p in range(1, len(self.prompt_token_ids))]
 
     def _completion(self, child: Request) -> CompletionOutput:
         text = None
@@ -43,4 +51,5 @@ class RequestGroup:
             text=text,
             finish_reason=child.finish_reason,
             logprobs=list(child.output_logprobs) if child.output_logprobs is not None else None,
+            stop_reason=child.stop_reason,
         )

@@ -1,6 +1,7 @@
 """Turns one step's logits into tokens, each row with its own SamplingParams, vectorized across rows.
 
-The processors run in HF generate's order (min_new_tokens, repetition penalty, then temperature, top-k,
+vLLM's token constraints come first (allowed_token_ids, bad_words, logit_bias: token_constraints.py), then
+the processors in HF generate's order (min_new_tokens, repetition penalty, then temperature, top-k,
 top-p, min-p), so greedy decoding matches HF's `generate` token for token. Sampling uses the exponential
 race (argmax of probs / q, q ~ Exp(1)) rather than `torch.multinomial`: a seeded row then draws q from
 its own generator, so its tokens never depend on which other requests share the batch.
@@ -15,6 +16,7 @@ import torch
 
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.structured_output import GrammarState, apply_grammar_masks
+from paged_hf.token_constraints import apply_token_constraints, has_constraints
 
 _MASK64 = (1 << 64) - 1
 
@@ -28,6 +30,7 @@ class SamplingRow:
     output_token_ids: list[int]  # generated so far (before this step's token)
     generator: torch.Generator | None  # set for seeded requests; None = the global RNG
     grammar: GrammarState | None = None  # structured outputs: only the tokens it allows may be drawn
+    bad_words_token_ids: list[list[int]] | None = None  # the request's bad_words, tokenized at submission
 
 
 @dataclass
@@ -64,6 +67,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
         and p.frequency_penalty == 0
         and p.logprobs is None
         and len(row.output_token_ids) >= p.min_new_tokens
+        and not has_constraints(row)
     )
 
 
@@ -101,7 +105,7 @@ class Sampler:
     def penalized(self, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The logits after min_new_tokens masking and the penalties: what greedy rows take the argmax of and
         sampled rows go on from. No NaN, and every row keeps a token above -inf."""
-        scores = self._mask_min_new_tokens(raw, rows)
+        scores = self._mask_min_new_tokens(apply_token_constraints(raw, rows), rows)
         scores = _apply_repetition_penalty(scores, rows)
         return _apply_presence_frequency(scores, rows)
 

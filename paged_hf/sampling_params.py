@@ -32,6 +32,12 @@ class SamplingParams:
     logprobs: int | None = None
     # A grammar the output must follow (JSON schema, regex, choice...); a dict is read as its fields.
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None  # logprobs of each prompt token (and the top-k), computed in prefill
+    logit_bias: dict[int, float] | None = None  # added to the logits of these token ids, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be drawn
+    bad_words: list[str] | None = None  # never completed: a word's last token is masked once the rest is there
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    skip_special_tokens: bool = True  # in the decoded text
     # Not in the public contract: extra token ids that end the request like EOS (HF's eos_token_id list).
     eos_token_ids: list[int] | None = field(default=None, repr=False)
 
@@ -58,6 +64,16 @@ class SamplingParams:
         _check(self.structured_outputs is None or self.min_new_tokens == 0, "min_new_tokens", self.min_new_tokens,
                "0 with structured_outputs (the grammar decides where the output ends)")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs", self.logprobs, "an int >= 0 or None")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0), "prompt_logprobs", self.prompt_logprobs, "an int >= 0 or None")
+        _check_token_constraints(self)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_new_tokens
+
+    @property
+    def min_tokens(self) -> int:
+        return self.min_new_tokens
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +94,22 @@ def check_stop_limits(stop: list[str] | None, max_stop_strings: int, max_stop_st
                          f"max_stop_string_chars={max_stop_string_chars} are accepted (a PagedConfig field)")
 
 
+def _check_token_constraints(params: SamplingParams) -> None:
+    bias = params.logit_bias
+    _check(bias is None or (isinstance(bias, dict) and all(_is_int(t) and t >= 0 and _is_number(v) for t, v in bias.items())),
+           "logit_bias", bias, "a dict {token_id: bias}")
+    allowed = params.allowed_token_ids
+    _check(allowed is None or (isinstance(allowed, (list, tuple)) and allowed and all(_is_int(t) and t >= 0 for t in allowed)),
+           "allowed_token_ids", allowed, "a non-empty list of token ids")
+    bad = params.bad_words
+    _check(bad is None or (isinstance(bad, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in bad)),
+           "bad_words", bad, "a list of non-empty strings")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -85,3 +117,20 @@ def _is_number(value) -> bool:
 def _check(ok: bool, name: str, value, expected: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+
+
+_dataclass_init = SamplingParams.__init__  # the dataclass's own __init__ (a class-body __init__ would replace it)
+
+
+def _init(self, *args, max_tokens: int | None = None, min_tokens: int | None = None, **kwargs):
+    """vLLM's names `max_tokens`/`min_tokens` set `max_new_tokens`/`min_new_tokens`."""
+    for alias, name, value in (("max_tokens", "max_new_tokens", max_tokens), ("min_tokens", "min_new_tokens", min_tokens)):
+        if value is None:
+            continue
+        if name in kwargs and kwargs[name] != value:
+            raise ValueError(f"SamplingParams: {alias}={value!r} and {name}={kwargs[name]!r} disagree; give one")
+        kwargs[name] = value
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager, request_cache_key
+from .prompt_logprobs import wants_prompt_logprobs
 from .request import Request, RequestStatus
 
 
@@ -120,7 +121,8 @@ class Scheduler:
             if adapters is not None and not self._adapter_fits(request, adapters):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits = kv_cache_manager.find_cached_prefix(request, request_cache_key(request))
+            hits = ([] if wants_prompt_logprobs(request) else
+                    kv_cache_manager.find_cached_prefix(request, request_cache_key(request)))
             num_cached = len(hits) * kv_cache_manager.block_size
             num_new = min(request.num_tokens_to_compute - num_cached, budget)
             if not kv_cache_manager.allocate_slots(request, num_new, hits):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,10 @@ class StepInputs:
     sampled: list  # the ScheduledRequests that sample this step, in logits_indices order
     attention: AttentionMetadata
     adapter_slots: torch.Tensor | None = None  # [num_tokens] int64: LoRA slot per token, -1 = base; None: no LoRA
+    # Prompt logprobs: (request, first logits row, first position, count): logits rows [row, row + count) are
+    # those of positions [pos, pos + count), which predict prompt tokens pos + 1 .. pos + count.
+    prompt_logprob_spans: list = field(default_factory=list)
+    sample_rows: torch.Tensor | None = None  # [num_sampled]: the sampled requests' logits rows; None: all rows
 
 
 def token_adapter_slots(out: SchedulerOutput, request_slots: list[int] | None) -> torch.Tensor | None:
@@ -59,6 +63,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
     block_tables = []
     logits_indices = []
     sampled = []
+    sample_rows = []
+    spans = []
     for scheduled in out.scheduled:
         request = scheduled.request
         start = request.num_computed_tokens
@@ -70,7 +76,14 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
         query_start_loc.append(len(input_ids))
         context_lens.append(end)
         block_tables.append(block_ids)
+        if request.prompt_logprobs is not None:  # positions up to the last prompt token's predecessor
+            count = min(end, request.num_prompt_tokens - 1) - start
+            if count > 0:
+                spans.append((request, len(logits_indices), start, count))
+                first = len(input_ids) - (end - start)
+                logits_indices.extend(range(first, first + count))
         if scheduled.samples:
+            sample_rows.append(len(logits_indices))
             logits_indices.append(len(input_ids) - 1)
             sampled.append(scheduled)
     return StepInputs(
@@ -86,4 +99,6 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
             slot_mapping=torch.tensor(slots, dtype=torch.long),
         ),
         adapter_slots=token_adapter_slots(out, request_slots),
+        prompt_logprob_spans=spans,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long) if spans else None,
     )

@@ -19,10 +19,12 @@ class StopChecker:
             if not params.ignore_eos and (token_id in self.eos_token_ids or (params.eos_token_ids and token_id in params.eos_token_ids)):
                 return "stop"
             if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.stop_reason = token_id
                 return "stop"
             if request.grammar is not None and request.grammar.is_terminated:  # also with ignore_eos
                 return "stop"
         if params.stop and request.detokenizer.update(request.output_token_ids[len(request.detokenizer.token_ids):]):
+            request.stop_reason = request.detokenizer.stop_string
             return "stop"  # the detokenizer searches only the new text, past min_new_tokens (see detokenizer.py)
         if num_generated >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return "length"

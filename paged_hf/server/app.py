@@ -7,6 +7,7 @@ to that thread (see engine_loop.py).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -23,6 +24,7 @@ from .metrics import ServerMetrics
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatDelta, ChatMessageOut, CompletionChoice, CompletionRequest,
                        CompletionResponse, ModelCard, ModelList)
+from .completions import completion_choices, last_output, merged, prompt_logprob_entries
 from .lifecycle import AbortingStreamingResponse
 from .serving import (Deltas, Prepared, ServerContext, chat_logprobs, completion_logprobs, outputs,
                       prepare_off_loop, submit, usage)
@@ -39,6 +41,7 @@ class ServerSettings:
     max_tokens_cap: int | None = 4096  # 400 above; also caps the default max_tokens
     max_queue: int = 256  # unfinished requests at once; 503 above
     tool_call_parser: str = "hermes"  # how tool calls are found in the output: hermes, llama3_json, mistral
+    chat_template: str | None = None  # a Jinja chat template that replaces the tokenizer's
 
 
 class GuardMiddleware:
@@ -136,31 +139,24 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):
     prepared = await prepare_off_loop(ctx, body, chat, time.monotonic())
-    stream = await submit(ctx, prepared, reserved=True)  # bad input fails here, before any streamed byte
-    source = outputs(ctx, http_request, stream)
+    streams = await submit(ctx, prepared, reserved=True)  # bad input fails here, before any streamed byte
+    sources = [outputs(ctx, http_request, stream) for stream in streams]
     if prepared.stream:
-        events = _chat_events(ctx, prepared, source) if chat else _completion_events(ctx, prepared, source)
-        return AbortingStreamingResponse(_sse(events), ctx.engine, prepared.request_id, media_type="text/event-stream",
+        events = (_chat_events(ctx, prepared, sources[0]) if chat else
+                  _completion_events(ctx, prepared, merged(sources)))
+        return AbortingStreamingResponse(_sse(events), ctx.engine, [stream.request_id for stream in streams],
+                                         media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    final = None
     try:
-        async for output in source:
-            final = output
+        finals = await asyncio.gather(*(last_output(source) for source in sources))
     except EngineError as exc:
         raise ApiError(500, str(exc), "engine_error") from None
-    if final is None:  # the client went away; nobody reads this
+    if any(final is None for final in finals):  # the client went away; nobody reads this
         raise ApiError(499, "client disconnected", "client_disconnected")
-    return (_chat_response if chat else _completion_response)(ctx, prepared, final)
-
-
-def _completion_response(ctx: ServerContext, prepared: Prepared, output) -> CompletionResponse:
-    k = prepared.params.logprobs
-    choices = [CompletionChoice(index=c.index, text=c.text or "", finish_reason=c.finish_reason,
-                                logprobs=None if k is None else
-                                completion_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], k, 0))
-               for c in output.outputs]
-    return CompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices,
-                              usage=usage(prepared, output))
+    if chat:
+        return _chat_response(ctx, prepared, finals[0])
+    return CompletionResponse(id=prepared.request_id, model=prepared.model,
+                              choices=completion_choices(ctx, prepared, finals), usage=usage(prepared, *finals))
 
 
 def _chat_response(ctx: ServerContext, prepared: Prepared, output) -> ChatCompletionResponse:
@@ -171,10 +167,11 @@ def _chat_response(ctx: ServerContext, prepared: Prepared, output) -> ChatComple
         content, calls = parse_output(prepared.tools, parser, ctx.tokenizer, c)
         choices.append(ChatChoice(
             index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None),
-            finish_reason=finish_reason(c, calls),
+            finish_reason=finish_reason(c, calls), stop_reason=c.stop_reason,
             logprobs=None if k is None else chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], k)))
     return ChatCompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices,
-                                  usage=usage(prepared, output))
+                                  usage=usage(prepared, output),
+                                  prompt_logprobs=prompt_logprob_entries(ctx.tokenizer, output.prompt_logprobs))
 
 
 async def _sse(events):
@@ -188,21 +185,26 @@ async def _sse(events):
 
 
 async def _completion_events(ctx: ServerContext, prepared: Prepared, source):
-    deltas, k = Deltas(), prepared.params.logprobs
+    """source: (prompt index, output) pairs of every prompt (completions.merged); choice i * n + j."""
+    n, k = prepared.params.n, prepared.params.logprobs
+    deltas = [Deltas() for _ in prepared.prompts]
     offsets: dict[int, int] = {}  # text_offset of each sequence's next token: its tokens' texts so far, as unstreamed
-    output = None
-    async for output in source:
+    last = {}
+    async for i, output in source:
+        last[i] = output
         choices = []
-        for c, text, token_ids, entries in deltas.new_pieces(output):
-            logprobs = None
+        for c, text, token_ids, entries in deltas[i].new_pieces(output):
+            index, logprobs = i * n + c.index, None
             if k is not None:
-                logprobs = completion_logprobs(ctx.tokenizer, token_ids, entries, k, offsets.get(c.index, 0))
-                offsets[c.index] = offsets.get(c.index, 0) + sum(len(token) for token in logprobs.tokens)
-            choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason))
+                logprobs = completion_logprobs(ctx.tokenizer, token_ids, entries, k, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(token) for token in logprobs.tokens)
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
         if choices:
             yield CompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices)
-    if prepared.include_usage and output is not None:
-        yield CompletionResponse(id=prepared.request_id, model=prepared.model, choices=[], usage=usage(prepared, output))
+    if prepared.include_usage and last:
+        yield CompletionResponse(id=prepared.request_id, model=prepared.model, choices=[],
+                                 usage=usage(prepared, *last.values()))
 
 
 async def _chat_events(ctx: ServerContext, prepared: Prepared, source):
@@ -225,7 +227,8 @@ async def _chat_events(ctx: ServerContext, prepared: Prepared, source):
             if tools is not None:
                 content, calls, finish = tools.delta(c, text)
                 delta = ChatDelta(content=content, tool_calls=calls)
-            choices.append(ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish))
+            choices.append(ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                           stop_reason=c.stop_reason))
         if choices:
             yield chunk(choices)
     if prepared.include_usage and output is not None:

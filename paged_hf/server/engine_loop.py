@@ -124,7 +124,7 @@ class EngineLoop:
         self._commands.put(("drain", time.monotonic() + grace_s))
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params, adapter: str | None,
-                     arrival_time: float, reserved: bool = False) -> RequestStream:
+                     arrival_time: float, reserved: bool = False, cache_salt: str | None = None) -> RequestStream:
         """Queue a request; raises QueueFullError, or the generator's ValueError for bad input. `reserved`: the
         caller already holds its slot (`reserve()`)."""
         if not reserved:
@@ -132,7 +132,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, arrival_time)
         accepted = loop.create_future()
-        self._commands.put(("add", stream, prompt_token_ids, params, adapter, accepted))
+        self._commands.put(("add", stream, prompt_token_ids, params, adapter, cache_salt, accepted))
         try:
             await accepted
         except asyncio.CancelledError:  # the client left while we waited: the add still happens, undo it
@@ -190,11 +190,13 @@ class EngineLoop:
             except queue.Empty:
                 return True
 
-    def _add(self, stream: RequestStream, prompt_token_ids, params, adapter, accepted: asyncio.Future) -> None:
+    def _add(self, stream: RequestStream, prompt_token_ids, params, adapter, cache_salt,
+             accepted: asyncio.Future) -> None:
         try:
             if self._abort_at is not None:  # prepared while the server began to drain: answer it now
                 raise QueueFullError("the server is shutting down")
-            self.generator.add_request(prompt_token_ids, params, adapter=adapter, request_id=stream.request_id)
+            self.generator.add_request(prompt_token_ids, params, adapter=adapter, request_id=stream.request_id,
+                                       cache_salt=cache_salt)
         except Exception as exc:  # noqa: BLE001 - ValueError is the client's, anything else goes back too
             self._release(1)
             _resolve(stream.loop, accepted, exc)

@@ -26,17 +26,20 @@ logger = logging.get_logger(__name__)
 
 
 class AbortingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that aborts `request_id` in the engine when it ends, however it ends."""
+    """A StreamingResponse that aborts its engine requests when it ends, however it ends (`request_ids`: one id,
+    or one per prompt of a batched completion)."""
 
-    def __init__(self, content, engine, request_id: str, **kwargs):
+    def __init__(self, content, engine, request_ids: str | list[str], **kwargs):
         super().__init__(content, **kwargs)
-        self.engine, self.request_id = engine, request_id
+        self.engine = engine
+        self.request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.engine.abort(self.request_id)  # a no-op once the request finished
+            for request_id in self.request_ids:
+                self.engine.abort(request_id)  # a no-op once the request finished
 
 
 class DrainingServer(uvicorn.Server):

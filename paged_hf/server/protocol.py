@@ -1,17 +1,19 @@
 """Pydantic models of the OpenAI wire format: what the server accepts and what it answers.
 
 Requests are validated here, so a field of the wrong type or out of range is a 400 with the field's name
-before anything reaches the engine. Unknown fields are ignored (OpenAI clients send many, e.g. `user`), but
-fields whose meaning we cannot honour (`echo`, `suffix`, `best_of` != n) are rejected rather than silently
-dropped: a silently wrong answer is worse than an error.
+before anything reaches the engine. Strict: every field is honoured, accepted only at its neutral value, or
+ignored because it cannot change the answer (request_fields.py); an unknown field is a 400 naming it. An
+explicit `null` means the field's default, as in OpenAI's API.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from .request_fields import CHAT_REFUSED_UNLESS, COMPLETION_REFUSED_UNLESS, IGNORED, refusal
 
 from .structured import ResponseFormat
 from .tool_calls import ChatTool, DeltaToolCall, ToolCall, ToolChoice
@@ -20,13 +22,45 @@ StopField = str | list[str] | None
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # vLLM: usage in every chunk (not supported)
+
+
+class OpenAIRequest(BaseModel):
+    """Strict: unknown fields are a 400; null means the default; `IGNORED` fields are dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+    refused_unless: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None and k not in IGNORED}
+        return data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _refuse_what_we_cannot_honour(cls, value, info):
+        neutral = cls.refused_unless.get(info.field_name)
+        if neutral is not None:
+            message = refusal(info.field_name, value, neutral)
+            if message:
+                raise ValueError(message)
+        return value
+
+
+def _with_refused(name: str, table: dict[str, tuple]) -> type[OpenAIRequest]:
+    """A base model that declares every field of `table` (so a non-neutral value is a 400 naming it)."""
+    model = create_model(name, __base__=OpenAIRequest, **{field: (Any, None) for field in table})
+    model.refused_unless = table
+    return model
 
 
 class SamplingFields(BaseModel):
-    """The fields completions and chat share; ranges follow OpenAI's API reference."""
-
-    model_config = ConfigDict(extra="ignore")
+    """The fields completions and chat share; ranges follow OpenAI's API reference, extensions vLLM's."""
 
     model: str | None = None  # None: the base model
     n: int = Field(1, ge=1)
@@ -40,9 +74,21 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None  # OpenAI: token id (a JSON string key) -> bias in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM extension
+    # vLLM's extensions
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens; -1: max_model_len
+    add_special_tokens: bool | None = None  # None: True for completions, False for chat (as vLLM)
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (enforced by a grammar)
     structured_outputs: dict[str, Any] | None = None  # vLLM extension: json, regex, choice, grammar, json_object
 
@@ -57,27 +103,20 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return stops or None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and any(not -100 <= bias <= 100 for bias in value.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return value
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+
+class CompletionRequest(SamplingFields, _with_refused("_CompletionRefused", COMPLETION_REFUSED_UNLESS)):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt alone (scoring)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
 
 
 class ChatMessage(BaseModel):
@@ -98,7 +137,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, _with_refused("_ChatRefused", CHAT_REFUSED_UNLESS)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -106,6 +145,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # accepted; a model may always write several calls
+    chat_template: str | None = None  # a Jinja template for this request (HF's sandboxed renderer)
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # --- responses ------------------------------------------------------------------------------------------------
@@ -114,6 +157,14 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one candidate token of a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -128,6 +179,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop token id or stop string that ended it
+    prompt_logprobs: list[dict[int, "PromptLogprob"] | None] | None = None  # vLLM's prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -164,6 +217,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -173,6 +227,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[int, "PromptLogprob"] | None] | None = None
 
 
 class ChatDelta(BaseModel):
@@ -186,6 +241,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

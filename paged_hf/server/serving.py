@@ -32,13 +32,24 @@ class Prepared:
     request_id: str
     model: str
     adapter: str | None
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # token ids; several for a batched /v1/completions request
     params: SamplingParams
     stream: bool
     include_usage: bool
     chat: bool
     arrival_time: float
     tools: ToolMode = field(default_factory=ToolMode)
+    cache_salt: str | None = None
+    echo: bool = False  # /v1/completions: the prompt comes back before the completion
+    echo_only: bool = False  # echo with max_tokens=0: the prompt alone (one token is computed and dropped)
+    prompt_texts: list[str | None] = field(default_factory=list)  # the prompts as sent (echo)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompts[0]
+
+    def engine_request_id(self, index: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
 
 
 @dataclass
@@ -62,38 +73,56 @@ class ServerContext:
                        f"{[self.model_name, *self.engine.adapter_names]}", "model_not_found", "model")
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer) -> list[int]:
+def completion_prompts(request: CompletionRequest, tokenizer) -> list[str | list[int]]:
+    """The request's prompts: one string or token-id list, or a list of them (a batch)."""
     prompt = request.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(400, "batched prompts are not supported: send one prompt per request",
-                           "invalid_prompt", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ApiError(400, "this server has no tokenizer: send token ids", "invalid_prompt", "prompt")
-        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    if any(not p for p in prompt):
+        raise ApiError(400, "a prompt of the batch is empty", "invalid_prompt", "prompt")
     return list(prompt)
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer, tools: ToolMode | None = None,
-                    tool_call_parser: str = "hermes") -> list[int]:
-    """The chat template with the assistant's turn opened (add_generation_prompt=True), with the tools."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+def prompt_ids(prompt: str | list[int], tokenizer, add_special_tokens: bool) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer: send token ids", "invalid_prompt", "prompt")
+        return list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+    return list(prompt)
+
+
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer, chat_template: str | None = None,
+                    tools: ToolMode | None = None, tool_call_parser: str = "hermes") -> list[int]:
+    """The chat template (the request's, the server's --chat-template, or the tokenizer's), rendered with the
+    request's options and tools, then tokenized (special tokens added only if asked: the template holds them)."""
+    template = request.chat_template or chat_template or getattr(tokenizer, "chat_template", None)
+    if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
         raise ApiError(400, "this model has no chat template: use /v1/completions", "no_chat_template", "messages")
+    if request.add_generation_prompt and request.continue_final_message:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       "invalid_request", "continue_final_message")
     try:
         messages = [{**message.model_dump(exclude_none=True), "content": message.text()}
                     for message in request.messages]
-        messages, extra = template_messages(messages, tools or ToolMode(), parser_for(tool_call_parser),
-                                            tokenizer.chat_template)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                            **extra)
+        messages, extra = template_messages(messages, tools or ToolMode(), parser_for(tool_call_parser), template)
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, tokenize=False,
+            **extra, **(request.chat_template_kwargs or {}))
     except ApiError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template error is about these messages: the client's
         raise ApiError(400, f"the chat messages do not fit the chat template: {exc}", "invalid_messages",
                        "messages") from None
-    return list(ids)
+    return prompt_ids(text, tokenizer, bool(request.add_special_tokens))
+
+
+def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: as many as the context holds)."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:] if keep else []
 
 
 def sampling_params(request, num_prompt_tokens: int, ctx: ServerContext, chat: bool,
@@ -109,22 +138,43 @@ def sampling_params(request, num_prompt_tokens: int, ctx: ServerContext, chat: b
     if getattr(request, "best_of", None) not in (None, request.n):
         raise ApiError(400, "best_of other than n is not supported", "invalid_best_of", "best_of")
     max_tokens = (request.max_completion_tokens or request.max_tokens) if chat else request.max_tokens
+    if max_tokens == 0:  # echo only (checked in prepare): one token is computed and dropped
+        max_tokens = 1
     max_tokens = _max_tokens(max_tokens, num_prompt_tokens, ctx, prompt_field)
+    try:
+        return SamplingParams(max_new_tokens=max_tokens, structured_outputs=_grammar(request, tools),
+                              **_logprob_fields(request, chat), **_sampling_fields(request))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "invalid_sampling_params") from None
+
+
+def _sampling_fields(request) -> dict:
+    """The SamplingParams fields that come straight from the request; unset optional ones keep their defaults."""
+    optional = {name: getattr(request, name) for name in ("top_p", "top_k", "min_p", "repetition_penalty")
+                if getattr(request, name) is not None}
+    return dict(
+        temperature=1.0 if request.temperature is None else request.temperature, min_new_tokens=request.min_tokens,
+        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty, n=request.n,
+        seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+        logit_bias=request.logit_bias, allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens, **optional)
+
+
+def _logprob_fields(request, chat: bool) -> dict:
+    """logprobs (chat: top_logprobs when logprobs=true) and prompt_logprobs (echo asks for them as vLLM)."""
     logprobs = request.logprobs
     if chat:
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "invalid_logprobs", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    optional = {name: getattr(request, name) for name in ("top_p", "top_k", "min_p", "repetition_penalty")
-                if getattr(request, name) is not None}
-    try:
-        return SamplingParams(
-            max_new_tokens=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
-            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty, n=request.n,
-            seed=request.seed, stop=request.stop, ignore_eos=request.ignore_eos, logprobs=logprobs,
-            structured_outputs=_grammar(request, tools), **optional)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "invalid_sampling_params") from None
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and not chat and request.echo:
+        prompt_logprobs = logprobs
+    if prompt_logprobs is not None and request.stream:
+        raise ApiError(400, "prompt logprobs (prompt_logprobs, or echo with logprobs) are not available with "
+                       "stream=true", "invalid_request", "prompt_logprobs")
+    return dict(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _grammar(request, tools: ToolMode | None):
@@ -156,15 +206,29 @@ def _max_tokens(requested: int | None, num_prompt_tokens: int, ctx: ServerContex
 def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float) -> Prepared:
     adapter = ctx.resolve_model(request.model)
     tools = tool_mode(request) if chat else ToolMode()
-    parser = getattr(ctx.settings, "tool_call_parser", "hermes")
-    ids = (chat_prompt_ids(request, ctx.tokenizer, tools, parser) if chat
-           else completion_prompt_ids(request, ctx.tokenizer))
-    params = sampling_params(request, len(ids), ctx, chat, tools)
+    if chat:
+        parser = getattr(ctx.settings, "tool_call_parser", "hermes")
+        prompts = [chat_prompt_ids(request, ctx.tokenizer, ctx.settings.chat_template, tools, parser)]
+    else:
+        prompts = completion_prompts(request, ctx.tokenizer)
+        if request.echo and request.stream:
+            raise ApiError(400, "echo is not available with stream=true", "invalid_request", "echo")
+        if request.max_tokens == 0 and not request.echo:
+            raise ApiError(400, "max_tokens=0 needs echo=true", "invalid_max_tokens", "max_tokens")
+    add_special = request.add_special_tokens if request.add_special_tokens is not None else not chat
+    ids = [truncate(prompt_ids(p, ctx.tokenizer, add_special), request.truncate_prompt_tokens, ctx.max_model_len)
+           for p in prompts]
+    if any(not p for p in ids):
+        raise ApiError(400, "the prompt is empty", "invalid_prompt", "messages" if chat else "prompt")
+    params = sampling_params(request, max(len(p) for p in ids), ctx, chat, tools)
     prefix = "chatcmpl" if chat else "cmpl"
     options = request.stream_options
+    echo = not chat and request.echo
+    texts = [p if isinstance(p, str) else None for p in prompts] if echo else []
     return Prepared(f"{prefix}-{uuid.uuid4().hex}", request.model or ctx.model_name, adapter, ids, params,
                     request.stream, bool(request.stream and options and options.include_usage), chat, arrival_time,
-                    tools)
+                    cache_salt=request.cache_salt, echo=echo, echo_only=echo and request.max_tokens == 0,
+                    prompt_texts=texts, tools=tools)
 
 
 async def prepare_off_loop(ctx: ServerContext, request, chat: bool, arrival_time: float) -> Prepared:
@@ -182,16 +246,24 @@ async def prepare_off_loop(ctx: ServerContext, request, chat: bool, arrival_time
         raise
 
 
-async def submit(ctx: ServerContext, prepared: Prepared, reserved: bool = False) -> RequestStream:
+async def submit(ctx: ServerContext, prepared: Prepared, reserved: bool = False) -> list[RequestStream]:
+    """One engine request per prompt; if one is refused, those already queued are aborted. `reserved`: the
+    first prompt's --max-queue slot is already taken (prepare_off_loop); the others take their own."""
+    streams = []
     try:
-        stream = await ctx.engine.submit(prepared.request_id, prepared.prompt_token_ids, prepared.params,
-                                         prepared.adapter, prepared.arrival_time, reserved=reserved)
-    except QueueFullError as exc:
-        raise ApiError(503, str(exc), "server_overloaded") from None
-    except ValueError as exc:
+        for index, ids in enumerate(prepared.prompts):
+            streams.append(await ctx.engine.submit(prepared.engine_request_id(index), ids, prepared.params,
+                                                   prepared.adapter, prepared.arrival_time,
+                                                   reserved=reserved and index == 0, cache_salt=prepared.cache_salt))
+    except (QueueFullError, ValueError) as exc:
+        for stream in streams:
+            ctx.engine.abort(stream.request_id)
+        if isinstance(exc, QueueFullError):
+            raise ApiError(503, str(exc), "server_overloaded") from None
         raise ApiError(400, str(exc), "invalid_request") from None
-    ctx.metrics.count_request(prepared.model, prepared.adapter, len(prepared.prompt_token_ids))
-    return stream
+    for ids in prepared.prompts:
+        ctx.metrics.count_request(prepared.model, prepared.adapter, len(ids))
+    return streams
 
 
 async def outputs(ctx: ServerContext, http_request, stream: RequestStream) -> AsyncIterator:
@@ -233,9 +305,10 @@ async def _next_item(queue: asyncio.Queue, timeout: float):
         return None
 
 
-def usage(prepared: Prepared, output) -> Usage:
-    num_generated = sum(len(c.token_ids) for c in output.outputs)
-    num_prompt = len(prepared.prompt_token_ids)
+def usage(prepared: Prepared, *outputs) -> Usage:
+    """Over every prompt of the request (an echo-only completion generated nothing)."""
+    num_generated = 0 if prepared.echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_prompt = sum(len(ids) for ids in prepared.prompts)
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated)
 
 
@@ -276,7 +349,7 @@ class Deltas:
                 yield c, text, token_ids, entries
 
 
-def _token_text(tokenizer, token_id: int) -> str:
+def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
 
@@ -287,9 +360,9 @@ def _top(entry: dict, k: int) -> list[tuple[int, float]]:
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list, k: int) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(token_ids, entries):
-        text = _token_text(tokenizer, token_id)
+        text = token_text(tokenizer, token_id)
         top = [TopLogprob(token=piece, logprob=lp, bytes=list(piece.encode()))
-               for piece, lp in ((_token_text(tokenizer, t), lp) for t, lp in _top(entry, k))]
+               for piece, lp in ((token_text(tokenizer, t), lp) for t, lp in _top(entry, k))]
         content.append(TokenLogprob(token=text, logprob=entry.get(token_id, float("-inf")), bytes=list(text.encode()),
                                     top_logprobs=top))
     return ChatLogprobs(content=content)
@@ -298,10 +371,10 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: list, k: int) -> Cha
 def completion_logprobs(tokenizer, token_ids: list[int], entries: list, k: int, offset: int) -> CompletionLogprobs:
     result = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries):
-        text = _token_text(tokenizer, token_id)
+        text = token_text(tokenizer, token_id)
         result.tokens.append(text)
         result.token_logprobs.append(entry.get(token_id))
-        result.top_logprobs.append({_token_text(tokenizer, t): lp for t, lp in _top(entry, k)} if k else None)
+        result.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in _top(entry, k)} if k else None)
         result.text_offset.append(offset)
         offset += len(text)
     return result
