@@ -3,7 +3,7 @@
     paged-hf generate prompts.jsonl -o outputs.jsonl [--model M] [engine flags]
     paged-hf bench --workload mixed --out bench_out [--systems paged_hf,hf_static_8] [--requests N]
     paged-hf bench --serve [--concurrency 32] [--request-rate R] [--vllm-python .venv-vllm/bin/python]
-    paged-hf serve [--model M] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API)
+    paged-hf serve [MODEL] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API; vLLM's flags too)
 
 Without --model every command uses the default model (SmolLM2-135M-Instruct, see paged_hf.default_model).
 """
@@ -16,7 +16,11 @@ import os
 import sys
 from dataclasses import fields
 
+from paged_hf.device_dtype import DTYPE_NAMES, checkpoint_dtype, resolve_device, resolve_dtype
 from paged_hf.sampling_params import SamplingParams
+
+#: The environment variable that holds the server's API key when --api-key is not given.
+API_KEY_ENV_VAR = "PAGED_HF_API_KEY"
 
 #: Fields a JSONL line may set (eos_token_ids is internal, not part of the public contract).
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "eos_token_ids")
@@ -26,8 +30,21 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "eos
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder or hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu", help="torch device of the model (default: cpu)")
-    parser.add_argument("--dtype", default="float32", help="torch dtype name (default: float32)")
+    parser.add_argument("--device", default="auto", help="torch device of the model (auto: cuda when present)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                        help="auto: the checkpoint's on a GPU; on CPU float32 (bfloat16 where it is fast)")
+
+
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """`paged-hf serve MODEL` as `vllm serve MODEL`; --device/--dtype auto become concrete names."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
+    args.device = resolve_device(args.device)
+    args.dtype = str(resolve_dtype(args.dtype, args.device, lambda: checkpoint_dtype(args.model))).removeprefix(
+        "torch.")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -39,11 +56,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, help="KV cache bytes, or a fraction of free memory (<= 1)")
     group.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                       help="disable automatic prefix caching")
+    group.add_argument("--enable-prefix-caching", action="store_true", help="(vLLM's flag; on by default)")
     group.add_argument("--max-stop-strings", type=int, help="most stop strings per request (default: 64)")
     group.add_argument("--max-stop-string-chars", type=int, help="longest stop string (default: 512 characters)")
     group.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                        help="a peft LoRA adapter folder to load under NAME (repeatable)")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="vLLM's spelling of --adapter: NAME=PATH or JSON {\"name\": ..., \"path\": ...}")
+    group.add_argument("--enable-lora", action="store_true", help="(vLLM's flag; adapters always work)")
 
 
 def engine_config(args: argparse.Namespace) -> dict:
@@ -58,12 +80,19 @@ def engine_config(args: argparse.Namespace) -> dict:
         config["kv_cache_memory"] = memory if memory <= 1 else int(memory)
     if args.no_prefix_caching:
         config["enable_prefix_caching"] = False
-    if args.adapter:
-        config["adapters"] = dict(_name_equals_path(item) for item in args.adapter)
+    adapters = list(args.adapter) + list(getattr(args, "lora_modules", []))
+    if adapters:
+        config["adapters"] = dict(_name_equals_path(item) for item in adapters)
     return config
 
 
 def _name_equals_path(item: str) -> tuple[str, str]:
+    if item.lstrip().startswith("{"):  # vLLM's JSON form of --lora-modules
+        try:
+            spec = json.loads(item)
+            return spec["name"], spec["path"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"--lora-modules expects NAME=PATH or {{\"name\": ..., \"path\": ...}}, got {item!r}") from None
     name, sep, path = item.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"--adapter expects NAME=PATH, got {item!r}")
@@ -154,7 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: PLC0415
 
-        from paged_hf.server import ServerSettings, create_app  # noqa: PLC0415
+        from paged_hf.server import create_app  # noqa: PLC0415
     except ImportError as exc:
         raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
     config = engine_config(args)
@@ -162,11 +191,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     check_adapters_loaded(generator, config.get("adapters", {}))
-    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
-                              max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
-                              tool_call_parser=args.tool_call_parser)
-    name = args.served_model_name or default_served_name(args.model or DEFAULT_MODEL)
-    app = create_app(generator, tokenizer, name, settings)
+    settings = serve_settings(args, model)
+    names = args.served_model_name or [default_served_name(args.model or DEFAULT_MODEL)]
+    name = names[0]
+    app = create_app(generator, tokenizer, names, settings)
     print(f"paged-hf serve: {name} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "
           f"blocks, max_model_len {app.state.ctx.max_model_len})", file=sys.stderr)
     from paged_hf.server.lifecycle import DrainingServer  # noqa: PLC0415
@@ -182,6 +210,38 @@ def default_served_name(model: str) -> str:
     if os.path.exists(model):
         return os.path.basename(os.path.normpath(os.path.abspath(model)))
     return model
+
+
+def serve_settings(args: argparse.Namespace, model):
+    """ServerSettings from the flags: the API key also from $PAGED_HF_API_KEY, sampling defaults from the
+    checkpoint's generation_config.json unless --generation-config vllm."""
+    from paged_hf.server import ServerSettings  # noqa: PLC0415
+    from paged_hf.server.sampling_defaults import generation_config_defaults  # noqa: PLC0415
+
+    defaults = generation_config_defaults(model) if args.generation_config == "auto" else {}
+    return ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
+                          max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+                          max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
+                          chat_template=read_chat_template(args.chat_template), sampling_defaults=defaults,
+                          cors_origins=tuple(_origins(args.allowed_origins)), tool_call_parser=args.tool_call_parser)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself (as vLLM)."""
+    if value is None or not os.path.isfile(value):
+        if value is not None and not any(mark in value for mark in ("{{", "{%")):
+            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        return value
+    with open(value) as fh:
+        return fh.read()
+
+
+def _origins(values: list[str]) -> list[str]:
+    """--allowed-origins a b, or vLLM's JSON list '["a", "b"]'."""
+    origins = []
+    for value in values:
+        origins += json.loads(value) if value.lstrip().startswith("[") else [value]
+    return origins
 
 
 def check_adapters_loaded(generator, adapters: dict) -> None:
@@ -200,16 +260,24 @@ def check_adapters_loaded(generator, adapters: dict) -> None:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients use (default: the --model folder's name, or its hub id)")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="as --model (vLLM's form)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but "
+                        f"/health); default: ${API_KEY_ENV_VAR}")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the names clients use (default: the --model folder's name, or its hub id); the first is "
+                        "reported")
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) replacing "
+                        "the tokenizer's")
+    parser.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                        help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: none")
+    parser.add_argument("--allowed-origins", nargs="+", default=[], help="CORS origins ('*' for any)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     parser.add_argument("--max-n", type=int, default=16, help="most completions per request (n)")
     parser.add_argument("--max-tokens-cap", type=int, default=4096, help="most max_tokens per request (0: none)")
-    parser.add_argument("--max-queue", type=int, default=256, help="unfinished requests at once; more get 503")
+    parser.add_argument("--max-queue", type=int, default=8192, help="unfinished requests at once; more get 503")
     parser.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
                         help="how tool calls are found in the model's output (tool_choice auto)")
-    parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    parser.add_argument("--log-level", "--uvicorn-log-level", default="info", help="uvicorn log level")
     parser.add_argument("--shutdown-grace", type=float, default=5.0, help="on SIGTERM, seconds running requests "
                         "may finish before they are aborted (default: 5; a second SIGTERM exits at once)")
     parser.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
@@ -293,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        resolve_model_args(args)
         return args.func(args)
     except ValueError as exc:  # bad input from the user: one line, no traceback
         print(f"paged-hf {args.command}: error: {exc}", file=sys.stderr)

@@ -12,9 +12,10 @@ import hmac
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,9 +40,11 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20  # 413 above
     max_n: int = 16  # 400 above
     max_tokens_cap: int | None = 4096  # 400 above; also caps the default max_tokens
-    max_queue: int = 256  # unfinished requests at once; 503 above
+    max_queue: int = 8192  # unfinished requests at once; 503 above (vLLM's benchmark sends 1000 at once)
     tool_call_parser: str = "hermes"  # how tool calls are found in the output: hermes, llama3_json, mistral
     chat_template: str | None = None  # a Jinja chat template that replaces the tokenizer's
+    sampling_defaults: dict = field(default_factory=dict)  # request field -> default (generation_config.json)
+    cors_origins: tuple[str, ...] = ()  # browsers on these origins may call the API (CORS); "*" for any
 
 
 class GuardMiddleware:
@@ -88,13 +91,15 @@ class GuardMiddleware:
         return None
 
 
-def create_app(generator, tokenizer, model_name: str, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(generator, tokenizer, model_name: str | list[str], settings: ServerSettings | None = None) -> FastAPI:
+    """`model_name`: the base model's served name, or several (all accepted, the first reported by default)."""
     settings = settings or ServerSettings()
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
     metrics = ServerMetrics()
     engine = EngineLoop(generator, metrics, settings.max_queue)
     # a request must also fit the whole KV cache: default max_tokens never asks for more than that holds
     max_model_len = min(generator.max_model_len, generator.block_pool.num_blocks * generator.config.block_size)
-    ctx = ServerContext(engine, tokenizer, model_name, settings, max_model_len, metrics)
+    ctx = ServerContext(engine, tokenizer, names[0], settings, max_model_len, metrics, tuple(names))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -107,6 +112,9 @@ def create_app(generator, tokenizer, model_name: str, settings: ServerSettings |
     app = FastAPI(title="paged_hf", lifespan=lifespan)
     app.state.ctx = ctx
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    if settings.cors_origins:  # outside the guard: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     install_error_handlers(app, metrics.count_error)
     _add_routes(app, ctx)
     return app
@@ -124,7 +132,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/v1/models")
     async def models():
-        cards = [ModelCard(id=ctx.model_name, root=ctx.model_name)]
+        cards = [ModelCard(id=name, root=ctx.model_name) for name in ctx.served_names]
         cards += [ModelCard(id=name, root=name, parent=ctx.model_name) for name in ctx.engine.adapter_names]
         return ModelList(data=cards)
 

@@ -62,15 +62,17 @@ class ServerContext:
     settings: object  # ServerSettings
     max_model_len: int
     metrics: object  # ServerMetrics
+    served_names: tuple[str, ...] = ()  # every name of the base model (--served-model-name a b ...)
 
     def resolve_model(self, name: str | None) -> str | None:
         """Model name -> adapter (None = the base model). Adapters are served under their own names."""
-        if name is None or name == self.model_name:
+        if name is None or name == self.model_name or name in self.served_names:
             return None
         if name in self.engine.adapter_names:
             return name
         raise ApiError(404, f"The model {name!r} does not exist; served: "
-                       f"{[self.model_name, *self.engine.adapter_names]}", "model_not_found", "model")
+                       f"{[*(self.served_names or (self.model_name,)), *self.engine.adapter_names]}", "model_not_found",
+                       "model")
 
 
 def completion_prompts(request: CompletionRequest, tokenizer) -> list[str | list[int]]:
@@ -140,20 +142,24 @@ def sampling_params(request, num_prompt_tokens: int, ctx: ServerContext, chat: b
     max_tokens = (request.max_completion_tokens or request.max_tokens) if chat else request.max_tokens
     if max_tokens == 0:  # echo only (checked in prepare): one token is computed and dropped
         max_tokens = 1
-    max_tokens = _max_tokens(max_tokens, num_prompt_tokens, ctx, prompt_field)
+    max_tokens = _max_tokens(max_tokens, num_prompt_tokens, ctx, prompt_field,
+                             settings.sampling_defaults.get("max_tokens"))
     try:
         return SamplingParams(max_new_tokens=max_tokens, structured_outputs=_grammar(request, tools),
-                              **_logprob_fields(request, chat), **_sampling_fields(request))
+                              **_logprob_fields(request, chat), **_sampling_fields(request, settings.sampling_defaults))
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_sampling_params") from None
 
 
-def _sampling_fields(request) -> dict:
-    """The SamplingParams fields that come straight from the request; unset optional ones keep their defaults."""
-    optional = {name: getattr(request, name) for name in ("top_p", "top_k", "min_p", "repetition_penalty")
-                if getattr(request, name) is not None}
+def _sampling_fields(request, defaults: dict) -> dict:
+    """The SamplingParams fields that come straight from the request; one it leaves unset takes the model's
+    generation_config default (sampling_defaults.py), else SamplingParams' own (temperature: OpenAI's 1.0)."""
+    defaults = {"temperature": 1.0, **defaults}
+    optional = {name: getattr(request, name) if getattr(request, name) is not None else defaults.get(name)
+                for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    optional = {name: value for name, value in optional.items() if value is not None}
     return dict(
-        temperature=1.0 if request.temperature is None else request.temperature, min_new_tokens=request.min_tokens,
+        min_new_tokens=request.min_tokens,
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty, n=request.n,
         seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
         logit_bias=request.logit_bias, allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
@@ -187,12 +193,14 @@ def _grammar(request, tools: ToolMode | None):
     return spec or tool_spec
 
 
-def _max_tokens(requested: int | None, num_prompt_tokens: int, ctx: ServerContext, prompt_field: str) -> int:
-    """Default: the rest of the context, capped by --max-tokens-cap. More than the cap or the context: 400."""
+def _max_tokens(requested: int | None, num_prompt_tokens: int, ctx: ServerContext, prompt_field: str,
+                default: int | None = None) -> int:
+    """Default: the rest of the context (or the model's generation_config max_new_tokens when smaller), capped by
+    --max-tokens-cap. More than the cap or the context: 400."""
     room = ctx.max_model_len - num_prompt_tokens
     cap = ctx.settings.max_tokens_cap
     if requested is None:
-        return min(room, cap) if cap else room
+        return min(x for x in (room, cap, default) if x)
     if cap and requested > cap:
         raise ApiError(400, f"max_tokens={requested} is more than this server allows ({cap})", "invalid_max_tokens",
                        "max_tokens")
