@@ -3,6 +3,7 @@
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .config import PagedConfig
 from .generator import ContinuousBatchGenerator
+from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .paged_cache import PagedCache
 from .paged_model import PagedModel, wrap
@@ -15,6 +16,7 @@ __all__ = [
     "BeamSearchSequence",
     "CompletionOutput",
     "ContinuousBatchGenerator",
+    "LLM",
     "PagedCache",
     "PagedConfig",
     "PagedModel",

@@ -223,7 +223,8 @@ def serve_settings(args: argparse.Namespace, model):
                           max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                           max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
                           chat_template=read_chat_template(args.chat_template), sampling_defaults=defaults,
-                          cors_origins=tuple(_origins(args.allowed_origins)), tool_call_parser=args.tool_call_parser)
+                          cors_origins=tuple(_origins(args.allowed_origins)), tool_call_parser=args.tool_call_parser,
+                          lora_root=args.lora_root)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -271,6 +272,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                         help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: none")
     parser.add_argument("--allowed-origins", nargs="+", default=[], help="CORS origins ('*' for any)")
+    parser.add_argument("--lora-root", default=None, metavar="DIR", help="allow /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter, for adapter folders under DIR only (off by default)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     parser.add_argument("--max-n", type=int, default=16, help="most completions per request (n)")
     parser.add_argument("--max-tokens-cap", type=int, default=4096, help="most max_tokens per request (0: none)")

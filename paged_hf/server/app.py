@@ -19,8 +19,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .completions import completion_choices, last_output, merged, prompt_logprob_entries
 from .engine_loop import EngineError, EngineLoop
 from .errors import ApiError, error_body, error_response, install_error_handlers
+from .extra_routes import add_extra_routes
 from .metrics import ServerMetrics
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatDelta, ChatMessageOut, CompletionChoice, CompletionRequest,
@@ -30,6 +32,7 @@ from .lifecycle import AbortingStreamingResponse
 from .serving import (Deltas, Prepared, ServerContext, chat_logprobs, completion_logprobs, outputs,
                       prepare_off_loop, submit, usage)
 from .tool_calls import ToolCallStreamer, finish_reason, parse_output, parser_for
+from .vllm_metrics import vllm_aliases
 
 
 @dataclass
@@ -45,13 +48,14 @@ class ServerSettings:
     chat_template: str | None = None  # a Jinja chat template that replaces the tokenizer's
     sampling_defaults: dict = field(default_factory=dict)  # request field -> default (generation_config.json)
     cors_origins: tuple[str, ...] = ()  # browsers on these origins may call the API (CORS); "*" for any
+    lora_root: str | None = None  # enables /v1/load_lora_adapter, for folders under this one only
 
 
 class GuardMiddleware:
     """API key and body size, in plain ASGI: checked before a handler runs, and without wrapping responses
     (Starlette's BaseHTTPMiddleware would buffer streams and hide client disconnects)."""
 
-    OPEN_PATHS = ("/health",)
+    OPEN_PATHS = ("/health", "/ping")
 
     def __init__(self, app, settings: ServerSettings, metrics: ServerMetrics):
         self.app, self.settings, self.metrics = app, settings, metrics
@@ -117,6 +121,7 @@ def create_app(generator, tokenizer, model_name: str | list[str], settings: Serv
                            allow_headers=["*"])
     install_error_handlers(app, metrics.count_error)
     _add_routes(app, ctx)
+    add_extra_routes(app, ctx)
     return app
 
 
@@ -127,8 +132,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_route():
-        return PlainTextResponse(ctx.metrics.render(ctx.engine.stats, ctx.engine.num_in_flight),
-                                 media_type="text/plain; version=0.0.4")
+        text = ctx.metrics.render(ctx.engine.stats, ctx.engine.num_in_flight)
+        return PlainTextResponse(text + vllm_aliases(text, ctx.model_name), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():

@@ -140,6 +140,14 @@ class EngineLoop:
             raise
         return stream
 
+    async def call(self, fn):
+        """`fn(generator)` on the engine thread, between two steps (the generator is not thread-safe): its
+        result, or the exception it raised (e.g. loading or unloading an adapter)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("call", fn, loop, done))
+        return await done
+
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for a request that already finished."""
         self._commands.put(("abort", request_id))
@@ -183,6 +191,8 @@ class EngineLoop:
                 self._add(*command[1:])
             elif command[0] == "drain":
                 self._abort_at = min(command[1], self._abort_at or command[1])
+            elif command[0] == "call":
+                self._call(*command[1:])
             else:
                 self._abort(command[1])
             try:
@@ -204,6 +214,15 @@ class EngineLoop:
         stream.num_sequences = params.n
         self._streams[stream.request_id] = stream
         _resolve(stream.loop, accepted, None)
+
+    def _call(self, fn, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+        try:
+            result = fn(self.generator)
+        except Exception as exc:  # noqa: BLE001 - goes back to the caller
+            _resolve(loop, done, exc)
+            return
+        self._refresh_snapshots()  # e.g. /v1/models lists a new adapter as soon as the call returns
+        _resolve(loop, done, None, result)
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -300,12 +319,12 @@ def _adapter_names(generator) -> tuple[str, ...]:
     return tuple(names()) if callable(names) else ()
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: Exception | None) -> None:
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: Exception | None, result=None) -> None:
     def settle() -> None:
         if future.done():
             return
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
 

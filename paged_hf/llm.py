@@ -1,0 +1,66 @@
+"""`paged_hf.LLM`: vLLM's offline entry point, for users who start from a model name rather than a live model.
+
+    llm = paged_hf.LLM("HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=2048)
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
+    replies = llm.chat([{"role": "user", "content": "Hi!"}])
+
+It loads the checkpoint (`--device auto`/`--dtype auto` rules, device_dtype.py) and wraps it (`paged_hf.wrap`);
+everything else is the generator's: the same outputs, errors and configuration (PagedConfig's fields).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .device_dtype import checkpoint_dtype, resolve_device, resolve_dtype
+from .outputs import RequestOutput
+from .paged_model import wrap
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", **config):
+        """`model`: an HF folder or hub id (None: the default model); `config`: PagedConfig fields."""
+        from .default_model import load_model  # noqa: PLC0415
+
+        device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, device, lambda: checkpoint_dtype(model))
+        hf_model, tokenizer = load_model(model, torch_dtype, device)
+        self.paged_model = wrap(hf_model, tokenizer, **config)
+        self.generator = self.paged_model.generator
+        self.tokenizer = tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, adapter: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """`prompts`: a string, a list of strings or token-id lists, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": [...]} dicts. One RequestOutput per prompt, in order."""
+        return self.generator.generate(_prompts(prompts), sampling_params, adapters=adapter, use_tqdm=use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, adapter: str | Sequence[str | None] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`messages`: one conversation (a list of {"role", "content"}) or a list of them; each goes through
+        the chat template, then generates as `generate` does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [list(self.tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=True, return_dict=False,
+            **(chat_template_kwargs or {}))) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, adapter)
+
+
+def _prompts(prompts) -> list:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    result = []
+    for prompt in prompts:
+        if isinstance(prompt, dict):
+            if set(prompt) - {"prompt", "prompt_token_ids"} or len(prompt) != 1:
+                raise ValueError(f"a prompt dict has one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        result.append(prompt)
+    return result
