@@ -92,6 +92,7 @@ class ContinuousBatchGenerator:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_fits(prompt_ids, params)
+        self._check_vocab(params)
         lora = self._adapter(adapter)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.groups:
@@ -146,6 +147,13 @@ class ContinuousBatchGenerator:
                 raise ValueError("structured outputs need a tokenizer: pass tokenizer= to wrap()")
             self.grammar_compiler = grammar_compiler(self.tokenizer, self.info.vocab_size, tuple(self.info.eos_token_ids))
         return self.grammar_compiler.compile(params.structured_outputs)
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        """logit_bias and allowed_token_ids name token ids: one outside the vocabulary is a mistake, not a no-op."""
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.info.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         total = len(prompt_ids) + params.max_new_tokens

@@ -136,6 +136,9 @@ def test_logit_bias_allowed_token_ids_and_bad_words(fields_server):
     assert word not in banned
     assert post(fields_server, "/v1/completions", {"model": MODEL, "prompt": "the",
                                                    "logit_bias": {"5": 101}}).status_code == 400
+    for field, value in (("logit_bias", {"500": 1}), ("allowed_token_ids", [3, 500])):
+        r = post(fields_server, "/v1/completions", {"model": MODEL, "prompt": "the", field: value})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
 
 
 def test_min_tokens_stop_token_ids_and_stop_reason(fields_server):
