@@ -4,6 +4,8 @@ through the real `openai` client, checked against HF's own forward pass."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 import torch
@@ -86,7 +88,7 @@ def complete(server, **body) -> dict:
 def test_every_vllm_field_is_honoured_refused_or_ignored(model, vllm_fields, refused):
     honoured = set(model.model_fields) - set(refused)
     assert set(vllm_fields) <= honoured | set(refused) | IGNORED
-    with open("docs/serving.md") as fh:
+    with open(Path(__file__).parent.parent / "docs" / "serving.md") as fh:
         docs = fh.read()
     assert all(f"`{name}`" in docs for name in vllm_fields), [n for n in vllm_fields if f"`{n}`" not in docs]
 
