@@ -98,7 +98,7 @@ def _tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict:
     if body.messages is not None:
         if not body.messages:
             raise ApiError(400, "messages is empty", "invalid_request", "messages")
-        ids = chat_prompt_ids(body, tokenizer, ctx.settings.chat_template)
+        ids = chat_prompt_ids(body, tokenizer, chat_template=ctx.settings.chat_template)
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = prompt_ids(body.prompt, tokenizer, add_special)

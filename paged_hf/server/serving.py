@@ -93,8 +93,8 @@ def prompt_ids(prompt: str | list[int], tokenizer, add_special_tokens: bool) -> 
     return list(prompt)
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer, chat_template: str | None = None,
-                    tools: ToolMode | None = None, tool_call_parser: str = "hermes") -> list[int]:
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer, tools: ToolMode | None = None,
+                    tool_call_parser: str = "hermes", chat_template: str | None = None) -> list[int]:
     """The chat template (the request's, the server's --chat-template, or the tokenizer's), rendered with the
     request's options and tools, then tokenized (special tokens added only if asked: the template holds them)."""
     template = request.chat_template or chat_template or getattr(tokenizer, "chat_template", None)
@@ -216,7 +216,7 @@ def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float) -> Pre
     tools = tool_mode(request) if chat else ToolMode()
     if chat:
         parser = getattr(ctx.settings, "tool_call_parser", "hermes")
-        prompts = [chat_prompt_ids(request, ctx.tokenizer, ctx.settings.chat_template, tools, parser)]
+        prompts = [chat_prompt_ids(request, ctx.tokenizer, tools, parser, ctx.settings.chat_template)]
     else:
         prompts = completion_prompts(request, ctx.tokenizer)
         if request.echo and request.stream:
