@@ -27,7 +27,6 @@ from .metrics import ServerMetrics
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatDelta, ChatMessageOut, CompletionChoice, CompletionRequest,
                        CompletionResponse, ModelCard, ModelList)
-from .completions import completion_choices, last_output, merged, prompt_logprob_entries
 from .lifecycle import AbortingStreamingResponse
 from .serving import (Deltas, Prepared, ServerContext, chat_logprobs, completion_logprobs, outputs,
                       prepare_off_loop, submit, usage)
