@@ -11,6 +11,7 @@ import torch
 uvicorn = pytest.importorskip("uvicorn")
 
 from paged_hf import cli, device_dtype  # noqa: E402
+from paged_hf.server.lifecycle import DrainingServer  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
 from test_server import serving, tiny_tokenizer  # noqa: E402
@@ -31,7 +32,7 @@ def served(monkeypatch):
         return model, tiny_tokenizer()
 
     monkeypatch.setattr(default_model, "load_model", load)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: result.update(app=app, **kwargs))
+    monkeypatch.setattr(DrainingServer, "run", lambda self: result.update(app=self.config.app))
 
     def run(*argv):
         assert cli.main(["serve", *argv, "--num-blocks", "64", "--max-model-len", "128"]) == 0
@@ -77,8 +78,7 @@ def test_vllm_spellings(served, tmp_path):
     assert cli.main(["serve", "m1", "--model", "m2"]) == 2
 
 
-def test_lora_modules_flag(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: pytest.fail("must not start serving"))
+def test_lora_modules_flag():
     args = cli.build_parser().parse_args(["serve", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}',
                                           "--adapter", "c=/z"])
     assert cli.engine_config(args)["adapters"] == {"a": "/x", "b": "/y", "c": "/z"}
