@@ -14,13 +14,15 @@ from paged_hf import cli, default_model  # noqa: E402
 
 @pytest.fixture
 def served(monkeypatch):
-    """Runs `paged-hf serve` on the tiny model up to uvicorn.run; returns what uvicorn would have served."""
+    """Runs `paged-hf serve` on the tiny model up to the server's run(); returns what it would have served."""
     from test_server import tiny_tokenizer  # noqa: PLC0415
 
     monkeypatch.setattr(default_model, "load_model",
                         lambda name, dtype, device: (tiny_model("llama", dtype=torch.float32), tiny_tokenizer()))
     result = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: result.update(app=app, **kwargs))
+    from paged_hf.server.lifecycle import DrainingServer  # noqa: PLC0415
+
+    monkeypatch.setattr(DrainingServer, "run", lambda self: result.update(app=self.config.app))
     return result
 
 
