@@ -3,6 +3,7 @@ lifecycle and of `paged-hf bench --serve`)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -48,6 +49,7 @@ class ServerProcess:
                 *flags]
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+        atexit.register(self._kill)  # also when the test run itself is interrupted
         deadline = time.monotonic() + timeout
         while True:
             assert self.process.poll() is None, self.process.stdout.read()
@@ -66,6 +68,9 @@ class ServerProcess:
         return self
 
     def __exit__(self, *exc):
+        self._kill()
+        self.process.wait(30)
+
+    def _kill(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(30)

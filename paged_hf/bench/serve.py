@@ -125,7 +125,9 @@ def serve_system(name: str, argv: list[str], env, args, prompts, workdir: Path) 
                                              args.concurrency, args.request_rate, args.seed))
     finally:
         stop_server(process)
-    return {"system": name, **summarize(records, wall)}
+    result = {"system": name, **summarize(records, wall)}
+    _log(f"{name}: {result['num_ok']}/{result['num_requests']} ok, {result['output_tok_s']:.1f} output tok/s")
+    return result
 
 
 def offline_system(args, prompts, workdir: Path) -> dict:
