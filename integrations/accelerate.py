@@ -27,6 +27,20 @@ def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]
     return [devices.get(i, fallback) for i in range(num_layers)]
 
 
+def module_device(model: torch.nn.Module, module: torch.nn.Module) -> torch.device:
+    """Where `module` (the embedding, the LM head) computes: its accelerate hook's execution device (an
+    offloaded module's weights sit on meta), else the device of its weights, else the model's."""
+    modules = dict(model.named_modules())
+    name = next((n for n, m in modules.items() if m is module), None)
+    device = _execution_device(modules, name) if name is not None else None
+    if device is not None:
+        return device
+    param = next((p for p in module.parameters() if p.device.type != "meta"), None)
+    if param is not None:
+        return param.device
+    return _execution_device(modules, "") or next(p.device for p in model.parameters())
+
+
 def _execution_device(modules: dict[str, torch.nn.Module], name: str) -> torch.device | None:
     """The execution device of the nearest accelerate hook on `name` or its parents, if any."""
     parts = name.split(".") if name else []

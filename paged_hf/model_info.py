@@ -18,7 +18,8 @@ class ModelInfo:
     head_dim: list[int]  # per layer
     dtype: torch.dtype
     layer_devices: list[torch.device]
-    input_device: torch.device  # where input_ids go (the embedding's device)
+    input_device: torch.device  # where input_ids go (where the embedding computes)
+    logits_device: torch.device  # where the logits come out (where the LM head computes)
     vocab_size: int
     max_positions: int | None
     eos_token_ids: list[int]
@@ -33,17 +34,21 @@ def text_config(config):
 def inspect_model(model: torch.nn.Module) -> ModelInfo:
     config = text_config(model.config)
     num_layers = config.num_hidden_layers
-    num_kv_heads, head_dim = _probe_kv_shapes(model)
-    layer_devices = accelerate_integration.layer_devices(model, num_layers)
     embeddings = model.get_input_embeddings()
+    output_embeddings = model.get_output_embeddings()
+    input_device = accelerate_integration.module_device(model, embeddings)
+    num_kv_heads, head_dim = _probe_kv_shapes(model, input_device)
+    layer_devices = accelerate_integration.layer_devices(model, num_layers)
     return ModelInfo(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=embeddings.weight.dtype,
         layer_devices=layer_devices,
-        input_device=embeddings.weight.device,
-        vocab_size=model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else config.vocab_size,
+        input_device=input_device,
+        logits_device=input_device if output_embeddings is None else
+        accelerate_integration.module_device(model, output_embeddings),
+        vocab_size=output_embeddings.weight.shape[0] if output_embeddings is not None else config.vocab_size,
         max_positions=getattr(config, "max_position_embeddings", None),
         eos_token_ids=eos_token_ids(model),
         accepts_logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
@@ -51,10 +56,9 @@ def inspect_model(model: torch.nn.Module) -> ModelInfo:
 
 
 @torch.inference_mode()
-def _probe_kv_shapes(model: torch.nn.Module) -> tuple[list[int], list[int]]:
+def _probe_kv_shapes(model: torch.nn.Module, device: torch.device) -> tuple[list[int], list[int]]:
     """Each layer's (num_kv_heads, head_dim), read off a one-token forward: configs name these fields in
     many ways (and a tensor-parallel shard holds only some heads), the cached keys never lie."""
-    device = model.get_input_embeddings().weight.device
     output = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True)
     cache = output["cache"] if "cache" in output else output["past_key_values"]  # transformers >= 5.x renamed it
     shapes = [layer.keys.shape for layer in cache.layers]  # [1, num_kv_heads, 1, head_dim]

@@ -25,8 +25,7 @@ class ModelRunner:
         self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim)
         self.cache = PagedCache(num_blocks, config.block_size, info.num_kv_heads, info.head_dim, info.dtype,
                                 info.layer_devices, self.kernel)
-        output_embeddings = model.get_output_embeddings()
-        self.logits_device = output_embeddings.weight.device if output_embeddings is not None else info.input_device
+        self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = _AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
 
@@ -57,7 +56,7 @@ class ModelRunner:
             self.cache.end_step()
         if not self.info.accepts_logits_to_keep:
             logits = logits[inputs.logits_indices.to(logits.device)]
-        return logits, inputs
+        return logits.to(self.logits_device), inputs  # a hook may hand them back elsewhere (io_same_device)
 
     def _lora_step(self, adapter_slots: torch.Tensor | None):
         """Per-token LoRA routing for this forward only (a no-op without adapter tokens)."""
