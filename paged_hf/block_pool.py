@@ -78,6 +78,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, Block] = {}  # block hash -> the block holding those tokens' K/V
+        # more blocks with a hash already mapped (requests that computed the same prefix at once): each
+        # takes over the hash when the mapped block is evicted, so a live copy keeps serving hits
+        self.duplicate_blocks: dict[bytes, dict[int, Block]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,20 +117,28 @@ class BlockPool:
         return self.cached_blocks.get(block_hash)
 
     def cache_block(self, block: Block, block_hash: bytes) -> None:
-        """Publish a full, computed block under its hash (the first block with a hash keeps it)."""
-        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached_blocks:
+        """Publish a full, computed block under its hash. Lookups return the first block with a hash; a
+        later one with the same hash waits among the duplicates for the first to be evicted."""
+        if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self.cached_blocks[block_hash] = block
+        if block_hash in self.cached_blocks:
+            self.duplicate_blocks.setdefault(block_hash, {})[block.block_id] = block
+        else:
+            self.cached_blocks[block_hash] = block
 
     def _evict(self, block: Block) -> None:
-        if block.block_hash is not None:
-            if self.cached_blocks.get(block.block_hash) is block:
-                del self.cached_blocks[block.block_hash]
-            block.block_hash = None
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after the weights changed)."""
-        for block in self.cached_blocks.values():
-            block.block_hash = None
-        self.cached_blocks.clear()
+        """The block is about to hold other tokens: it leaves the hash map (a duplicate takes its place)."""
+        block_hash, block.block_hash = block.block_hash, None
+        if block_hash is None:
+            return
+        duplicates = self.duplicate_blocks.get(block_hash)
+        if self.cached_blocks.get(block_hash) is block:
+            if duplicates:
+                _, self.cached_blocks[block_hash] = duplicates.popitem()
+            else:
+                del self.cached_blocks[block_hash]
+        elif duplicates is not None:
+            del duplicates[block.block_id]
+        if duplicates is not None and not duplicates:
+            del self.duplicate_blocks[block_hash]

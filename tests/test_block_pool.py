@@ -45,6 +45,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             [(b.ref_count, b.block_hash) for b in pool.blocks],
             [b.block_id for b in pool.free_queue],
             {h: b.block_id for h, b in pool.cached_blocks.items()},
+            {h: sorted(d) for h, d in pool.duplicate_blocks.items()},
             list(request.block_ids), request.num_computed_tokens, request.num_cached_blocks,
             list(self.kv._block_copies),
         )
@@ -172,12 +173,18 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def hash_map_points_only_at_matching_blocks(self):
-        for block_hash, block in self.pool.cached_blocks.items():
+        """Every hashed block is in the map (first or a duplicate) and holds its hash's tokens; a hash with
+        duplicates always has a first block."""
+        mapped = list(self.pool.cached_blocks.items())
+        for block_hash, duplicates in self.pool.duplicate_blocks.items():
+            assert duplicates and block_hash in self.pool.cached_blocks
+            mapped += [(block_hash, block) for block in duplicates.values()]
+        for block_hash, block in mapped:
             assert block.block_hash == block_hash
             prefix = self.prefix_of_hash[block_hash]
             assert self.contents[block.block_id] == list(prefix[-BLOCK_SIZE:]), f"{block} holds other tokens"
         hashed = [b for b in self.pool.blocks if b.block_hash is not None]
-        assert all(self.pool.cached_blocks[b.block_hash] is b for b in hashed)
+        assert sorted(b.block_id for b in hashed) == sorted(block.block_id for _, block in mapped)
 
     @invariant()
     def everything_is_free_when_idle(self):
@@ -218,6 +225,22 @@ def test_freed_tail_blocks_are_evicted_first_and_lose_their_hash():
     assert second.block_id == tail
     [third] = pool.allocate(1)
     assert third.block_id == middle and third.block_hash is None and len(pool.cached_blocks) == 1
+
+
+def test_a_live_duplicate_serves_hits_once_the_first_copy_is_evicted():
+    """Two requests computed the same prefix at once: the second copy is kept under the hash too, so it
+    serves hits after the first copy's request ended and its blocks were reused."""
+    pool = BlockPool(6)
+    kv = KVCacheManager(pool, 2)
+    first, second = (Request(name, 0, [5, 6, 7, 8, 9], SamplingParams()) for name in "ab")
+    for request in (first, second):
+        assert kv.allocate_slots(request, 5)
+        request.num_computed_tokens = 5
+        kv.cache_full_blocks(request)
+    kv.free(first)
+    pool.allocate(3)  # every free block: the first copy is evicted
+    later = Request("c", 0, [5, 6, 7, 8, 9], SamplingParams())
+    assert [b.block_id for b in kv.find_cached_prefix(later)] == second.block_ids[:2]
 
 
 def test_block_hash_is_stable_and_covers_parent_and_extra_keys():
