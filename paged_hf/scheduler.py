@@ -227,31 +227,17 @@ class Scheduler:
             self._fork(request)
 
     def finish(self, request: Request, reason: str) -> None:
-        """End a request (stop, length, abort) wherever it is, and free its blocks at once. A parent that
-        ends before its siblings forked (abort) hands them to the next sibling, which starts afresh."""
+        """End a request (stop, length, abort) wherever it is, and free its blocks at once. Siblings still
+        waiting for their fork end first (an abort goes through the children last to first); a parent
+        never stops on its own before its fork, which comes before its first token."""
+        assert not request.pending_forks, f"{request.request_id}: finish the siblings before their parent"
         if request.fork_parent is not None:
             request.fork_parent.pending_forks.remove(request)
             request.fork_parent = None
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            if request.pending_forks:
-                self.waiting.appendleft(self._promote(request))
         elif request.status is RequestStatus.WAITING:
-            position = self.waiting.index(request)
-            del self.waiting[position]
-            if request.pending_forks:
-                self.waiting.insert(position, self._promote(request))
+            self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-
-    @staticmethod
-    def _promote(parent: Request) -> Request:
-        """The first pending sibling becomes the parent of the others."""
-        heir, *others = parent.pending_forks
-        parent.pending_forks = []
-        heir.fork_parent = None
-        heir.pending_forks = others
-        for child in others:
-            child.fork_parent = heir
-        return heir

@@ -243,19 +243,22 @@ def run_step(scheduler: Scheduler):
     return out
 
 
-def test_finishing_a_parent_before_the_fork_hands_the_siblings_on():
+def test_finishing_siblings_before_their_parent_frees_everything():
+    """The generator's abort order: siblings waiting for their fork first, then the parent (waiting or in
+    its prefill); a parent with pending siblings is never finished."""
     scheduler = make_scheduler()
-    parent, second, third = parent_with_siblings(list(range(10)), 3)
-    scheduler.add(parent)
-    assert scheduler.num_waiting == 3
-    scheduler.finish(parent, "abort")  # waiting: the next sibling takes its place in the queue
-    assert list(scheduler.waiting) == [second] and second.pending_forks == [third] and third.fork_parent is second
-    scheduler.schedule()
-    assert scheduler.running == [second] and second.block_ids
-    scheduler.finish(second, "abort")  # running: the heir is queued again
-    assert list(scheduler.waiting) == [third] and third.fork_parent is None and not third.pending_forks
-    scheduler.finish(third, "abort")
-    assert not scheduler.has_unfinished() and scheduler.kv_cache_manager.block_pool.num_free_blocks == 16
+    for run_first in (False, True):
+        parent, second, third = parent_with_siblings(list(range(10)), 3)
+        scheduler.add(parent)
+        if run_first:
+            scheduler.schedule()
+            assert scheduler.running == [parent] and parent.block_ids
+        with pytest.raises(AssertionError, match="siblings"):
+            scheduler.finish(parent, "abort")
+        for request in (third, second, parent):
+            scheduler.finish(request, "abort")
+        assert parent.pending_forks == [] and second.fork_parent is None
+        assert not scheduler.has_unfinished() and scheduler.kv_cache_manager.block_pool.num_free_blocks == 16
 
 
 def test_a_parent_preempted_in_its_prefill_keeps_its_siblings_and_forks_later():
