@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
+DEFAULT_MAX_NUM_SEQS = 64
+
+
 @dataclass
 class PagedConfig:
     block_size: int = 16
@@ -12,7 +15,9 @@ class PagedConfig:
     # bytes (> 1) or a fraction of free device memory (<= 1); None: half the free GPU memory, or on CPU
     # 4 GiB capped at a quarter of the available RAM (vLLM's CPU default)
     kv_cache_memory: float | int | None = None
-    max_num_seqs: int = 64
+    # requests running at once; None: 64, or max_num_batched_tokens when that is smaller (every running
+    # request needs a token of each step's budget, or the tail of the running list would starve)
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 512  # per-step token budget = chunk size of chunked prefill
     max_model_len: int | None = None  # default: the model's max positions
     enable_prefix_caching: bool = True
@@ -25,17 +30,22 @@ class PagedConfig:
     max_stop_string_chars: int = 512
 
     def __post_init__(self) -> None:
+        if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
+            self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
         if not (isinstance(self.block_size, int) and self.block_size >= 1):
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
         if self.num_blocks is not None and not (isinstance(self.num_blocks, int) and self.num_blocks >= 1):
             raise ValueError(f"num_blocks must be an int >= 1 or None, got {self.num_blocks!r}")
         if self.kv_cache_memory is not None and not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory must be bytes or a fraction in (0, 1], got {self.kv_cache_memory!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank", "max_stop_strings",
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank", "max_stop_strings",
                      "max_stop_string_chars"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_num_seqs="
+                             f"{self.max_num_seqs}: every running request needs one token of each step's budget")
         if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
             raise ValueError(f"max_model_len must be an int >= 1 or None, got {self.max_model_len!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flashinfer"):

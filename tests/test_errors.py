@@ -141,3 +141,13 @@ def test_stop_lists_are_bounded_by_the_config(llama):
     with pytest.raises(ValueError, match="max_stop_strings"):
         PagedConfig(max_stop_strings=0)
     assert PagedConfig().max_stop_strings == 64 and PagedConfig().max_stop_string_chars == 512
+
+
+def test_a_token_budget_below_max_num_seqs_is_refused():
+    """Every running request needs one token of each step's budget, or the tail of the running list starves."""
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8 is smaller than max_num_seqs=16"):
+        PagedConfig(max_num_batched_tokens=8, max_num_seqs=16)
+    assert PagedConfig(max_num_batched_tokens=8).max_num_seqs == 8  # the default follows a small budget
+    assert PagedConfig().max_num_seqs == 64 and PagedConfig(max_num_seqs=8, max_num_batched_tokens=8).max_num_seqs == 8
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be an int >= 1, got 0"):
+        PagedConfig(max_num_batched_tokens=0)
