@@ -97,8 +97,8 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
-        """The grammar advances with the tokens (the sampler only draws tokens it allows)."""
-        if self.grammar is not None and not self.grammar.accept(token_id):
-            raise AssertionError(f"request {self.request_id}: token {token_id} is outside its grammar")
+        """The grammar advances with the tokens (a token it forbids fails the request in the stop check)."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -11,7 +11,10 @@ class StopChecker:
         self.max_model_len = max_model_len
 
     def check(self, request: Request) -> str | None:
-        """Call after each appended token: "stop", "length" or None (keep going)."""
+        """Call after each appended token: "stop", "length" or None (keep going); ValueError: the request fails."""
+        if request.grammar is not None and request.grammar.rejected_token is not None:
+            raise ValueError(f"token {request.grammar.rejected_token} is outside the request's grammar: its other "
+                             "sampling constraints left no token the grammar allows")
         params = request.sampling_params
         token_id = request.output_token_ids[-1]
         num_generated = len(request.output_token_ids)

@@ -165,12 +165,16 @@ class GrammarState:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.num_accepted = 0
+        self.rejected_token: int | None = None  # set when a token the grammar forbids was generated
 
     def accept(self, token_id: int) -> bool:
-        """Advance over a generated token; False (and no move) if the grammar forbids it."""
-        ok = self.matcher.accept_token(token_id)
-        self.num_accepted += bool(ok)
-        return bool(ok)
+        """Advance over a generated token; False (and no move) if the grammar forbids it. That happens only when
+        the request's other constraints masked every token the grammar allows (the row was all -inf)."""
+        ok = bool(self.matcher.accept_token(token_id))
+        self.num_accepted += ok
+        if not ok:
+            self.rejected_token = token_id
+        return ok
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""

@@ -161,3 +161,16 @@ def test_mask_applies_to_grammar_rows_only_and_copies(tokenizer, dtype):
     assert allowed and all(("yes".startswith(t) or "no".startswith(t)) and t
                            for t in (tokenizer.decode([a]) for a in allowed))
     assert torch.equal(masked[1][allowed], logits[1][allowed])
+
+
+def test_a_token_outside_the_grammar_fails_only_its_request(model, tokenizer):
+    """Should another constraint leave a grammar row all -inf, the drawn token is refused by the matcher: the
+    stop check fails that request alone (the engine reports it with `error`) instead of the whole step."""
+    gen = make_generator(model, tokenizer)
+    request_id = gen.add_request("x", SamplingParams(temperature=0, max_new_tokens=8,
+                                                     structured_outputs=dict(choice=["yes", "no"])))
+    (request,) = gen.groups[request_id].children
+    request.append_token(tokenizer.convert_tokens_to_ids("maybe") or 5)
+    with pytest.raises(ValueError, match="outside the request's grammar"):
+        gen.stop_checker.check(request)
+    gen.abort(request_id)
