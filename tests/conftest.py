@@ -37,6 +37,26 @@ def tiny_model(family: str = "llama", seed: int = 0, dtype=torch.float64) -> tor
     return model
 
 
+def real_tokenizer():
+    """The default model's tokenizer (49,152 tokens) straight from its GGUF, without loading the model."""
+    try:
+        folder = dm.default_model_path()
+    except RuntimeError as exc:  # pragma: no cover - the test environment installs it
+        pytest.skip(str(exc))
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=dm.DEFAULT_GGUF_FILE)
+
+
+def tiny_model_for(tokenizer, max_position_embeddings: int = 512) -> torch.nn.Module:
+    """A tiny random float32 Llama over a real tokenizer's vocabulary (structured outputs need real tokens)."""
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=max_position_embeddings)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]

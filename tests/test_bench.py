@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from paged_hf import cli
 from paged_hf.bench import machine, parse_systems, sized_engine_config, vllm_system
 from paged_hf.bench.report import build_report, format_table, percentile, useful_tokens
 from paged_hf.bench.systems import SystemRun, run_system, skip_reason
 from paged_hf.bench.workloads import LORA_ADAPTERS, BenchRequest, Workload, build_workload
+
+from conftest import tiny_model_for
 
 
 @pytest.fixture(scope="module")
@@ -216,10 +217,7 @@ def test_structured_workload_enforces_half_the_schemas_with_equal_work(tokenizer
     assert [r.prompt_token_ids for r in workload.requests] == [r.prompt_token_ids for r in decode.requests]
     assert Workload.from_json(json.loads(json.dumps(workload.to_json()))) == workload
     assert parse_systems(None, "structured") == ["paged_hf", "paged_hf_noschema"]
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512)).eval()  # tiny, with the real tokenizer
+    model = tiny_model_for(tokenizer)  # tiny, with the real tokenizer
     engine = sized_engine_config({}, workload)
     enforced = run_system("paged_hf", model, tokenizer, workload, engine)
     plain = run_system("paged_hf_noschema", model, tokenizer, workload, engine)

@@ -9,20 +9,17 @@ from typing import Literal
 
 import httpx
 import pytest
-import torch
-import transformers
 from pydantic import BaseModel, Field
 
 openai = pytest.importorskip("openai")
 
 import paged_hf  # noqa: E402
-from paged_hf import default_model as dm  # noqa: E402
 from paged_hf.server import ServerSettings, create_app  # noqa: E402
 from paged_hf.server.protocol import ChatCompletionRequest  # noqa: E402
 from paged_hf.server.serving import chat_prompt_ids  # noqa: E402
 from paged_hf.server.tool_calls import tool_mode  # noqa: E402
 
-from conftest import assert_no_leak  # noqa: E402
+from conftest import assert_no_leak, real_tokenizer, tiny_model_for  # noqa: E402
 from test_server import serving  # noqa: E402
 
 
@@ -52,17 +49,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 
 @pytest.fixture(scope="module")
 def server():
-    try:
-        folder = dm.default_model_path()
-    except RuntimeError as exc:  # pragma: no cover - the test environment installs it
-        pytest.skip(str(exc))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=dm.DEFAULT_GGUF_FILE)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=1024)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
+    tokenizer = real_tokenizer()
+    model = tiny_model_for(tokenizer, 1024)
     generator = paged_hf.wrap(model, tokenizer, num_blocks=256, max_num_seqs=16).generator
     with serving(create_app(generator, tokenizer, "tiny", ServerSettings())) as url:
         yield url, tokenizer

@@ -8,14 +8,12 @@ import re
 
 import pytest
 import torch
-import transformers
 
 import paged_hf
 from paged_hf import SamplingParams, StructuredOutputsParams
-from paged_hf import default_model as dm
 from paged_hf.structured_output import GrammarCompiler, apply_grammar_masks
 
-from conftest import assert_no_leak
+from conftest import assert_no_leak, real_tokenizer, tiny_model_for
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "ok", "n"],
           "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"},
@@ -26,22 +24,12 @@ SPECS = [dict(json=SCHEMA), dict(regex=r"[0-9]{3}-[a-z]{2}"), dict(choice=["yes"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    try:
-        folder = dm.default_model_path()
-    except RuntimeError as exc:  # pragma: no cover - the test environment installs it
-        pytest.skip(str(exc))
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=dm.DEFAULT_GGUF_FILE)
+    return real_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_model_for(tokenizer, 256)
 
 
 def make_generator(model, tokenizer, **config):
