@@ -89,7 +89,7 @@ def test_client_gone_before_the_first_chunk_aborts_its_request(tmp_path):
     slow = "{% for i in range(100000) %}{% for j in range(60) %}{% endfor %}{% endfor %}"  # ~1.5 s per render
     with ServerProcess(save_tiny_model(tmp_path, chat_template_prefix=slow)) as server:
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "the time"}], "stream": True,
-                           "max_tokens": LONG}).encode()
+                           "max_tokens": LONG, "ignore_eos": True}).encode()  # runs long unless aborted
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
