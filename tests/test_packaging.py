@@ -105,7 +105,8 @@ def test_paged_hf_serve_from_the_wheel_answers_a_request(installed, tmp_path):
     tiny_model("llama").save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     port = free_port()
-    log = open(tmp_path / "serve.log", "w+")
+    # read while the server writes: a multi-byte character (a progress bar's) may be cut at the end
+    log = open(tmp_path / "serve.log", "w+", encoding="utf-8", errors="replace")
     server = subprocess.Popen(
         [venv / "bin" / "paged-hf", "serve", "--model", model_dir, "--dtype", "float64", "--port", str(port),
          "--num-blocks", "8", "--log-level", "warning"],

@@ -79,8 +79,9 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(folder):
         took = time.monotonic() - start
         assert big.result().status_code == 400  # far longer than max_model_len, found once tokenized
         assert in_flight(server.url) == 0  # its --max-queue slot came back
-    assert took > 1.5, f"the prompt was too quick ({took:.1f} s) to show a stall"
-    assert max(latencies) < 1.0, (max(latencies), took)
+    # on the event loop, a /health sent just after the prompt would wait about the whole tokenization
+    assert took > 1.0, f"the prompt was too quick ({took:.1f} s) to show a stall"
+    assert max(latencies) < took / 2, (max(latencies), took)
 
 
 def test_client_gone_before_the_first_chunk_aborts_its_request(tmp_path):
@@ -110,7 +111,9 @@ def test_sigterm_drains_then_aborts_and_answers_every_request(folder):
         streams = [pool.submit(stream_finish, server.url, first, max_tokens=LONG) for _ in range(3)]
         plain = [pool.submit(complete, server.url, max_tokens=LONG) for _ in range(3)]
         assert first.wait(30)
+        deadline = time.monotonic() + 30  # a bounded wait: a request that ended early fails here, never hangs
         while in_flight(server.url) < 6:
+            assert time.monotonic() < deadline, "the 6 requests were never in flight together"
             time.sleep(0.02)
         start = time.monotonic()
         server.signal(signal.SIGTERM)
