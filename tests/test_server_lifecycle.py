@@ -105,23 +105,26 @@ def test_client_gone_before_the_first_chunk_aborts_its_request(tmp_path):
 def test_sigterm_drains_then_aborts_and_answers_every_request(folder):
     """6 long requests, one running at a time: SIGTERM gives them the grace period, then every one of them,
     queued ones included, ends with finish_reason "abort", and the process exits by itself."""
-    with ServerProcess(folder, "--max-num-seqs", "1", "--shutdown-grace", "1") as server, \
+    # a short grace: on a quiet machine one request of LONG tokens takes ~0.3 s, so a 1 s grace let half finish
+    with ServerProcess(folder, "--max-num-seqs", "1", "--shutdown-grace", "0.2") as server, \
             ThreadPoolExecutor(6) as pool:
         first = threading.Event()
         streams = [pool.submit(stream_finish, server.url, first, max_tokens=LONG) for _ in range(3)]
         plain = [pool.submit(complete, server.url, max_tokens=LONG) for _ in range(3)]
         assert first.wait(30)
-        deadline = time.monotonic() + 30  # a bounded wait: a request that ended early fails here, never hangs
-        while in_flight(server.url) < 6:
-            assert time.monotonic() < deadline, "the 6 requests were never in flight together"
+        deadline = time.monotonic() + 30  # all 6 admitted (a quick one may already have ended), bounded
+        while in_flight(server.url) + sum(finished(server.url).values()) < 6:
+            assert time.monotonic() < deadline, "the 6 requests were never admitted"
             time.sleep(0.02)
+        num_done_before = sum(finished(server.url).values())
         start = time.monotonic()
         server.signal(signal.SIGTERM)
         finishes = [f.result(timeout=30) for f in streams]
         finishes += [f.result(timeout=30).json()["choices"][0]["finish_reason"] for f in plain]
         assert server.process.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it drained on
         took = time.monotonic() - start
-    assert set(finishes) <= {"abort", "length"} and finishes.count("abort") >= 4, finishes
+    # one request runs at a time: at most the running one ends within the grace, every queued one is aborted
+    assert set(finishes) <= {"abort", "length"} and finishes.count("abort") >= 6 - num_done_before - 1, finishes
     assert took < 15, took
 
 
