@@ -136,8 +136,12 @@ def test_a_second_sigterm_exits_at_once(folder):
         for _ in range(7):  # queued: many seconds of work
             pool.submit(complete, server.url, max_tokens=LONG)
         assert first.wait(30)
+        deadline = time.monotonic() + 30  # all 8 admitted before the signal (~0.3 s a request when quiet)
+        while in_flight(server.url) + sum(finished(server.url).values()) < 8:
+            assert time.monotonic() < deadline, "the 8 requests were never admitted"
+            time.sleep(0.02)
         server.signal(signal.SIGTERM)
-        time.sleep(0.5)
+        time.sleep(0.1)
         assert server.process.poll() is None  # draining: 120 s of grace
         start = time.monotonic()
         server.signal(signal.SIGTERM)
