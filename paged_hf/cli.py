@@ -174,34 +174,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # --- serve and bench ------------------------------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Load the model, start the engine and serve the OpenAI API until interrupted."""
+    """Load the model, start the engine and serve the OpenAI API until interrupted (tensor parallel under
+    torchrun or with --tensor-parallel-size; several replicas on Ray Serve with --replicas)."""
+    from paged_hf.scaling import serve_scaled  # noqa: PLC0415
+
+    scaled = serve_scaled(args)
+    if scaled is not None:
+        return scaled
+    model, tokenizer, generator = load_engine(args)
+    app = build_app(args, model, tokenizer, generator)
+    make_server(args, app).run()
+    return 0
+
+
+def load_engine(args: argparse.Namespace, **load_kwargs) -> tuple:
+    """(model, tokenizer, generator) as the serve flags ask; `load_kwargs` go to `load_model` (tp_plan)."""
     import torch  # noqa: PLC0415
 
     import paged_hf  # noqa: PLC0415
-    from paged_hf.default_model import DEFAULT_MODEL, load_model  # noqa: PLC0415
+    from paged_hf.default_model import load_model  # noqa: PLC0415
 
     try:
-        import uvicorn  # noqa: PLC0415
+        import uvicorn  # noqa: F401, PLC0415
 
-        from paged_hf.server import create_app  # noqa: PLC0415
+        import paged_hf.server  # noqa: F401, PLC0415
     except ImportError as exc:
         raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
     config = engine_config(args)
     config.update({name: getattr(args, name) for name in ("max_loras", "max_lora_rank") if getattr(args, name)})
-    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device, **load_kwargs)
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     check_adapters_loaded(generator, config.get("adapters", {}))
+    return model, tokenizer, generator
+
+
+def build_app(args: argparse.Namespace, model, tokenizer, generator):
+    """The OpenAI app around `generator`, as the serve flags ask."""
+    from paged_hf.default_model import DEFAULT_MODEL  # noqa: PLC0415
+    from paged_hf.server import create_app  # noqa: PLC0415
+
     settings = serve_settings(args, model)
     names = args.served_model_name or [default_served_name(args.model or DEFAULT_MODEL)]
-    name = names[0]
     app = create_app(generator, tokenizer, names, settings)
-    print(f"paged-hf serve: {name} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "
+    print(f"paged-hf serve: {names[0]} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "
           f"blocks, max_model_len {app.state.ctx.max_model_len})", file=sys.stderr)
+    return app
+
+
+def make_server(args: argparse.Namespace, app):
+    """uvicorn's server for `app`, draining on SIGTERM."""
+    import uvicorn  # noqa: PLC0415
+
     from paged_hf.server.lifecycle import DrainingServer  # noqa: PLC0415
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    DrainingServer(config, app.state.ctx.engine, args.shutdown_grace).run()
-    return 0
+    return DrainingServer(config, app.state.ctx.engine, args.shutdown_grace)
 
 
 def default_served_name(model: str) -> str:
@@ -285,6 +312,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "may finish before they are aborted (default: 5; a second SIGTERM exits at once)")
     parser.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
+    from paged_hf.scaling import add_scaling_args  # noqa: PLC0415
+
+    add_scaling_args(parser)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -363,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a launcher (--tensor-parallel-size) runs it again
     try:
         resolve_model_args(args)
         return args.func(args)

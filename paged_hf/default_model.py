@@ -274,12 +274,15 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     attn_implementation: str | None = None,
+    tp_plan: str | None = None,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` in eval mode.
 
     ``None`` or :data:`DEFAULT_MODEL` gives the cached default checkpoint (converted on first use); anything else
     is passed to ``from_pretrained`` (a local HF folder or a hub id). ``attn_implementation`` is forwarded when
     given; otherwise transformers picks (``sdpa`` on CPU). The resulting ``config._attn_implementation`` is logged.
+    ``tp_plan="auto"``: tensor parallel under an initialized process group; each rank keeps its own shard where
+    transformers put it (``device`` is not applied).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -287,10 +290,15 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if tp_plan is not None:
+        from transformers import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model.to(device)
+    if tp_plan is None:
+        model.to(device)
     model.eval()
     attn = getattr(model.config, "_attn_implementation", None)
     logger.info(
