@@ -63,6 +63,7 @@ class LoRALinear(torch.nn.Module):
         when the weights are offloaded)."""
         super().__init__()
         self.base = base
+        self.packed_base = None  # set for each step (LoRAManager.step)
         self.context = context
         self.ranks = [0] * max_loras  # rank of each slot's adapter at this module (0: the adapter skips it)
         dtype = base.weight.dtype
@@ -84,7 +85,7 @@ class LoRALinear(torch.nn.Module):
         self.ranks[slot] = rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)  # [..., out]
+        y = (self.packed_base or self.base)(x)  # [..., out]
         routing = self.context.routing
         if routing is None:
             return y
@@ -213,8 +214,11 @@ class LoRAManager:
         originals = {}
         try:
             for module_path, (parent, attribute) in self._sites.items():
-                originals[module_path] = parent._modules[attribute]
-                parent._modules[attribute] = self.wrappers[module_path]
+                originals[module_path] = original = parent._modules[attribute]
+                wrapper = self.wrappers[module_path]
+                # the engine's packed stand-in of the base layer (paged_hf.packed_linears), when one is in place
+                wrapper.packed_base = original if getattr(original, "base", None) is wrapper.base else None
+                parent._modules[attribute] = wrapper
             self.context.routing = LoRARouting(token_slots)
             yield
         finally:

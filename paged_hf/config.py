@@ -28,6 +28,9 @@ class PagedConfig:
     # bounds on a request's stop strings: each one is searched in every new token's text of that request
     max_stop_strings: int = 64
     max_stop_string_chars: int = 512
+    # CPU: run the model's float32/bfloat16 linears on oneDNN-packed copies of their weights during steps
+    # (2.3x faster float32 matmuls than MKL's on AMD; costs the weights' memory once more), paged_hf.packed_linears
+    pack_linear_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):

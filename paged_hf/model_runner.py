@@ -11,6 +11,7 @@ from paged_hf.kernels import select_kernel
 
 from .config import PagedConfig
 from .model_info import ModelInfo
+from .packed_linears import PackedLinears
 from .paged_cache import PagedCache
 from .scheduler import SchedulerOutput
 from .step_inputs import StepInputs, build_step_inputs
@@ -28,6 +29,7 @@ class ModelRunner:
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = _AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
+        self.packed_linears = PackedLinears(model) if config.pack_linear_weights else contextlib.nullcontext()
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
@@ -50,7 +52,7 @@ class ModelRunner:
             kwargs["logits_to_keep"] = inputs.logits_indices.to(device)
         self.cache.begin_step(inputs.attention)
         try:
-            with self.attention_switch, self._lora_step(inputs.adapter_slots):
+            with self.attention_switch, self.packed_linears, self._lora_step(inputs.adapter_slots):
                 logits = self.model(**kwargs).logits[0]  # [num_kept, vocab_size]
         finally:
             self.cache.end_step()

@@ -1,0 +1,79 @@
+"""oneDNN-packed linears (paged_hf.packed_linears): swapped in for a step only, same results as torch's linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_hf
+from paged_hf import SamplingParams
+from paged_hf.packed_linears import PackedLinear, PackedLinears, packable_dtypes
+
+from conftest import random_prompts, tiny_model
+
+pytestmark = pytest.mark.skipif(torch.float32 not in packable_dtypes(), reason="this torch build has no oneDNN")
+
+
+def test_the_model_is_untouched_outside_the_context_and_restored_after_an_error():
+    model = tiny_model("llama", dtype=torch.float32)
+    before = dict(model.named_modules())
+    packed = PackedLinears(model)
+    assert len(packed.sites) == 2 * 7 + 1  # q k v o gate up down per layer, and lm_head
+    with pytest.raises(RuntimeError, match="boom"), packed:
+        assert [type(parent._modules[name]) for parent, name, _, _ in packed.sites] == [PackedLinear] * 15
+        assert type(model.model.layers[0].mlp.down_proj) is PackedLinear
+        raise RuntimeError("boom")
+    assert dict(model.named_modules()) == before
+
+
+@pytest.mark.parametrize("dtype", packable_dtypes())
+def test_packed_forward_matches_torch_linear(dtype):
+    model = tiny_model("qwen2", dtype=dtype)  # qwen2: q/k/v carry biases
+    ids = torch.tensor([random_prompts([37])[0]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+        with PackedLinears(model):
+            got = model(ids).logits
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    linear = torch.nn.Linear(16, 8)
+    packed = PackedLinear(linear)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x))
+    with torch.no_grad():
+        linear.weight.mul_(-2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x))
+    linear.weight = torch.nn.Parameter(torch.randn(8, 16))  # replaced, not changed in place
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x))
+
+
+def test_float64_models_are_not_packed_and_the_option_turns_packing_off():
+    assert PackedLinears(tiny_model("llama")).sites == []  # oneDNN has no float64 matmul
+    model = tiny_model("llama", dtype=torch.float32)
+    assert paged_hf.wrap(model, num_blocks=16, pack_linear_weights=False).generator.runner.packed_linears.__class__ \
+        is not PackedLinears
+
+
+def test_engine_with_packed_linears_gives_the_unpacked_engines_tokens():
+    """float32 argmax over a 128-token vocabulary: both engines' greedy tokens agree (a reordered sum moves
+    logits by ~1e-6, far below the gaps between this model's top tokens)."""
+    model = tiny_model("llama", dtype=torch.float32)
+    prompts = random_prompts([5, 23, 40])
+    params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=1)
+    runs = {}
+    for pack in (True, False):
+        engine = paged_hf.wrap(model, num_blocks=32, max_num_batched_tokens=16, pack_linear_weights=pack).generator
+        assert (type(engine.runner.packed_linears) is PackedLinears) == pack
+        runs[pack] = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+    for packed, plain in zip(runs[True], runs[False]):
+        assert packed.token_ids == plain.token_ids
+        for a, b in zip(packed.logprobs, plain.logprobs):
+            assert a.keys() == b.keys()
+            for token in a:
+                assert abs(a[token] - b[token]) < 1e-4
