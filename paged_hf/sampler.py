@@ -87,7 +87,9 @@ class Sampler:
         if grammar_rows:  # first, as vLLM: every processor and the logprobs see the grammar's distribution
             logits = apply_grammar_masks(logits, grammar_rows, [rows[i].grammar for i in grammar_rows])
         if all(_is_plain_greedy(row) for row in rows):  # the hot path: nothing but argmax
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            # max().indices, not argmax(): the same first maximal index, but argmax has no vectorized bf16
+            # kernel on CPU (7.7 vs 1.3 ms for 48 rows of a 49,152-token vocabulary)
+            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
 
         raw = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)  # [num_rows, vocab_size]
         scores = self.penalized(raw, rows)
