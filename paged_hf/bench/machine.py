@@ -87,14 +87,25 @@ def _time_op(op, device, min_seconds: float) -> tuple[float, int]:
 
 
 def matmul_flops(m: int, k: int, n: int, device="cpu", min_seconds: float = 0.5, dtype: str = "float32") -> float:
-    """Measured FLOP/s of a [m, k] x [k, n] matmul in `dtype` (bf16 runs 2-3x fp32 on CPUs with AVX-512 BF16)."""
+    """Measured FLOP/s of a [m, k] x [k, n] matmul in `dtype` (bf16 runs 2-3x fp32 on CPUs with AVX-512 BF16):
+    the faster of `torch.mm` and, on CPU, oneDNN's matmul on a packed weight (what paged_hf's linears run;
+    on AMD CPUs MKL's float32 GEMM runs AVX2 kernels at under half of it)."""
     import torch  # noqa: PLC0415
+
+    from ..packed_linears import packable_dtypes  # noqa: PLC0415
 
     a = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
     b = torch.randn(k, n, device=device, dtype=a.dtype)
     out = torch.empty(m, n, device=device, dtype=a.dtype)
-    elapsed, iterations = _time_op(lambda: torch.mm(a, b, out=out), device, min_seconds)
-    return 2.0 * m * k * n * iterations / elapsed
+    ops = [lambda: torch.mm(a, b, out=out)]
+    if a.device.type == "cpu" and a.dtype in packable_dtypes():
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), m)
+        ops.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    rates = []
+    for op in ops:
+        elapsed, iterations = _time_op(op, device, min_seconds)
+        rates.append(2.0 * m * k * n * iterations / elapsed)
+    return max(rates)
 
 
 def copy_bandwidth(num_bytes: int = 256 << 20, device="cpu", min_seconds: float = 0.5) -> float:
