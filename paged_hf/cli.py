@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from paged_hf.device_dtype import DTYPE_NAMES, checkpoint_dtype, resolve_device, resolve_dtype
 from paged_hf.sampling_params import SamplingParams
@@ -181,8 +181,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scaled = serve_scaled(args)
     if scaled is not None:
         return scaled
+    from paged_hf.server.engine_loop import reserve_torch_threads  # noqa: PLC0415
+
+    engine_threads = reserve_torch_threads()  # before any torch work on this thread
     model, tokenizer, generator = load_engine(args)
-    app = build_app(args, model, tokenizer, generator)
+    app = build_app(args, model, tokenizer, generator, engine_threads)
     make_server(args, app).run()
     return 0
 
@@ -208,12 +211,13 @@ def load_engine(args: argparse.Namespace, **load_kwargs) -> tuple:
     return model, tokenizer, generator
 
 
-def build_app(args: argparse.Namespace, model, tokenizer, generator):
-    """The OpenAI app around `generator`, as the serve flags ask."""
+def build_app(args: argparse.Namespace, model, tokenizer, generator, engine_threads: int | None = None):
+    """The OpenAI app around `generator`, as the serve flags ask; `engine_threads`: torch's threads for the
+    engine thread."""
     from paged_hf.default_model import DEFAULT_MODEL  # noqa: PLC0415
     from paged_hf.server import create_app  # noqa: PLC0415
 
-    settings = serve_settings(args, model)
+    settings = replace(serve_settings(args, model), engine_threads=engine_threads)
     names = args.served_model_name or [default_served_name(args.model or DEFAULT_MODEL)]
     app = create_app(generator, tokenizer, names, settings)
     print(f"paged-hf serve: {names[0]} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "

@@ -48,6 +48,7 @@ class ServerSettings:
     sampling_defaults: dict = field(default_factory=dict)  # request field -> default (generation_config.json)
     cors_origins: tuple[str, ...] = ()  # browsers on these origins may call the API (CORS); "*" for any
     lora_root: str | None = None  # enables /v1/load_lora_adapter, for folders under this one only
+    engine_threads: int | None = None  # torch threads of the engine thread (engine_loop.reserve_torch_threads)
 
 
 class GuardMiddleware:
@@ -99,7 +100,7 @@ def create_app(generator, tokenizer, model_name: str | list[str], settings: Serv
     settings = settings or ServerSettings()
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     metrics = ServerMetrics()
-    engine = EngineLoop(generator, metrics, settings.max_queue)
+    engine = EngineLoop(generator, metrics, settings.max_queue, settings.engine_threads)
     # a request must also fit the whole KV cache: default max_tokens never asks for more than that holds
     max_model_len = min(generator.max_model_len, generator.block_pool.num_blocks * generator.config.block_size)
     ctx = ServerContext(engine, tokenizer, names[0], settings, max_model_len, metrics, tuple(names))
