@@ -1,0 +1,129 @@
+"""`paged-hf serve --replicas 2` on Ray Serve (a small local Ray in this process): two engine replicas of a tiny
+model behind one ingress.
+
+Every request is answered (API key, streaming unchanged); on 4 shared system prompts x 16 questions the
+prefix-aware router reaches a higher prefix-cache hit rate than round robin (read from the replicas' own
+metrics); requests for an adapter loaded at runtime land on the replica that loaded it."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="the test extra installs ray[serve]")
+from ray import serve  # noqa: E402
+
+from paged_hf.cli import build_parser, resolve_model_args  # noqa: E402
+from paged_hf.ray_serve.ingress import REPLICA_HEADER  # noqa: E402
+from paged_hf.ray_serve.launch import build_application  # noqa: E402
+from serve_process import MODEL, free_port, save_tiny_model  # noqa: E402
+from test_lora import make_adapter  # noqa: E402
+from test_server import WORDS  # noqa: E402
+
+KEY = "ray-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# a system prompt is 48 words (3 blocks of 16 tokens): 4 of them fill 12 blocks, 2 of them 6
+SYSTEM_PROMPTS = [" ".join(random.Random(i).choices(WORDS, k=48)) for i in range(4)]
+QUESTIONS = [" ".join(random.Random(100 + i).choices(WORDS, k=8)) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray")
+    folder = save_tiny_model(root / "model")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield folder, root, f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run_app(folder: str, root, routing: str) -> None:
+    """2 replicas, each with 12 KV blocks: room for 2 system prompts and the requests running, not for 4."""
+    args = build_parser().parse_args(["serve", "--model", folder, "--served-model-name", MODEL, "--api-key", KEY,
+                                      "--num-blocks", "12", "--max-model-len", "96", "--dtype", "float32",
+                                      "--lora-root", str(root), "--replicas", "2", "--routing", routing,
+                                      "--num-cpus-per-replica", "1"])
+    resolve_model_args(args)
+    serve.run(build_application(args), name="paged_hf", route_prefix="/")
+
+
+def workload(url: str) -> set[str]:
+    """4 system prompts x 16 questions, one at a time, shuffled; every one answered -> the replicas used."""
+    jobs = [(s, q) for s in SYSTEM_PROMPTS for q in QUESTIONS]
+    random.Random(0).shuffle(jobs)
+    replicas = set()
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+        for system, question in jobs:
+            response = client.post("/v1/completions", json={"model": MODEL, "prompt": f"{system} {question}",
+                                                            "max_tokens": 2, "temperature": 0})
+            assert response.status_code == 200, response.text
+            replicas.add(response.headers[REPLICA_HEADER])
+    return replicas
+
+
+def hit_rate(url: str) -> tuple[float, dict]:
+    """Prefix-cache hits / queries over both replicas, from the ingress's /metrics (one sample per replica)."""
+    text = httpx.get(url + "/metrics", headers=AUTH, timeout=60).text
+    totals, per_replica = {}, {}
+    for kind in ("queries", "hits"):
+        for replica, value in re.findall(rf'^paged_hf_prefix_cache_{kind}_total{{replica="(\w+)"}} (\S+)$', text, re.M):
+            per_replica.setdefault(replica, {})[kind] = float(value)
+            totals[kind] = totals.get(kind, 0.0) + float(value)
+    assert len(per_replica) == 2, text
+    return totals["hits"] / totals["queries"], per_replica
+
+
+def test_prefix_routing_beats_round_robin_and_adapters_find_their_replica(cluster, capsys):
+    folder, root, url = cluster
+    run_app(folder, root, "prefix")
+    assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "the"}).status_code == 401
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert len(workload(url)) == 2  # both replicas serve
+    prefix_rate, prefix_stats = hit_rate(url)
+    _streams_through_the_ingress(url)
+    _adapter_requests_land_where_it_was_loaded(url, folder, root)
+
+    serve.delete("paged_hf")
+    run_app(folder, root, "round_robin")
+    assert len(workload(url)) == 2
+    round_robin_rate, round_robin_stats = hit_rate(url)
+    with capsys.disabled():
+        print(f"\nprefix-cache hit rate: prefix-aware {prefix_rate:.3f} {prefix_stats}, "
+              f"round robin {round_robin_rate:.3f} {round_robin_stats}")
+    assert prefix_rate > round_robin_rate + 0.1
+
+
+def _streams_through_the_ingress(url: str) -> None:
+    body = {"model": MODEL, "prompt": "the a of", "max_tokens": 5, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert sum(len(json.loads(e)["choices"]) for e in events[:-1]) == 5
+
+
+def _adapter_requests_land_where_it_was_loaded(url: str, folder: str, root) -> None:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    make_adapter(AutoModelForCausalLM.from_pretrained(folder), root / "a1", seed=1, r=4, lora_alpha=8,
+                 target_modules=["q_proj", "v_proj"])
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": str(root / "a1")})
+        assert loaded.status_code == 200, loaded.text
+        home = loaded.headers[REPLICA_HEADER]
+        assert "a1" in [card["id"] for card in client.get("/v1/models").json()["data"]]
+        for question in QUESTIONS[:8]:
+            response = client.post("/v1/completions", json={"model": "a1", "prompt": question, "max_tokens": 2})
+            assert response.status_code == 200, response.text
+            assert response.headers[REPLICA_HEADER] == home
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200
+        assert client.post("/v1/completions", json={"model": "a1", "prompt": "the"}).status_code == 404
