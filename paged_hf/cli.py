@@ -198,9 +198,7 @@ def load_engine(args: argparse.Namespace, **load_kwargs) -> tuple:
     from paged_hf.default_model import load_model  # noqa: PLC0415
 
     try:
-        import uvicorn  # noqa: F401, PLC0415
-
-        import paged_hf.server  # noqa: F401, PLC0415
+        import paged_hf.server  # noqa: F401, PLC0415 - fastapi, uvicorn
     except ImportError as exc:
         raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
     config = engine_config(args)

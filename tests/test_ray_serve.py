@@ -10,16 +10,17 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray", reason="the test extra installs ray[serve]")
+pytest.importorskip("ray", reason="the test extra installs ray[serve]")
 from ray import serve  # noqa: E402
 
 from paged_hf.cli import build_parser, resolve_model_args  # noqa: E402
 from paged_hf.ray_serve.ingress import REPLICA_HEADER  # noqa: E402
-from paged_hf.ray_serve.launch import build_application  # noqa: E402
+from paged_hf.ray_serve.launch import build_application, start_local_ray, start_serve, stop_ray  # noqa: E402
 from serve_process import MODEL, free_port, save_tiny_model  # noqa: E402
 from test_lora import make_adapter  # noqa: E402
 from test_server import WORDS  # noqa: E402
@@ -35,17 +36,16 @@ QUESTIONS = [" ".join(random.Random(100 + i).choices(WORDS, k=8)) for i in range
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray")
     folder = save_tiny_model(root / "model")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(2, log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
+        start_serve("127.0.0.1", port)
         yield folder, root, f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
 
 
-def run_app(folder: str, root, routing: str) -> None:
+def run_app(url: str, folder: str, root, routing: str) -> None:
     """2 replicas, each with 12 KV blocks: room for 2 system prompts and the requests running, not for 4."""
     args = build_parser().parse_args(["serve", "--model", folder, "--served-model-name", MODEL, "--api-key", KEY,
                                       "--num-blocks", "12", "--max-model-len", "96", "--dtype", "float32",
@@ -53,6 +53,15 @@ def run_app(folder: str, root, routing: str) -> None:
                                       "--num-cpus-per-replica", "1"])
     resolve_model_args(args)
     serve.run(build_application(args), name="paged_hf", route_prefix="/")
+    deadline = time.monotonic() + 300  # the HTTP proxy may still be starting on a busy machine
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "Ray Serve's HTTP proxy did not start"
+        time.sleep(1)
 
 
 def workload(url: str) -> set[str]:
@@ -83,7 +92,7 @@ def hit_rate(url: str) -> tuple[float, dict]:
 
 def test_prefix_routing_beats_round_robin_and_adapters_find_their_replica(cluster, capsys):
     folder, root, url = cluster
-    run_app(folder, root, "prefix")
+    run_app(url, folder, root, "prefix")
     assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "the"}).status_code == 401
     assert httpx.get(url + "/metrics").status_code == 401
     assert len(workload(url)) == 2  # both replicas serve
@@ -92,7 +101,7 @@ def test_prefix_routing_beats_round_robin_and_adapters_find_their_replica(cluste
     _adapter_requests_land_where_it_was_loaded(url, folder, root)
 
     serve.delete("paged_hf")
-    run_app(folder, root, "round_robin")
+    run_app(url, folder, root, "round_robin")
     assert len(workload(url)) == 2
     round_robin_rate, round_robin_stats = hit_rate(url)
     with capsys.disabled():

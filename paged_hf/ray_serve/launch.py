@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import signal
 import sys
@@ -40,7 +41,7 @@ def build_application(args: argparse.Namespace):
     engines = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
         num_replicas=args.replicas, max_ongoing_requests=max(1, min(args.max_queue, 4096)),
         ray_actor_options={"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica},
-        request_router_config=router, health_check_period_s=5)
+        request_router_config=router, health_check_period_s=5, health_check_timeout_s=60)
     tokenizer_path = str(ensure_default_checkpoint()) if is_default_model(args.model) else args.model
     names = args.served_model_name or [default_served_name(args.model or DEFAULT_MODEL)]
     ingress = serve.deployment(Ingress, name="PagedIngress").options(
@@ -72,19 +73,53 @@ def serve_replicas(args: argparse.Namespace) -> int:
         raise ValueError(f"--replicas needs Ray Serve (pip install 'paged-hf[ray]'): {exc}") from None
     if args.ray_address:
         ray.init(address=args.ray_address)
-    else:  # a small local Ray: only the CPUs the replicas ask for, no dashboard
-        num_cpus = max(1, math.ceil(args.replicas * args.num_cpus_per_replica))
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+    else:
+        start_local_ray(max(1, math.ceil(args.replicas * args.num_cpus_per_replica)))
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        start_serve(args.host, args.port)
         serve.run(build_application(args), name="paged_hf", route_prefix="/")
         print(f"paged-hf serve: {args.replicas} replicas on http://{args.host}:{args.port}/v1 (Ray Serve, routing "
               f"{args.routing})", file=sys.stderr, flush=True)
         _wait_for_signal()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
     return 0
+
+
+def start_local_ray(num_cpus: int, **init_kwargs) -> None:
+    """A small local Ray: only the CPUs the replicas ask for, no dashboard. Ray Serve's controller kills a proxy
+    that does not answer its ready check within 5 s: on a busy machine that is too short."""
+    import ray  # noqa: PLC0415
+
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(name, "300")  # read by Ray's processes, which inherit this environment
+    ray.init(num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
+
+
+def start_serve(host: str, port: int) -> None:
+    """Ray Serve with its HTTP proxy on host:port. serve.start gives up on the proxy after 60 s, which a busy
+    machine can take just to start a worker process; the proxy keeps starting, so connect again and go on."""
+    from ray import serve  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except (TimeoutError, ray.exceptions.RayActorError):
+        print("paged-hf serve: Ray Serve's HTTP proxy is slow to start; waiting for it", file=sys.stderr, flush=True)
+        serve.start(http_options={"host": host, "port": port})
+
+
+def stop_ray(timeout_s: float = 60) -> None:
+    """serve.shutdown (the replicas drain), at most `timeout_s` (it may wait on a proxy that never came up),
+    then ray.shutdown (a local Ray's processes end with it)."""
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    stopper = threading.Thread(target=serve.shutdown, daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
+    ray.shutdown()
 
 
 def _wait_for_signal() -> None:
