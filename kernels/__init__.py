@@ -16,9 +16,11 @@ from .torch_kernel import TorchKernel
 logger = logging.get_logger(__name__)
 
 
-def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, head_dims: list[int]) -> AttentionKernel:
+def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, head_dims: list[int],
+                  kv_dtype: torch.dtype | None = None) -> AttentionKernel:
     """`auto`: FlashInfer on CUDA, the compiled CPU kernel on CPU, each when it is usable for every layer
-    (`devices`, `head_dims`: per layer); otherwise torch. Naming a kernel that cannot be used is a ValueError."""
+    (`devices`, `head_dims`: per layer) and the cache's storage dtype `kv_dtype` (None: the model's `dtype`);
+    otherwise torch. Naming a kernel that cannot be used is a ValueError."""
     if name == "torch":
         logger.info("paged_hf attention backend: torch (asked for)")
         return TorchKernel()
@@ -27,9 +29,9 @@ def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, he
     if device is None:
         kernel, reason = None, f"the layers span devices of several types ({', '.join(device_types)})"
     elif name == "cpu" or (name == "auto" and device.type == "cpu"):
-        kernel, reason = _try_cpu(device, dtype, head_dims)
+        kernel, reason = _try_cpu(device, dtype, head_dims, kv_dtype)
     elif name == "flashinfer" or (name == "auto" and device.type == "cuda"):
-        kernel, reason = _try_flashinfer(device, dtype, head_dims)
+        kernel, reason = _try_flashinfer(device, dtype, head_dims, kv_dtype)
     else:
         kernel, reason = None, f"no kernel of its own for device {device.type}"
     if kernel is not None:
@@ -41,25 +43,25 @@ def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, he
     return TorchKernel()
 
 
-def _try_cpu(device, dtype, head_dims) -> tuple[AttentionKernel | None, str | None]:
+def _try_cpu(device, dtype, head_dims, kv_dtype) -> tuple[AttentionKernel | None, str | None]:
     from .cpu_kernel import CpuKernel  # noqa: PLC0415
     from .native import NativeBuildError  # noqa: PLC0415
 
-    reason = CpuKernel.unsupported_reason(device, dtype, head_dims)
+    reason = CpuKernel.unsupported_reason(device, dtype, head_dims, kv_dtype)
     if reason is not None:
         return None, reason
     try:
-        return CpuKernel(dtype, head_dims), None
+        return CpuKernel(dtype, head_dims, kv_dtype), None
     except NativeBuildError as error:
         logger.warning_once(f"paged_hf: the compiled CPU kernel is unavailable, using the torch kernel: {error}")
         return None, str(error)
 
 
-def _try_flashinfer(device, dtype, head_dims) -> tuple[AttentionKernel | None, str | None]:
+def _try_flashinfer(device, dtype, head_dims, kv_dtype) -> tuple[AttentionKernel | None, str | None]:
     try:
         from .flashinfer import FlashInferKernel  # noqa: PLC0415 (lazy: never imported on CPU)
 
-        reasons = [FlashInferKernel.unsupported_reason(device, dtype, d) for d in sorted(set(head_dims))]
+        reasons = [FlashInferKernel.unsupported_reason(device, dtype, d, kv_dtype) for d in sorted(set(head_dims))]
         reason = next((r for r in reasons if r is not None), None)
     except ImportError as error:
         reason = f"flashinfer is not importable ({error})"

@@ -6,6 +6,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .quant import KVScales, plan_write, write_quantized
+
 
 class AttentionKernel(Protocol):
     name: str
@@ -14,20 +16,28 @@ class AttentionKernel(Protocol):
         """Turn the step's AttentionMetadata into what `write_kv`/`attend` need on `device`. Once per step."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, plan: Any) -> None:
-        """key, value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]."""
+                 value_cache: torch.Tensor, plan: Any, scales: KVScales | None = None) -> None:
+        """key, value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
+        `scales`: the layer's scales when the cache is quantized (int8/fp8), else None."""
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, plan: Any, *, scaling: float, sliding_window: int | None,
-               softcap: float | None) -> torch.Tensor:
+               softcap: float | None, scales: KVScales | None = None) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: this step's [num_tokens, num_kv_heads, head_dim]
         (already in the cache). Returns [num_tokens, num_heads, head_dim]. Causal and window masking are ours."""
 
 
 def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, scales: KVScales | None = None, plan: Any = None) -> None:
     """The NHD cache write every kernel shares: token i's K/V go to flat slot slot_mapping[i], so any kernel
-    reads what another wrote."""
+    reads what another wrote. A quantized cache (`scales` given) is written through `quant.write_quantized`;
+    its per-step bookkeeping is made once and kept on the kernel's `plan` (its `quant_write` field)."""
+    if scales is not None:
+        if plan.quant_write is None:
+            plan.quant_write = plan_write(slot_mapping, key_cache.shape[1])
+        write_quantized(key, key_cache, scales.key, scales.dynamic, slot_mapping, plan.quant_write)
+        write_quantized(value, value_cache, scales.value, scales.dynamic, slot_mapping, plan.quant_write)
+        return
     num_kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

@@ -3,7 +3,8 @@
 Decode attention is where a CPU step spends its memory bandwidth: the torch kernel gathers each row's blocks
 into a dense buffer before SDPA reads them, the compiled kernel (`csrc/paged_decode.cpp`) reads the blocks in
 place, once. A bf16/fp16 cache is read at its own width and widened to float32 in registers (products and
-sums in float32). Prefill chunks are compute-bound and stay with SDPA. The torch kernel remains the reference this
+sums in float32); an int8/fp8 cache likewise, with its per-(block, KV head) scales applied per score and per
+softmax weight. Prefill chunks are compute-bound and stay with SDPA. The torch kernel remains the reference this
 one is tested against.
 """
 
@@ -27,25 +28,31 @@ class NativeDecodes:
 class CpuKernel(TorchKernel):
     name = "cpu"
 
-    def __init__(self, dtype: torch.dtype, head_dims: list[int]):
+    def __init__(self, dtype: torch.dtype, head_dims: list[int], kv_dtype: torch.dtype | None = None):
         """Builds (or loads the cached build of) the decode library for each head_dim; raises
-        native.NativeBuildError when that is impossible here, ValueError for what it cannot serve."""
-        reason = self.unsupported_reason(torch.device("cpu"), dtype, head_dims)
+        native.NativeBuildError when that is impossible here, ValueError for what it cannot serve.
+        `kv_dtype`: the cache's storage dtype when it differs from the model's `dtype` (int8/fp8)."""
+        reason = self.unsupported_reason(torch.device("cpu"), dtype, head_dims, kv_dtype)
         if reason is not None:
             raise ValueError(reason)
+        kv_dtype = kv_dtype or dtype
+        suffix = native.QUANTIZED_DTYPES.get(kv_dtype) or native.DTYPES[kv_dtype]
         self._functions = {
-            head_dim: getattr(native.load_paged_decode(head_dim), f"paged_decode_{native.DTYPES[dtype]}")
-            for head_dim in set(head_dims)
+            head_dim: getattr(native.load_paged_decode(head_dim), f"paged_decode_{suffix}") for head_dim in set(head_dims)
         }
 
     @staticmethod
-    def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dims: list[int]) -> str | None:
+    def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dims: list[int],
+                           kv_dtype: torch.dtype | None = None) -> str | None:
         if device.type != "cpu":
             return f"the CPU kernel runs on CPU, the model is on {device}"
         if dtype not in native.DTYPES:
             return f"the CPU kernel serves float32/float64/bfloat16/float16, the model is {dtype}"
-        if not all(native.head_dim_fits(dtype, d) for d in head_dims):
-            compute = native.COMPUTE_DTYPES[dtype]
+        if kv_dtype not in (None, dtype) and kv_dtype not in native.QUANTIZED_DTYPES:
+            return f"the CPU kernel reads an int8/fp8 cache or one in the model's dtype, not {kv_dtype}"
+        compute_of = torch.float32 if kv_dtype in native.QUANTIZED_DTYPES else dtype
+        if not all(native.head_dim_fits(compute_of, d) for d in head_dims):
+            compute = native.COMPUTE_DTYPES[compute_of]
             return f"the CPU kernel needs head_dim a multiple of 64 bytes of {compute}, got {sorted(set(head_dims))}"
         return None
 
@@ -60,17 +67,21 @@ class CpuKernel(TorchKernel):
             context_lens=torch.tensor([length for length, _, _ in decodes], dtype=torch.long),
         )
 
-    def attend_decodes(self, query, output, key_cache, value_cache, plan, *, scaling, sliding_window, softcap) -> None:
+    def attend_decodes(self, query, output, key_cache, value_cache, plan, *, scaling, sliding_window, softcap,
+                       scales=None) -> None:
         decodes: NativeDecodes | None = plan.decodes
         if decodes is None:
             return
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        assert key_cache.is_contiguous() and value_cache.is_contiguous() and query.dtype == key_cache.dtype
-        # [num_rows, num_heads, head_dim], contiguous, in the compute dtype (float32 for a bf16/fp16 cache)
-        q = query.index_select(0, decodes.rows).to(native.COMPUTE_DTYPES[key_cache.dtype])
+        assert key_cache.is_contiguous() and value_cache.is_contiguous()
+        assert (scales is not None) == (key_cache.dtype in native.QUANTIZED_DTYPES)
+        assert scales is not None or query.dtype == key_cache.dtype
+        # [num_rows, num_heads, head_dim], contiguous, in the compute dtype (float32 for a bf16/fp16/int8/fp8 cache)
+        q = query.index_select(0, decodes.rows).to(native.COMPUTE_DTYPES.get(key_cache.dtype, torch.float32))
         out = torch.empty_like(q)
+        scale_pointers = () if scales is None else (scales.key.data_ptr(), scales.value.data_ptr())
         status = self._functions[head_dim](
-            q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), decodes.block_tables.data_ptr(),
+            q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *scale_pointers, decodes.block_tables.data_ptr(),
             decodes.context_lens.data_ptr(), out.data_ptr(), q.shape[0], decodes.block_tables.shape[1],
             q.shape[1], num_kv_heads, block_size, scaling, sliding_window or 0, softcap or 0.0,
             torch.get_num_threads(),

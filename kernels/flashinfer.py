@@ -5,6 +5,10 @@ grouped heads) for decode-only steps, `BatchPrefillWithPagedKVCacheWrapper` when
 (it serves the decode rows too). Layers that differ in window, soft-cap or scale get their own plan, made on
 first use. FlashInfer is imported only here, only when this kernel is selected.
 
+An fp8 cache (kv_cache_dtype fp8_e4m3/fp8_e5m2) is passed to FlashInfer as it is, with its scales: FlashInfer
+takes one K and one V scale per call, so this kernel keeps the cache's scales fixed at 1.0 (`KVScales.dynamic`
+False: values are clipped to the fp8 range, vLLM's default without calibration). int8 is not served here.
+
 Not verified on a GPU yet: `build_csr` is tested on CPU against the torch kernel's view of the same batch;
 `make gpu-check` runs the GPU tests (tests/test_flashinfer.py) where one is available.
 """
@@ -20,6 +24,7 @@ from .base import write_kv_by_slots
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # besides the model's own dtype
 
 
 @dataclass
@@ -58,10 +63,12 @@ class FlashInferPlan:
     slot_mapping: torch.Tensor
     page_size: int
     planned: dict = field(default_factory=dict)  # wrapper key -> the wrapper, planned for this step
+    quant_write: object = None  # an fp8 cache's write bookkeeping (kernels.quant.WritePlan), made on first use
 
 
 class FlashInferKernel:
     name = "flashinfer"
+    per_block_kv_scales = False  # one K and one V scale per call: an fp8 cache's scales stay 1.0
 
     def __init__(self):
         import flashinfer  # noqa: PLC0415
@@ -71,11 +78,14 @@ class FlashInferKernel:
         self.wrappers: dict[tuple, object] = {}  # made once (they own buffers), planned again every step
 
     @staticmethod
-    def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int,
+                           kv_dtype: torch.dtype | None = None) -> str | None:
         if device.type != "cuda":
             return f"FlashInfer needs a CUDA device, the model is on {device}"
         if dtype not in SUPPORTED_DTYPES:
             return f"FlashInfer serves float16/bfloat16, the model is {dtype}"
+        if kv_dtype not in (None, dtype, *SUPPORTED_KV_DTYPES):
+            return f"FlashInfer reads an fp8 cache or one in the model's dtype, not {kv_dtype}"
         if head_dim not in SUPPORTED_HEAD_DIMS:
             return f"FlashInfer does not support head_dim {head_dim}"
         import flashinfer  # noqa: F401, PLC0415 (raises ImportError when missing)
@@ -85,12 +95,17 @@ class FlashInferKernel:
     def plan(self, metadata, device: torch.device) -> FlashInferPlan:
         return FlashInferPlan(build_csr(metadata, device), metadata.slot_mapping.to(device), metadata.block_size)
 
-    def write_kv(self, key, value, key_cache, value_cache, plan: FlashInferPlan) -> None:
-        write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping)
+    def write_kv(self, key, value, key_cache, value_cache, plan: FlashInferPlan, scales=None) -> None:
+        write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping, scales, plan)
 
-    def attend(self, query, key, value, key_cache, value_cache, plan: FlashInferPlan, *, scaling, sliding_window, softcap):
+    def attend(self, query, key, value, key_cache, value_cache, plan: FlashInferPlan, *, scaling, sliding_window, softcap,
+               scales=None):
         wrapper = self._wrapper(plan, query, key_cache, scaling, sliding_window, softcap)
-        return wrapper.run(query, (key_cache, value_cache))  # [num_tokens, num_heads, head_dim]
+        if scales is None:
+            return wrapper.run(query, (key_cache, value_cache))  # [num_tokens, num_heads, head_dim]
+        assert not scales.dynamic  # fixed scales: one per tensor, as FlashInfer takes them
+        return wrapper.run(query, (key_cache, value_cache), k_scale=float(scales.key[0, 0]),
+                           v_scale=float(scales.value[0, 0]))
 
     def _wrapper(self, plan: FlashInferPlan, query, key_cache, scaling, window, softcap):
         num_heads, num_kv_heads, head_dim = query.shape[1], key_cache.shape[2], key_cache.shape[3]

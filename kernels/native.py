@@ -30,6 +30,8 @@ DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "b
 #: the dtype of the query and output each cache dtype is computed in
 COMPUTE_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32,
                   torch.float16: torch.float32}
+#: quantized cache dtypes (kernels/quant.py), by entry-point suffix: computed in float32, with per-block scales
+QUANTIZED_DTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 class NativeBuildError(RuntimeError):
@@ -79,6 +81,11 @@ def load_paged_decode(head_dim: int) -> ctypes.CDLL:
         function = getattr(library, f"paged_decode_{dtype_name}")
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [
+            ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
+    for dtype_name in QUANTIZED_DTYPES.values():  # two more pointers: the K and V scales
+        function = getattr(library, f"paged_decode_{dtype_name}")
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [
             ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
     return library
 

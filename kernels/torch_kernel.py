@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import write_kv_by_slots
+from .quant import KVScales, as_bytes, dequantize
 
 MAX_DECODE_PADDING = 1.25  # a decode group's padded K/V may be at most this much larger than its real K/V
 
@@ -34,7 +35,8 @@ class PrefillChunk:
     query_start: int
     query_len: int
     context_len: int
-    block_ids: torch.Tensor | None  # [num_blocks] the context's blocks; None for a fresh prompt
+    block_ids: torch.Tensor  # [num_blocks] the context's blocks
+    fresh: bool  # a whole prompt in one chunk: without quantization its context is this step's K/V
 
 
 @dataclass
@@ -44,10 +46,12 @@ class TorchPlan:
     prefills: list[PrefillChunk]
     masks: dict = field(default_factory=dict)  # (kind, index, window) -> bool mask, built on first use
     buffers: dict = field(default_factory=dict)  # (kind, index, shape, dtype) -> gather destinations, reused by every layer
+    quant_write: Any = None  # a quantized cache's write bookkeeping (kernels.quant.WritePlan), made on first use
 
 
 class TorchKernel:
     name = "torch"
+    per_block_kv_scales = True  # reads a quantized cache's scale per (block, KV head) (kernels/quant.py)
 
     def plan(self, metadata, device: torch.device) -> TorchPlan:
         block_size = metadata.block_size
@@ -59,54 +63,56 @@ class TorchKernel:
             if query_len == 1:
                 decodes.append((context_len, starts[i], table))
             else:
-                block_ids = None if query_len == context_len else torch.tensor(table, dtype=torch.long, device=device)
-                prefills.append(PrefillChunk(starts[i], query_len, context_len, block_ids))
+                block_ids = torch.tensor(table, dtype=torch.long, device=device)
+                prefills.append(PrefillChunk(starts[i], query_len, context_len, block_ids, query_len == context_len))
         return TorchPlan(metadata.slot_mapping.to(device), self.plan_decodes(decodes, device), prefills)
 
     def plan_decodes(self, decodes: list[tuple[int, int, list[int]]], device: torch.device) -> list[DecodeGroup]:
         """decodes: (context_len, row, block_table) of every one-token query of the step."""
         return [_decode_group(group, device) for group in _group_by_length(decodes)]
 
-    def write_kv(self, key, value, key_cache, value_cache, plan: TorchPlan) -> None:
-        write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping)
+    def write_kv(self, key, value, key_cache, value_cache, plan: TorchPlan, scales: KVScales | None = None) -> None:
+        write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping, scales, plan)
 
-    def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap):
+    def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap,
+               scales: KVScales | None = None):
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap)
+        masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=scales)
         self.attend_decodes(query, output, key_cache, value_cache, plan, **masking)
         self.attend_prefills(query, key, value, output, key_cache, value_cache, plan, **masking)
         return output
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window,
-                       softcap) -> None:
+                       softcap, scales=None) -> None:
         """Writes the output rows of the one-token queries."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
         for index, group in enumerate(plan.decodes):
             num_rows = group.rows.shape[0]
             q = query.index_select(0, group.rows).unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
             # [num_rows, num_kv_heads, max_blocks * block_size, head_dim]
-            k, v = _gather_blocks(plan, ("decode", index), key_cache, value_cache, group.block_ids)
+            k, v = _gather_blocks(plan, ("decode", index), key_cache, value_cache, group.block_ids, scales, query.dtype)
             k = k.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
             v = v.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
             mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window)
             output.index_copy_(0, group.rows, attention(q, k, v, mask, scaling, softcap).squeeze(2))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
-                        sliding_window, softcap) -> None:
+                        sliding_window, softcap, scales=None) -> None:
         """Writes the output rows of the prefill chunks."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
         for index, chunk in enumerate(plan.prefills):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
-            if chunk.block_ids is None:
+            if chunk.fresh and scales is None:
                 k, v = key[rows], value[rows]  # a fresh prompt: its context is this step's K/V
-            else:  # [context_len, num_kv_heads, head_dim]
-                k, v = _gather_blocks(plan, ("prefill", index), key_cache, value_cache, chunk.block_ids)
+            else:  # [context_len, num_kv_heads, head_dim]; a quantized cache is read back, as a decode will
+                k, v = _gather_blocks(plan, ("prefill", index), key_cache, value_cache, chunk.block_ids, scales,
+                                      query.dtype)
                 k = k.view(-1, num_kv_heads, head_dim)[: chunk.context_len]
                 v = v.view(-1, num_kv_heads, head_dim)[: chunk.context_len]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_dim]
             v = v.transpose(0, 1).unsqueeze(0)
-            if chunk.block_ids is None and sliding_window is None and softcap is None:
+            if chunk.fresh and sliding_window is None and softcap is None:
                 out = attention(q, k, v, None, scaling, None, is_causal=True)
             else:
                 out = attention(q, k, v, self._prefill_mask(plan, index, chunk, sliding_window, q.device), scaling, softcap)
@@ -138,18 +144,26 @@ class TorchKernel:
         return plan.masks[key]
 
 
-def _gather_blocks(plan: TorchPlan, key, key_cache, value_cache, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_blocks(plan: TorchPlan, key, key_cache, value_cache, block_ids, scales: KVScales | None = None,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy the listed blocks of K and V into buffers that every layer of the step reuses: allocating tens of
-    MB per layer costs more than the copy (fresh pages fault in on every use)."""
+    MB per layer costs more than the copy (fresh pages fault in on every use). A quantized cache's blocks are
+    dequantized to `dtype` (only the blocks read, never the whole cache)."""
     rows = key_cache[0].numel()
     buffer_key = (*key, rows, key_cache.dtype)
+    key_cache, value_cache = as_bytes(key_cache), as_bytes(value_cache)  # fp8 moves as bytes
     if buffer_key not in plan.buffers:
         empty = key_cache.new_empty(block_ids.shape[0], rows)
         plan.buffers[buffer_key] = (empty, torch.empty_like(empty))
     k, v = plan.buffers[buffer_key]
     torch.index_select(key_cache.view(key_cache.shape[0], -1), 0, block_ids, out=k)  # [num_blocks, block elements]
     torch.index_select(value_cache.view(value_cache.shape[0], -1), 0, block_ids, out=v)
-    return k, v
+    if scales is None:
+        return k, v
+    shape = (-1, *key_cache.shape[1:])  # [num_read, block_size, num_kv_heads, head_dim]
+    stored = buffer_key[-1]
+    return (dequantize(k.view(stored).view(shape), scales.key.index_select(0, block_ids), dtype).flatten(1),
+            dequantize(v.view(stored).view(shape), scales.value.index_select(0, block_ids), dtype).flatten(1))
 
 
 def _group_by_length(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:

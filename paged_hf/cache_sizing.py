@@ -6,6 +6,8 @@ from collections import defaultdict
 
 import torch
 
+from paged_hf.kernels.quant import is_quantized, storage_dtype
+
 from .config import PagedConfig
 from .distributed import min_over_ranks
 from .kv_cache_manager import cdiv
@@ -13,8 +15,11 @@ from .model_info import ModelInfo, free_memory_bytes
 
 
 def bytes_per_block(block_size: int, num_kv_heads: list[int], head_dim: list[int], dtype: torch.dtype) -> int:
+    """K and V of every layer in the cache's storage `dtype`; an int8/fp8 cache adds its float32 K and V scale
+    per (block, KV head)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * h * d * element_size for h, d in zip(num_kv_heads, head_dim))
+    scale_bytes = 2 * 4 if is_quantized(dtype) else 0
+    return sum(2 * block_size * h * d * element_size + h * scale_bytes for h, d in zip(num_kv_heads, head_dim))
 
 
 def num_blocks_from_memory(info: ModelInfo, config: PagedConfig, max_model_len: int) -> int:
@@ -34,7 +39,7 @@ def num_blocks_from_memory(info: ModelInfo, config: PagedConfig, max_model_len: 
         if budget <= 1:
             budget = budget * free_memory_bytes(device)
         per_block = bytes_per_block(config.block_size, [info.num_kv_heads[i] for i in layers],
-                                    [info.head_dim[i] for i in layers], info.dtype)
+                                    [info.head_dim[i] for i in layers], storage_dtype(config.kv_cache_dtype, info.dtype))
         fits = int(budget) // per_block
         num_blocks = fits if num_blocks is None else min(num_blocks, fits)
     # no point in more blocks than every sequence at full length can use

@@ -56,6 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, help="KV cache bytes, or a fraction of free memory (<= 1)")
     group.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    group.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
+                       help="KV cache storage: auto (the model's dtype) or int8/fp8 with per-block scales (2x the "
+                       "tokens of bf16 in the same memory)")
     group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                        help="disable automatic prefix caching")
     group.add_argument("--enable-prefix-caching", action="store_true", help="(vLLM's flag; on by default)")
@@ -72,7 +75,7 @@ def engine_config(args: argparse.Namespace) -> dict:
     """Only the flags that were given, as PagedConfig keyword arguments."""
     config = {}
     for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len",
-                 "max_stop_strings", "max_stop_string_chars"):
+                 "max_stop_strings", "max_stop_string_chars", "kv_cache_dtype"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     if args.kv_cache_memory is not None:

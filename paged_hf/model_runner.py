@@ -8,6 +8,7 @@ import torch
 
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
 from paged_hf.kernels import select_kernel
+from paged_hf.kernels.quant import storage_dtype
 
 from .config import PagedConfig
 from .model_info import ModelInfo
@@ -23,9 +24,10 @@ class ModelRunner:
         self.model = model
         self.info = info
         self.block_size = config.block_size
-        self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim)
+        kv_dtype = storage_dtype(config.kv_cache_dtype, info.dtype)
+        self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim, kv_dtype)
         self.cache = PagedCache(num_blocks, config.block_size, info.num_kv_heads, info.head_dim, info.dtype,
-                                info.layer_devices, self.kernel)
+                                info.layer_devices, self.kernel, kv_dtype)
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = _AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)

@@ -3,6 +3,7 @@
 Each layer's K/V tensor is `[num_blocks, block_size, num_kv_heads, head_dim]` on that layer's device. The
 step's metadata lives here (not in forward kwargs, which accelerate's hooks would copy to every layer's
 device again and again): `begin_step` plans once per device, every layer then writes and attends with it.
+An int8/fp8 cache (`kv_dtype`) also holds each layer's scales per (block, KV head), `kernels.quant.KVScales`.
 """
 
 from __future__ import annotations
@@ -10,23 +11,31 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from paged_hf.kernels.quant import KVScales, as_bytes, is_quantized
+
 from .step_inputs import AttentionMetadata
 
 
 class PagedCache(Cache):
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: list[int], head_dim: list[int],
-                 dtype: torch.dtype, devices: list[torch.device], kernel):
+                 dtype: torch.dtype, devices: list[torch.device], kernel, kv_dtype: torch.dtype | None = None):
+        """dtype: the model's; kv_dtype: the cache's storage dtype when it is quantized (int8/fp8)."""
         super().__init__(layers=[])
+        kv_dtype = kv_dtype or dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kernel = kernel
         self.layer_devices = [torch.device(d) for d in devices]
         # zeros, not empty: padded decode gathers read unwritten slots (masked, but NaN * 0 would leak)
         self.key_cache = [
-            torch.zeros(num_blocks, block_size, h, d, dtype=dtype, device=dev)
+            torch.zeros(num_blocks, block_size, h, d, dtype=kv_dtype, device=dev)
             for h, d, dev in zip(num_kv_heads, head_dim, self.layer_devices)
         ]
         self.value_cache = [torch.zeros_like(k) for k in self.key_cache]
+        self.scales: list[KVScales | None] = [
+            KVScales.create(num_blocks, h, dev, dynamic=kernel.per_block_kv_scales) if is_quantized(kv_dtype) else None
+            for h, dev in zip(num_kv_heads, self.layer_devices)
+        ]
         self.metadata: AttentionMetadata | None = None
         self._plans: dict[torch.device, object] = {}
 
@@ -55,7 +64,10 @@ class PagedCache(Cache):
                 indices[device] = (torch.tensor(src, dtype=torch.long, device=device),
                                    torch.tensor(dst, dtype=torch.long, device=device))
             src_index, dst_index = indices[device]
-            for cache in (self.key_cache[layer], self.value_cache[layer]):  # [num_blocks, block_size, heads, dim]
+            scales = self.scales[layer]
+            caches = (self.key_cache[layer], self.value_cache[layer])  # [num_blocks, block_size, heads, dim]
+            for cache in caches + ((scales.key, scales.value) if scales is not None else ()):
+                cache = as_bytes(cache)  # fp8 moves as bytes
                 cache.index_copy_(0, dst_index, cache.index_select(0, src_index))
 
     # --- the transformers.Cache protocol ----------------------------------------------------------------
@@ -65,7 +77,7 @@ class PagedCache(Cache):
         assert self.in_step, "PagedCache.update outside of a paged step"
         plan = self._plans[self.layer_devices[layer_idx]]
         self.kernel.write_kv(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1),
-                             self.key_cache[layer_idx], self.value_cache[layer_idx], plan)
+                             self.key_cache[layer_idx], self.value_cache[layer_idx], plan, self.scales[layer_idx])
         return key_states, value_states
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
@@ -74,7 +86,7 @@ class PagedCache(Cache):
         output = self.kernel.attend(
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
             self.key_cache[layer_idx], self.value_cache[layer_idx], self._plans[self.layer_devices[layer_idx]],
-            scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+            scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=self.scales[layer_idx],
         )
         return output.unsqueeze(0)
 

@@ -115,3 +115,47 @@ def test_end_to_end_bf16_against_hf_generate():
                 top5 = logits.topk(5).indices.tolist()
                 assert a in top5 and b in top5
                 break
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_flashinfer_reads_an_fp8_cache_as_the_torch_kernel_does(kv_dtype):
+    """kv_cache_dtype fp8: FlashInfer gets the fp8 cache and its (fixed, per-tensor) scales; the torch kernel
+    reads the same bytes with the same scales."""
+    from paged_hf.kernels.flashinfer import FlashInferKernel  # noqa: PLC0415
+    from paged_hf.kernels.quant import KVScales, quantize  # noqa: PLC0415
+
+    shapes = [(0, 9), (6, 1), (13, 5), (21, 1)]
+    metadata, key_cache, value_cache, _ = random_batch(shapes, seed=2, dtype=torch.bfloat16, device="cuda")
+    key_cache, value_cache = quantize(key_cache.float(), kv_dtype), quantize(value_cache.float(), kv_dtype)
+    scales = KVScales.create(NUM_BLOCKS, NUM_KV_HEADS, "cuda", dynamic=False)
+    query = torch.randn(metadata.query_start_loc[-1], NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    new = torch.zeros(query.shape[0], NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")  # unused
+    outputs = []
+    for kernel in (TorchKernel(), FlashInferKernel()):
+        plan = kernel.plan(metadata, torch.device("cuda"))
+        outputs.append(kernel.attend(query, new, new, key_cache, value_cache, plan, scaling=HEAD_DIM ** -0.5,
+                                     sliding_window=None, softcap=None, scales=scales))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_end_to_end_fp8_cache_on_flashinfer():
+    from conftest import random_prompts  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    import paged_hf  # noqa: PLC0415
+    from paged_hf import SamplingParams  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    engine = paged_hf.wrap(model, num_blocks=64, block_size=16, attention_backend="flashinfer",
+                           kv_cache_dtype="fp8_e4m3").generator
+    assert engine.runner.cache.key_cache[0].dtype == torch.float8_e4m3fn
+    outputs = engine.generate(random_prompts([9, 30, 17]), SamplingParams(max_new_tokens=12, temperature=0,
+                              ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [12, 12, 12]

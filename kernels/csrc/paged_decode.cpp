@@ -13,6 +13,10 @@
 // Layouts, all contiguous: q, out [num_rows, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
 // num_kv_heads, head_dim]; block_tables [num_rows, max_blocks]; context_lens [num_rows]. window > 0 keeps the
 // last `window` keys; softcap > 0 maps a score s to softcap * tanh(s / softcap).
+//
+// A quantized cache (int8, fp8 e4m3/e5m2; see kernels/quant.py) is read the same way: each value is widened to
+// float in registers, and the scale of its (block, KV head) [num_blocks, num_kv_heads] is applied once per score
+// (keys) and once per softmax weight (values), not per element; no dequantized copy exists.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -57,9 +61,35 @@ template <> struct Vec<double> {
 struct bf16 {
   uint16_t bits;
 };
+// Quantized storage: value = stored * scale of its (block, KV head).
+struct fp8e4m3 {
+  uint8_t bits;
+};
+struct fp8e5m2 {
+  uint8_t bits;
+};
 template <typename S> struct Compute { typedef S type; };
 template <> struct Compute<bf16> { typedef float type; };
 template <> struct Compute<_Float16> { typedef float type; };
+template <> struct Compute<int8_t> { typedef float type; };
+template <> struct Compute<fp8e4m3> { typedef float type; };
+template <> struct Compute<fp8e5m2> { typedef float type; };
+template <typename S> constexpr bool kQuantized = std::is_same_v<S, int8_t> || std::is_same_v<S, fp8e4m3> ||
+                                                  std::is_same_v<S, fp8e5m2>;
+
+// 16 fp8 values to float: sign, exponent and mantissa moved into a float's fields (exponent bias and all), then
+// one multiply by 2^(127 - bias) fixes the bias; subnormals come out right too (as float subnormals, scaled up).
+template <int MantissaBits, int Bias> inline Vec<float>::type fp8_to_float(const uint8_t *src) {
+  typedef uint8_t Bytes __attribute__((vector_size(16), aligned(1)));
+  typedef uint32_t Wide __attribute__((vector_size(64)));
+  Bytes b;
+  std::memcpy(&b, src, sizeof(b));
+  const Wide w = __builtin_convertvector(b, Wide);
+  const Wide bits = ((w & 0x80u) << 24) | ((w & 0x7Fu) << (23 - MantissaBits));
+  Vec<float>::type f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f * __builtin_ldexpf(1.0f, 127 - Bias);
+}
 
 // n vectors of compute type from n * lanes stored elements.
 template <typename S, int N> inline void load(typename Vec<typename Compute<S>::type>::type (&dst)[N], const S *src) {
@@ -76,6 +106,17 @@ template <typename S, int N> inline void load(typename Vec<typename Compute<S>::
       const Wide w = __builtin_convertvector(h, Wide) << 16;
       std::memcpy(&dst[j], &w, sizeof(w));
     }
+  } else if constexpr (std::is_same_v<S, int8_t>) {
+    typedef int8_t Bytes __attribute__((vector_size(16), aligned(1)));
+    for (int j = 0; j < N; ++j) {
+      Bytes b;
+      std::memcpy(&b, src + j * L, sizeof(b));
+      dst[j] = __builtin_convertvector(b, typename Vec<T>::type);
+    }
+  } else if constexpr (std::is_same_v<S, fp8e4m3>) {
+    for (int j = 0; j < N; ++j) dst[j] = fp8_to_float<3, 7>(&src[j * L].bits);
+  } else if constexpr (std::is_same_v<S, fp8e5m2>) {
+    for (int j = 0; j < N; ++j) dst[j] = fp8_to_float<2, 15>(&src[j * L].bits);
   } else {
     typedef _Float16 Half __attribute__((vector_size(32), aligned(2)));
     for (int j = 0; j < N; ++j) {
@@ -88,6 +129,7 @@ template <typename S, int N> inline void load(typename Vec<typename Compute<S>::
 
 struct Batch {
   const int64_t *block_tables, *context_lens;
+  const float *k_scales, *v_scales;  // [num_blocks, num_kv_heads] for a quantized cache, else null
   int64_t num_rows, max_blocks, num_heads, num_kv_heads, block_size, window;
   double scale, softcap;
 };
@@ -141,13 +183,16 @@ template <typename T> struct Running {
 };
 
 // G query heads (sharing one KV head) against the keys [lo, hi) of one block: scores, online-softmax update,
-// values. `scores` is scratch for [G][block_size]. K/V are stored as S, everything else is T.
+// values. `scores` is scratch for [G][block_size]. K/V are stored as S, everything else is T; a quantized block's
+// stored K/V are multiplied by k_scale/v_scale (1 otherwise, and then never used).
 template <typename S, int G, typename T = typename Compute<S>::type>
 void attend_block(const T *q, const S *keys, const S *values, int64_t token_stride, int64_t lo, int64_t hi,
-                  const Batch &batch, Running<T> *state, T *out, T *scores) {
+                  const Batch &batch, Running<T> *state, T *out, T *scores, T k_scale, T v_scale) {
   using V = typename Vec<T>::type;
   constexpr int NV = PAGED_HF_HEAD_DIM / Vec<T>::lanes;
-  const T scale = static_cast<T>(batch.scale), softcap = static_cast<T>(batch.softcap);
+  const T softcap = static_cast<T>(batch.softcap);
+  T scale = static_cast<T>(batch.scale);
+  if constexpr (kQuantized<S>) scale *= k_scale;
   const int64_t bs = batch.block_size;
   V qv[G][NV];
   std::memcpy(qv, q, sizeof(qv));
@@ -176,14 +221,18 @@ void attend_block(const T *q, const S *keys, const S *values, int64_t token_stri
   for (int64_t i = lo; i < hi; ++i) {
     V v[NV];
     load<S, NV>(v, values + i * token_stride);
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < NV; ++j) acc[g][j] += scores[g * bs + i] * v[j];
+    for (int g = 0; g < G; ++g) {
+      T weight = scores[g * bs + i];
+      if constexpr (kQuantized<S>) weight *= v_scale;
+      for (int j = 0; j < NV; ++j) acc[g][j] += weight * v[j];
+    }
   }
   std::memcpy(out, acc, sizeof(acc));
 }
 
 template <typename S, typename T = typename Compute<S>::type>
-using BlockFn = void (*)(const T *, const S *, const S *, int64_t, int64_t, int64_t, const Batch &, Running<T> *, T *, T *);
+using BlockFn = void (*)(const T *, const S *, const S *, int64_t, int64_t, int64_t, const Batch &, Running<T> *, T *, T *,
+                         T, T);
 
 template <typename S> BlockFn<S> block_fn(int64_t group) {
   switch (group) {
@@ -220,9 +269,15 @@ void attend_row(const T *q, const S *k_cache, const S *v_cache, int64_t row, con
     for (int64_t kv_head = 0; kv_head < batch.num_kv_heads; ++kv_head) {
       const S *keys = k_cache + table[b] * block_stride + kv_head * D;
       const S *values = v_cache + table[b] * block_stride + kv_head * D;
+      T k_scale = 1, v_scale = 1;
+      if constexpr (kQuantized<S>) {
+        k_scale = batch.k_scales[table[b] * batch.num_kv_heads + kv_head];
+        v_scale = batch.v_scales[table[b] * batch.num_kv_heads + kv_head];
+      }
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {  // query heads of this KV head, at most 8 at once
         const int64_t head = kv_head * group + g0, heads = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
-        block_fn<S>(heads)(q + head * D, keys, values, token_stride, lo, hi, batch, state + head, out + head * D, scores);
+        block_fn<S>(heads)(q + head * D, keys, values, token_stride, lo, hi, batch, state + head, out + head * D, scores,
+                           k_scale, v_scale);
       }
     }
   }
@@ -267,11 +322,24 @@ int paged_decode(const T *q, const S *k_cache, const S *v_cache, T *out, const B
                       const int64_t *context_lens, T *out, int64_t num_rows, int64_t max_blocks,              \
                       int64_t num_heads, int64_t num_kv_heads, int64_t block_size, double scale,               \
                       int64_t window, double softcap, int num_threads) {                                       \
-    const Batch batch{block_tables, context_lens, num_rows, max_blocks, num_heads, num_kv_heads, block_size,  \
-                      window, scale, softcap};                                                                 \
+    const Batch batch{block_tables, context_lens, nullptr, nullptr, num_rows, max_blocks, num_heads,           \
+                      num_kv_heads, block_size, window, scale, softcap};                                       \
+    return paged_decode<S>(q, k_cache, v_cache, out, batch, num_threads);                                     \
+  }
+// A quantized cache: the same, with the scales of K and V ([num_blocks, num_kv_heads] float32); q, out float.
+#define PAGED_HF_QUANTIZED_ENTRY(NAME, S)                                                                       \
+  extern "C" int NAME(const float *q, const S *k_cache, const S *v_cache, const float *k_scales,              \
+                      const float *v_scales, const int64_t *block_tables, const int64_t *context_lens,         \
+                      float *out, int64_t num_rows, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,\
+                      int64_t block_size, double scale, int64_t window, double softcap, int num_threads) {     \
+    const Batch batch{block_tables, context_lens, k_scales, v_scales, num_rows, max_blocks, num_heads,         \
+                      num_kv_heads, block_size, window, scale, softcap};                                       \
     return paged_decode<S>(q, k_cache, v_cache, out, batch, num_threads);                                     \
   }
 PAGED_HF_ENTRY(paged_decode_float32, float, float)
 PAGED_HF_ENTRY(paged_decode_float64, double, double)
 PAGED_HF_ENTRY(paged_decode_bfloat16, bf16, float)
 PAGED_HF_ENTRY(paged_decode_float16, _Float16, float)
+PAGED_HF_QUANTIZED_ENTRY(paged_decode_int8, int8_t)
+PAGED_HF_QUANTIZED_ENTRY(paged_decode_fp8_e4m3, fp8e4m3)
+PAGED_HF_QUANTIZED_ENTRY(paged_decode_fp8_e5m2, fp8e5m2)
