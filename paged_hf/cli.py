@@ -1,9 +1,10 @@
-"""The `paged-hf` command (also `python -m paged_hf`): `generate`, `serve`, `bench`.
+"""The `paged-hf` command (also `python -m paged_hf`): `generate`, `serve`, `bench`, `eval-ppl`.
 
     paged-hf generate prompts.jsonl -o outputs.jsonl [--model M] [engine flags]
     paged-hf bench --workload mixed --out bench_out [--systems paged_hf,hf_static_8] [--requests N]
     paged-hf bench --serve [--concurrency 32] [--request-rate R] [--vllm-python .venv-vllm/bin/python]
     paged-hf serve [MODEL] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API; vLLM's flags too)
+    paged-hf eval-ppl [--text FILE] [--context-len 1024] [--stride 512] [--kv-cache-dtypes auto,int8,fp8_e4m3]
 
 Without --model every command uses the default model (SmolLM2-135M-Instruct, see paged_hf.default_model).
 """
@@ -393,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from paged_hf.eval_ppl import add_parser as add_eval_ppl_parser  # noqa: PLC0415
+
+    add_eval_ppl_parser(sub, add_model_args, add_engine_args)
     return parser
 
 

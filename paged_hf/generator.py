@@ -382,6 +382,7 @@ class ContinuousBatchGenerator:
             "num_blocks": self.block_pool.num_blocks,
             "num_free_blocks": self.block_pool.num_free_blocks,
             "num_running": len(self.scheduler.running),
+            "max_num_running": self.scheduler.max_num_running,  # the most at once so far
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,

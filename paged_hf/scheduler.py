@@ -53,6 +53,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.max_num_running = 0  # the most requests that ran at once (after any step's scheduling)
         # prefix-cache lookups in tokens (vLLM's accounting): a lookup queries all of the request's tokens.
         # Lookups of preempted requests (which mostly find their own blocks again) are counted apart, so
         # that recomputation does not inflate the hit rate of new requests.
@@ -104,6 +105,7 @@ class Scheduler:
             if not out.scheduled and self.waiting:
                 self._unpark(out, budget)
         out.block_copies = self.kv_cache_manager.take_block_copies()
+        self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:

@@ -164,6 +164,9 @@ def _footer_lines(report: dict) -> list[str]:
     if loads and max(loads.values()) > 0.1:
         lines.append("note: other processes kept the CPUs busy while systems ran ("
                      + ", ".join(f"{n} {v:.0%}" for n, v in loads.items()) + "): these numbers are noisy")
+    kv = kv_cache_line(report)
+    if kv:
+        lines.append(kv)
     prefix = report.get("prefix_cache")
     if prefix:
         line = (f"prefix cache: {prefix['hit_rate']:.0%} of prompt tokens hit; TTFT p50 "
@@ -184,6 +187,17 @@ def _footer_lines(report: dict) -> list[str]:
             line += f"; paged_hf reaches {report['paged_hf_fraction_of_limit']:.0%} of it"
         lines.append(line)
     return lines
+
+
+def kv_cache_line(report: dict) -> str | None:
+    """With a quantized-cache system (paged_hf_kv_*): each paged_hf system's KV dtype, blocks and the most
+    requests it ran at once (the same --kv-cache-memory holds more blocks of a smaller dtype)."""
+    systems = {n: m.get("extra") or {} for n, m in report["systems"].items() if n.startswith("paged_hf")}
+    if not any(n.startswith("paged_hf_kv_") for n in systems):
+        return None
+    return "KV cache: " + "; ".join(
+        f"{n} {e.get('kv_cache_dtype', 'auto')} {e.get('num_blocks', '-')} blocks, at most {e.get('max_num_running', '-')}"
+        f" running, {e.get('num_preemptions', '-')} preemptions" for n, e in systems.items() if "num_blocks" in e)
 
 
 def write_json(report: dict, out_dir: str) -> str:

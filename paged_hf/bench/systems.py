@@ -22,8 +22,10 @@ from dataclasses import asdict, dataclass, field
 
 from .workloads import Workload
 
-SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", "vllm", "hf_static_8", "hf_static_32",
-                "hf_single", "hf_cb", "hf_cb_default")
+#: paged_hf with a quantized KV cache (PagedConfig.kv_cache_dtype): `paged_hf_kv_<dtype>`
+KV_SYSTEMS = {"paged_hf_kv_int8": "int8", "paged_hf_kv_fp8_e4m3": "fp8_e4m3", "paged_hf_kv_fp8_e5m2": "fp8_e5m2"}
+SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", *KV_SYSTEMS, "vllm", "hf_static_8",
+                "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
 #: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
 DEFAULT_SYSTEMS = {
     "mixed": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
@@ -69,14 +71,18 @@ def warmup_ids(tokenizer) -> list[int]:
 
 
 def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enable_prefix_caching=True,
-                 enforce_schemas=True) -> SystemRun:
-    """paged_hf through its public API: wrap() once, then one generator.generate() call for the whole workload."""
+                 enforce_schemas=True, name: str | None = None) -> SystemRun:
+    """paged_hf through its public API: wrap() once, then one generator.generate() call for the whole workload.
+    `name` one of KV_SYSTEMS: with that kv_cache_dtype."""
     import paged_hf  # noqa: PLC0415
     from paged_hf import SamplingParams  # noqa: PLC0415
 
-    name = "paged_hf_noschema" if not enforce_schemas else "paged_hf" if enable_prefix_caching else "paged_hf_noprefix"
+    name = name or ("paged_hf_noschema" if not enforce_schemas else "paged_hf" if enable_prefix_caching else
+                    "paged_hf_noprefix")
     config = dict(engine_config, enable_prefix_caching=enable_prefix_caching and engine_config.get(
         "enable_prefix_caching", True))
+    if name in KV_SYSTEMS:
+        config["kv_cache_dtype"] = KV_SYSTEMS[name]
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     generator.generate([warmup_ids(tokenizer)], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True),
                        use_tqdm=False)
@@ -99,6 +105,8 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
         tpot.append(time_per_output_token(m.first_token_time, m.finish_time, n))
     extra = {key: after[key] - before[key] for key in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")}
     extra["num_blocks"] = after["num_blocks"]
+    extra["max_num_running"] = after.get("max_num_running")
+    extra["kv_cache_dtype"] = config.get("kv_cache_dtype", "auto")
     extra["engine_config"] = config
     return SystemRun(name, wall, [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot, extra=extra)
 
@@ -268,10 +276,10 @@ def run_system(system: str, model, tokenizer, workload: Workload, engine_config:
     reason = skip_reason(system, workload, engine_config)
     if reason:
         return SystemRun(system, skipped=reason)
-    if system in ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema"):
+    if system in ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", *KV_SYSTEMS):
         return run_paged_hf(model, tokenizer, workload, engine_config,
                             enable_prefix_caching=system != "paged_hf_noprefix",
-                            enforce_schemas=system != "paged_hf_noschema")
+                            enforce_schemas=system != "paged_hf_noschema", name=system)
     adapters = engine_config.get("adapters")
     if system.startswith("hf_static_"):
         return run_hf_static(model, tokenizer, workload, int(system.rsplit("_", 1)[1]), system, adapters)
