@@ -89,19 +89,24 @@ def test_flashinfer_matches_the_torch_kernel(shapes, window, softcap):
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.gpu
-@gpu
-def test_end_to_end_bf16_against_hf_generate():
-    from conftest import random_prompts  # noqa: PLC0415
+def tiny_bf16_llama_on_cuda():
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
-
-    import paged_hf  # noqa: PLC0415
-    from paged_hf import SamplingParams  # noqa: PLC0415
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # head_dim 64
-    model = LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    return LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+
+
+@pytest.mark.gpu
+@gpu
+def test_end_to_end_bf16_against_hf_generate():
+    from conftest import random_prompts  # noqa: PLC0415
+
+    import paged_hf  # noqa: PLC0415
+    from paged_hf import SamplingParams  # noqa: PLC0415
+
+    model = tiny_bf16_llama_on_cuda()
     prompts = random_prompts([9, 30, 17])
     engine = paged_hf.wrap(model, num_blocks=64, block_size=16, attention_backend="flashinfer").generator
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -144,15 +149,11 @@ def test_flashinfer_reads_an_fp8_cache_as_the_torch_kernel_does(kv_dtype):
 @gpu
 def test_end_to_end_fp8_cache_on_flashinfer():
     from conftest import random_prompts  # noqa: PLC0415
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
     import paged_hf  # noqa: PLC0415
     from paged_hf import SamplingParams  # noqa: PLC0415
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    model = tiny_bf16_llama_on_cuda()
     engine = paged_hf.wrap(model, num_blocks=64, block_size=16, attention_backend="flashinfer",
                            kv_cache_dtype="fp8_e4m3").generator
     assert engine.runner.cache.key_cache[0].dtype == torch.float8_e4m3fn
