@@ -19,6 +19,7 @@ from dataclasses import fields, replace
 
 from paged_hf.device_dtype import DTYPE_NAMES, checkpoint_dtype, resolve_device, resolve_dtype
 from paged_hf.sampling_params import SamplingParams
+from paged_hf.spec_decode.config import SpeculativeConfig
 
 #: The environment variable that holds the server's API key when --api-key is not given.
 API_KEY_ENV_VAR = "PAGED_HF_API_KEY"
@@ -70,6 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="vLLM's spelling of --adapter: NAME=PATH or JSON {\"name\": ..., \"path\": ...}")
     group.add_argument("--enable-lora", action="store_true", help="(vLLM's flag; adapters always work)")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4}\'')
 
 
 def engine_config(args: argparse.Namespace) -> dict:
@@ -84,6 +88,8 @@ def engine_config(args: argparse.Namespace) -> dict:
         config["kv_cache_memory"] = memory if memory <= 1 else int(memory)
     if args.no_prefix_caching:
         config["enable_prefix_caching"] = False
+    if args.speculative_config is not None:
+        config["speculative"] = SpeculativeConfig.parse(args.speculative_config)
     adapters = list(args.adapter) + list(getattr(args, "lora_modules", []))
     if adapters:
         config["adapters"] = dict(_name_equals_path(item) for item in adapters)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from paged_hf.kernels.quant import KV_CACHE_DTYPE_NAMES
+from .spec_decode.config import SpeculativeConfig
 
 
 DEFAULT_MAX_NUM_SEQS = 64
@@ -36,6 +37,9 @@ class PagedConfig:
     # CPU: run the model's float32/bfloat16 linears on oneDNN-packed copies of their weights during steps
     # (2.3x faster float32 matmuls than MKL's on AMD; costs the weights' memory once more), paged_hf.packed_linears
     pack_linear_weights: bool = True
+    # speculative decoding (vLLM's speculative_config): a SpeculativeConfig or its fields as a dict / JSON
+    # text, e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off
+    speculative: object = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
@@ -61,6 +65,7 @@ class PagedConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPE_NAMES))} (or 'fp8'), "
                              f"got {self.kv_cache_dtype!r}")
+        self.speculative = SpeculativeConfig.parse(self.speculative)
         if self.attention_backend not in ("auto", "torch", "cpu", "flashinfer"):
             raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'flashinfer', got {self.attention_backend!r}")
 

@@ -29,6 +29,7 @@ from .request_group import RequestGroup
 from .sampler import Sampler, SamplingRow, make_generator
 from .sampling_params import SamplingParams, check_stop_limits
 from .scheduler import Scheduler
+from .spec_decode import Speculator
 from .stopping import StopChecker
 from .structured_output import GrammarCompiler, grammar_compiler
 from .token_stream import TokenStream
@@ -54,6 +55,8 @@ class ContinuousBatchGenerator:
         self.sampler = Sampler(self.info.eos_token_ids)
         self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len)
         self.grammar_compiler: GrammarCompiler | None = None  # made with the first structured-output request
+        speculative = self.config.speculative
+        self.speculator = None if speculative is None else Speculator(speculative, self.kv_cache_manager)
         self.groups: dict[str, RequestGroup] = {}  # unfinished requests by id
         # Outputs step() owes: requests of add_request that changed while generate()/stream() stepped the
         # engine, and aborts. Requests of generate()/stream() (claimed) are reported by those calls only.
@@ -256,13 +259,18 @@ class ContinuousBatchGenerator:
             self._release(group)
 
     def _schedule_run_postprocess(self) -> list[RequestGroup]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self._may_speculate, self.config.max_num_batched_tokens)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         logits, inputs = self.runner.run(out)  # [num_kept, vocab_size]
         if inputs.prompt_logprob_spans:
             record_prompt_logprobs(logits, inputs.prompt_logprob_spans)
-            logits = logits[inputs.sample_rows.to(logits.device)]  # [num_sampled, vocab_size]
+            logits = logits[inputs.sample_rows.to(logits.device)]  # [num_sampled (+ num_spec_rows), vocab_size]
+        spec_logits = None
+        if inputs.num_spec_rows:  # the drafts' rows come last
+            logits, spec_logits = logits[: -inputs.num_spec_rows], logits[-inputs.num_spec_rows:]
         for scheduled in out.scheduled:
             self.scheduler.advance(scheduled)
         requests = [scheduled.request for scheduled in inputs.sampled]
@@ -273,25 +281,44 @@ class ContinuousBatchGenerator:
         rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar,
                             r.bad_words_token_ids)
                 for r in requests]
-        sampled = self.sampler(logits, rows)
-        token_ids = broadcast_tokens(sampled.token_ids, logits.device)  # tensor parallel: rank 0's tokens
+        if spec_logits is not None:
+            emitted = self.speculator.verify(self.sampler, requests, rows, logits, spec_logits)
+        else:
+            sampled = self.sampler(logits, rows)
+            token_ids = broadcast_tokens(sampled.token_ids, logits.device)  # tensor parallel: rank 0's tokens
+            emitted = [[pair] for pair in zip(token_ids, sampled.logprobs)]
         now = time.monotonic()
-        for request, token_id, logprobs in zip(requests, token_ids, sampled.logprobs):
-            request.append_token(token_id)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
-            try:
-                reason = self.stop_checker.check(request)
-            except Exception as exc:  # noqa: BLE001 - this request's own (its stop strings' text): fail only it
-                self._errors[request.request_id] = exc
-                reason = "abort"
-            if reason is not None:
-                request.finish_time = now
-                self.scheduler.finish(request, reason)
+        for request, tokens in zip(requests, emitted):  # one token each; more where drafts were accepted
+            for token_id, logprobs in tokens:
+                if self._append_token(request, token_id, logprobs, now):
+                    break
+            else:
+                if spec_logits is not None:
+                    self.speculator.commit(request, len(tokens))
             touched[self.groups[request.request_id]] = None
         return self._drop_finished(touched)
+
+    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> bool:
+        """Append one generated token and check the stop conditions -> whether the request finished."""
+        request.append_token(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        try:
+            reason = self.stop_checker.check(request)
+        except Exception as exc:  # noqa: BLE001 - this request's own (its stop strings' text): fail only it
+            self._errors[request.request_id] = exc
+            reason = "abort"
+        if reason is None:
+            return False
+        request.finish_time = now
+        self.scheduler.finish(request, reason)
+        return True
+
+    def _may_speculate(self, request: Request) -> bool:
+        """Beams of a beam search choose among all their continuations: no drafts for them."""
+        return isinstance(self.groups.get(request.request_id), RequestGroup)
 
     def _drop_finished(self, touched: dict) -> list:
         for group in touched:
@@ -387,6 +414,7 @@ class ContinuousBatchGenerator:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
 
 

@@ -170,6 +170,16 @@ class KVCacheManager:
         child.block_hashes_key = parent.block_hashes_key
         child.num_cached_blocks = min(parent.num_cached_blocks, num_full)
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past the request's tokens (those of rejected drafts), tail first. They are its
+        own (shared blocks only hold computed tokens) and were never hashed (their tokens were unverified)."""
+        num_keep = self.num_blocks_needed(request.num_tokens)
+        tail = request.block_ids[num_keep:]
+        if tail:
+            blocks = self.block_pool.blocks
+            self.block_pool.free([blocks[i] for i in reversed(tail)])
+            del request.block_ids[num_keep:]
+
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first (so its tail is evicted before its shareable head). A copy
         into one of its blocks that the runner has not made yet is dropped: nobody will read it."""

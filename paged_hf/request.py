@@ -52,6 +52,7 @@ class Request:
     # {position: {token_id: logprob}} of prompt tokens 1.. (child 0 only; filled while its prompt is computed)
     prompt_logprobs: dict[int, dict[int, float]] | None = field(default=None, repr=False)
     num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts of this step, not yet verified (spec_decode)
     block_ids: list[int] = field(default_factory=list)  # the block table
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
     block_hashes_key: bytes | None = None  # the extra keys `block_hashes` were computed with

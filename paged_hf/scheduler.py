@@ -24,11 +24,13 @@ from .request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens whose K/V this step computes, starting at request.num_computed_tokens
+    num_spec_tokens: int = 0  # of which drafts (request.spec_token_ids) after its last token: speculative decoding
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last token, so its logits give the next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_real = self.num_new_tokens - self.num_spec_tokens
+        return self.request.num_computed_tokens + num_real == self.request.num_tokens
 
 
 @dataclass
@@ -88,15 +90,20 @@ class Scheduler:
             if num_new == 0:  # a beam waiting for its siblings' logits (beam search): nothing to compute
                 index += 1
                 continue
-            while not self.kv_cache_manager.allocate_slots(request, num_new):
+            num_spec = min(len(request.spec_token_ids), budget - num_new)  # drafts: only what is left over
+            while not self.kv_cache_manager.allocate_slots(request, num_new + num_spec):
+                if num_spec:  # drafts are the first to go when blocks run short
+                    num_spec = 0
+                    continue
                 victim = self.running.pop()  # the newest request gives its blocks back
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
+                del request.spec_token_ids[num_spec:]
+                out.scheduled.append(ScheduledRequest(request, num_new + num_spec, num_spec))
+                budget -= num_new + num_spec
                 index += 1
                 continue
             break
@@ -214,6 +221,7 @@ class Scheduler:
         their fork stay with it). Its full blocks stay in the prefix cache until evicted."""
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -223,7 +231,7 @@ class Scheduler:
         """After the forward pass: the step's tokens now have K/V; publish newly full blocks, and fork the
         waiting siblings once the parent reached its fork point."""
         request = scheduled.request
-        request.num_computed_tokens += scheduled.num_new_tokens
+        request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_spec_tokens  # drafts: once verified
         self.kv_cache_manager.cache_full_blocks(request, request_cache_key(request))
         if request.pending_forks and request.num_computed_tokens == request.fork_point:
             self._fork(request)

@@ -41,6 +41,8 @@ class StepInputs:
     # those of positions [pos, pos + count), which predict prompt tokens pos + 1 .. pos + count.
     prompt_logprob_spans: list = field(default_factory=list)
     sample_rows: torch.Tensor | None = None  # [num_sampled]: the sampled requests' logits rows; None: all rows
+    # speculative decoding: the logits rows of every draft (request order) come last, after the sampled rows
+    num_spec_rows: int = 0
 
 
 def token_adapter_slots(out: SchedulerOutput, request_slots: list[int] | None) -> torch.Tensor | None:
@@ -65,11 +67,16 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
     sampled = []
     sample_rows = []
     spans = []
+    spec_rows = []  # input positions of draft tokens, whose logits verify the next draft (or give a bonus token)
     for scheduled in out.scheduled:
         request = scheduled.request
         start = request.num_computed_tokens
         end = start + scheduled.num_new_tokens
-        input_ids.extend(request.all_token_ids[start:end])
+        num_spec = scheduled.num_spec_tokens
+        input_ids.extend(request.all_token_ids[start:end - num_spec])
+        if num_spec:
+            spec_rows.extend(range(len(input_ids), len(input_ids) + num_spec))
+            input_ids.extend(request.spec_token_ids)
         positions.extend(range(start, end))
         block_ids = request.block_ids
         slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -84,8 +91,11 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
                 logits_indices.extend(range(first, first + count))
         if scheduled.samples:
             sample_rows.append(len(logits_indices))
-            logits_indices.append(len(input_ids) - 1)
+            logits_indices.append(len(input_ids) - 1 - num_spec)
             sampled.append(scheduled)
+    if spec_rows:
+        sample_rows.extend(range(len(logits_indices), len(logits_indices) + len(spec_rows)))
+        logits_indices.extend(spec_rows)
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
@@ -101,4 +111,5 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
         adapter_slots=token_adapter_slots(out, request_slots),
         prompt_logprob_spans=spans,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long) if spans else None,
+        num_spec_rows=len(spec_rows),
     )

@@ -46,3 +46,13 @@ def test_stop_string_bounds_are_engine_flags(served):
     assert cli.main(["serve", "--num-blocks", "8", "--max-stop-strings", "3", "--max-stop-string-chars", "9"]) == 0
     config = served["app"].state.ctx.engine.generator.config
     assert (config.max_stop_strings, config.max_stop_string_chars) == (3, 9)
+
+
+def test_speculative_config_is_vllms_json_flag(served, capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    assert cli.main(["serve", "--num-blocks", "8", "--speculative-config", spec]) == 0
+    config = served["app"].state.ctx.engine.generator.config.speculative
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == \
+        ("ngram", 3, 4, 4)
+    assert cli.main(["serve", "--num-blocks", "8", "--speculative-config", '{"method": "medusa"}']) != 0
+    assert "medusa" in capsys.readouterr().err

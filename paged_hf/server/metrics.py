@@ -139,4 +139,20 @@ def _engine_lines(stats: dict, num_in_flight: int) -> list[str]:
                       {(): stats.get("prefix_cache_queries", 0)})
     lines += _counter("paged_hf_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                       {(): stats.get("prefix_cache_hits", 0)})
+    return lines + _spec_decode_lines(stats)
+
+
+def _spec_decode_lines(stats: dict) -> list[str]:
+    """vLLM's spec_decode counters, when the engine speculates."""
+    if "spec_decode_num_drafts" not in stats:
+        return []
+    lines = _counter("paged_hf_spec_decode_num_drafts_total", "Requests' draft verifications (one per request and step).",
+                     {(): stats["spec_decode_num_drafts"]})
+    lines += _counter("paged_hf_spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.",
+                      {(): stats["spec_decode_num_draft_tokens"]})
+    lines += _counter("paged_hf_spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
+                      {(): stats["spec_decode_num_accepted_tokens"]})
+    per_position = stats["spec_decode_num_accepted_tokens_per_pos"]
+    lines += _counter("paged_hf_spec_decode_num_accepted_tokens_per_pos_total", "Draft tokens accepted, per position.",
+                      {(("position", str(i)),): n for i, n in enumerate(per_position)})
     return lines

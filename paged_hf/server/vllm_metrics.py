@@ -18,6 +18,10 @@ VLLM_NAMES = {
     "paged_hf_inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
     "paged_hf_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "paged_hf_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "paged_hf_spec_decode_num_drafts_total": "vllm:spec_decode_num_drafts_total",
+    "paged_hf_spec_decode_num_draft_tokens_total": "vllm:spec_decode_num_draft_tokens_total",
+    "paged_hf_spec_decode_num_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens_total",
+    "paged_hf_spec_decode_num_accepted_tokens_per_pos_total": "vllm:spec_decode_num_accepted_tokens_per_pos_total",
 }
 _SUFFIXES = ("", "_bucket", "_sum", "_count")
 

@@ -1,0 +1,72 @@
+"""`SpeculativeConfig`: vLLM's `speculative_config` (method, num_speculative_tokens, prompt lookup bounds).
+
+Given as `PagedConfig.speculative` (a dict or a SpeculativeConfig) or `--speculative-config '{JSON}'` on the
+command line, with vLLM's field names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram",)
+#: measured on a 2-core CPU with the default model (docs/speculative_decoding.md): a step's cost stays
+#: near flat up to ~32 tokens, so drafts are spread over the running requests within this many tokens
+DEFAULT_MAX_VERIFY_TOKENS = 32
+
+
+@dataclass
+class SpeculativeConfig:
+    """`method`: "ngram" (prompt lookup: match the last prompt_lookup_min..max tokens against the prompt and
+    output so far, propose the k tokens that followed). `num_speculative_tokens`: k, drafts per request and
+    step at most. Policy (when speculation pays): a step verifies at most `max_verify_tokens` tokens of
+    decoding requests (their last token plus drafts), so with many running requests each gets fewer drafts,
+    and none once every request's own token fills it; `disable_by_batch_size` (vLLM's option): no drafts at
+    all while more requests than this are running."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {list(METHODS)}, got {self.method!r}")
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5  # vLLM's defaults
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_verify_tokens"):
+            _check_int(name, getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} is larger than "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size)
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, a dict or a JSON object text (the CLI's form) -> SpeculativeConfig."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a dict (JSON object), got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config field(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+def _check_int(name: str, value) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"speculative config {name} must be an int >= 1, got {value!r}")
