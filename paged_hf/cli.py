@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 
 from paged_hf.device_dtype import DTYPE_NAMES, checkpoint_dtype, resolve_device, resolve_dtype
 from paged_hf.sampling_params import SamplingParams
@@ -73,7 +73,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-lora", action="store_true", help="(vLLM's flag; adapters always work)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                            '"prompt_lookup_max": 4}\'')
+                            '"prompt_lookup_max": 4}\' (bench: only the paged_hf_spec system speculates)')
 
 
 def engine_config(args: argparse.Namespace) -> dict:
@@ -89,7 +89,7 @@ def engine_config(args: argparse.Namespace) -> dict:
     if args.no_prefix_caching:
         config["enable_prefix_caching"] = False
     if args.speculative_config is not None:
-        config["speculative"] = SpeculativeConfig.parse(args.speculative_config)
+        config["speculative"] = asdict(SpeculativeConfig.parse(args.speculative_config))  # checked, JSON-able
     adapters = list(args.adapter) + list(getattr(args, "lora_modules", []))
     if adapters:
         config["adapters"] = dict(_name_equals_path(item) for item in adapters)

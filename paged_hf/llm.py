@@ -20,8 +20,14 @@ from .sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", **config):
-        """`model`: an HF folder or hub id (None: the default model); `config`: PagedConfig fields."""
+        """`model`: an HF folder or hub id (None: the default model); `config`: PagedConfig fields (vLLM's
+        `speculative_config` is accepted as `speculative`)."""
         from .default_model import load_model  # noqa: PLC0415
+
+        if "speculative_config" in config:
+            if "speculative" in config:
+                raise ValueError("give speculative or speculative_config, not both")
+            config["speculative"] = config.pop("speculative_config")
 
         device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, device, lambda: checkpoint_dtype(model))

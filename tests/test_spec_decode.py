@@ -254,3 +254,26 @@ def test_server_metrics_carry_the_spec_decode_counters():
     first = stats["spec_decode_num_accepted_tokens_per_pos"][0]
     assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} {first}' in text
     assert "spec_decode" not in ServerMetrics().render(paged_hf.wrap(model, num_blocks=8).generator.stats(), 0)
+
+
+def test_grounded_bench_runs_the_same_engine_with_and_without_speculation():
+    from conftest import real_tokenizer, tiny_model_for
+
+    from paged_hf.bench import parse_systems, sized_engine_config
+    from paged_hf.bench.report import build_report, format_table
+    from paged_hf.bench.systems import run_system
+    from paged_hf.bench.workloads import build_workload
+
+    tokenizer = real_tokenizer()
+    workload = build_workload("grounded", tokenizer, num_requests=3, max_new_tokens_scale=0.1)
+    assert all(len(r.prompt_token_ids) > 100 for r in workload.requests)
+    assert parse_systems(None, "grounded") == ["paged_hf", "paged_hf_spec"]
+    model = tiny_model_for(tokenizer)
+    engine = sized_engine_config({}, workload)
+    runs = {name: run_system(name, model, tokenizer, workload, engine) for name in ("paged_hf", "paged_hf_spec")}
+    assert runs["paged_hf"].extra["engine_config"]["speculative"] is None
+    assert runs["paged_hf_spec"].extra["spec_decode"]["spec_decode_num_drafts"] >= 0
+    report = build_report(workload, runs, None, {})
+    assert report["reference_system"] == "paged_hf"
+    assert report["systems"]["paged_hf_spec"]["outputs_vs_reference"]["identical"] == 3
+    assert "speculation:" in format_table(report)

@@ -77,6 +77,8 @@ def build_report(workload: Workload, runs: dict[str, SystemRun], machine_limit: 
     """The whole benchmark as one JSON-able dict: per-system metrics, ratios, parity, prefix cache, machine."""
     systems = {name: system_metrics(run, workload) for name, run in runs.items()}
     reference = pick_reference(runs)
+    if reference is None and "paged_hf_spec" in runs and runs.get("paged_hf") and runs["paged_hf"].outputs:
+        reference = "paged_hf"  # speculation must not change a single token
     for name, run in runs.items():
         if reference is not None and run.outputs is not None:
             systems[name]["outputs_vs_reference"] = compare_outputs(run, runs[reference], workload)
@@ -167,6 +169,9 @@ def _footer_lines(report: dict) -> list[str]:
     kv = kv_cache_line(report)
     if kv:
         lines.append(kv)
+    spec = spec_decode_line(report)
+    if spec:
+        lines.append(spec)
     prefix = report.get("prefix_cache")
     if prefix:
         line = (f"prefix cache: {prefix['hit_rate']:.0%} of prompt tokens hit; TTFT p50 "
@@ -198,6 +203,20 @@ def kv_cache_line(report: dict) -> str | None:
     return "KV cache: " + "; ".join(
         f"{n} {e.get('kv_cache_dtype', 'auto')} {e.get('num_blocks', '-')} blocks, at most {e.get('max_num_running', '-')}"
         f" running, {e.get('num_preemptions', '-')} preemptions" for n, e in systems.items() if "num_blocks" in e)
+
+
+def spec_decode_line(report: dict) -> str | None:
+    """paged_hf_spec's acceptance and its speed against paged_hf, when it ran."""
+    spec = report["systems"].get("paged_hf_spec", {})
+    counters = (spec.get("extra") or {}).get("spec_decode")
+    if not counters:
+        return None
+    line = (f"speculation: {counters['spec_decode_num_accepted_tokens']}/{counters['spec_decode_num_draft_tokens']}"
+            f" draft tokens accepted ({counters['spec_decode_acceptance_rate']:.0%}), per position "
+            f"{counters['spec_decode_num_accepted_tokens_per_pos']} of {counters['spec_decode_num_drafts']} drafts")
+    if spec.get("paged_hf_speedup"):
+        line += f"; paged_hf_spec / paged_hf = {1 / spec['paged_hf_speedup']:.2f}x tok/s"
+    return line
 
 
 def write_json(report: dict, out_dir: str) -> str:

@@ -24,8 +24,8 @@ from .workloads import Workload
 
 #: paged_hf with a quantized KV cache (PagedConfig.kv_cache_dtype): `paged_hf_kv_<dtype>`
 KV_SYSTEMS = {"paged_hf_kv_int8": "int8", "paged_hf_kv_fp8_e4m3": "fp8_e4m3", "paged_hf_kv_fp8_e5m2": "fp8_e5m2"}
-SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", *KV_SYSTEMS, "vllm", "hf_static_8",
-                "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
+SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS, "vllm",
+                "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
 #: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
 DEFAULT_SYSTEMS = {
     "mixed": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
@@ -34,7 +34,11 @@ DEFAULT_SYSTEMS = {
     "lora": ("paged_hf", "hf_static_8"),
     "structured": ("paged_hf", "paged_hf_noschema"),  # JSON schemas enforced, and the same batch without
     "beam": ("paged_hf", "hf_static_8", "hf_single"),  # HF generate(num_beams=k), 8 prompts a batch or one
+    "grounded": ("paged_hf", "paged_hf_spec"),  # the same engine without and with speculative decoding
 }
+#: paged_hf_spec's speculative config unless --speculative-config gives one (the other paged_hf systems never
+#: speculate, so one invocation compares the same engine with and without)
+DEFAULT_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 #: transformers' continuous batching: `hf_cb` as tuned in MEASUREMENTS.md, `hf_cb_default` with transformers'
 #: own defaults (the configuration of issue 5's 20.9 tok/s; on CPU it is slower and uses 6-12 GB).
 HF_CB_CONFIGS = {"hf_cb": {"max_batch_tokens": 512, "max_requests_per_batch": 8, "num_blocks": 128},
@@ -73,7 +77,7 @@ def warmup_ids(tokenizer) -> list[int]:
 def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enable_prefix_caching=True,
                  enforce_schemas=True, name: str | None = None) -> SystemRun:
     """paged_hf through its public API: wrap() once, then one generator.generate() call for the whole workload.
-    `name` one of KV_SYSTEMS: with that kv_cache_dtype."""
+    `name` one of KV_SYSTEMS: with that kv_cache_dtype; "paged_hf_spec": with speculative decoding."""
     import paged_hf  # noqa: PLC0415
     from paged_hf import SamplingParams  # noqa: PLC0415
 
@@ -83,6 +87,8 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
         "enable_prefix_caching", True))
     if name in KV_SYSTEMS:
         config["kv_cache_dtype"] = KV_SYSTEMS[name]
+    speculate = name == "paged_hf_spec"
+    config["speculative"] = (engine_config.get("speculative") or DEFAULT_SPECULATIVE) if speculate else None
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     generator.generate([warmup_ids(tokenizer)], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True),
                        use_tqdm=False)
@@ -104,11 +110,25 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
         ttft.append(m.first_token_time - m.arrival_time)
         tpot.append(time_per_output_token(m.first_token_time, m.finish_time, n))
     extra = {key: after[key] - before[key] for key in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")}
+    if speculate:
+        extra["spec_decode"] = spec_decode_delta(before, after)
     extra["num_blocks"] = after["num_blocks"]
     extra["max_num_running"] = after.get("max_num_running")
     extra["kv_cache_dtype"] = config.get("kv_cache_dtype", "auto")
     extra["engine_config"] = config
     return SystemRun(name, wall, [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot, extra=extra)
+
+
+def spec_decode_delta(before: dict, after: dict) -> dict:
+    """The speculation counters of the timed run alone (the warm-up's taken out)."""
+    delta = {key: after[key] - before[key] for key in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                                       "spec_decode_num_accepted_tokens")}
+    delta["spec_decode_num_accepted_tokens_per_pos"] = [
+        a - b for a, b in zip(after["spec_decode_num_accepted_tokens_per_pos"],
+                              before["spec_decode_num_accepted_tokens_per_pos"])]
+    drafted = delta["spec_decode_num_draft_tokens"]
+    delta["spec_decode_acceptance_rate"] = delta["spec_decode_num_accepted_tokens"] / drafted if drafted else 0.0
+    return delta
 
 
 def _run_paged_beams(generator, workload: Workload, name: str, config: dict) -> SystemRun:
@@ -276,7 +296,7 @@ def run_system(system: str, model, tokenizer, workload: Workload, engine_config:
     reason = skip_reason(system, workload, engine_config)
     if reason:
         return SystemRun(system, skipped=reason)
-    if system in ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", *KV_SYSTEMS):
+    if system in ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS):
         return run_paged_hf(model, tokenizer, workload, engine_config,
                             enable_prefix_caching=system != "paged_hf_noprefix",
                             enforce_schemas=system != "paged_hf_noschema", name=system)

@@ -47,7 +47,15 @@ QUESTION_TEMPLATES = (
 #: Adapter names of the lora workload (None = the base model). LoRA adapters are loaded by name into the engine.
 LORA_ADAPTERS = ("lora_a", "lora_b", "lora_c", "lora_d")
 
-WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora", "structured", "beam")
+WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora", "structured", "beam", "grounded")
+
+#: grounded requests: the answer restates, extracts from or edits the passage (what prompt lookup serves)
+GROUNDED_INSTRUCTIONS = (
+    "Repeat the following text exactly, word for word.",
+    "Copy the following documentation, keeping every sentence as it is.",
+    "Rewrite the following text with each sentence on its own line.",
+    "Fix any typos in the following text and return the whole text.",
+)
 
 
 @dataclass(frozen=True)
@@ -242,11 +250,27 @@ def build_beam(tokenizer, seed: int = 0, num_requests: int = 16, num_beams: int 
                    f"beam search of width {num_beams}, EOS ignored")
 
 
+def build_grounded(tokenizer, seed: int = 0, num_requests: int = 64, prompt_range=(120, 400), new_range=(64, 160),
+                   corpus: list[int] | None = None) -> Workload:
+    """Chat requests whose answer restates, extracts from or edits their passage: speculative decoding by
+    prompt lookup (paged_hf_spec against paged_hf) is for these."""
+    rng = random.Random(seed)
+    corpus = corpus if corpus is not None else corpus_token_ids(tokenizer)
+    requests = []
+    for _ in range(num_requests):
+        instruction = rng.choice(GROUNDED_INSTRUCTIONS)
+        text = passage(tokenizer, corpus, rng.randint(*prompt_range), rng)
+        requests.append(BenchRequest(chat_prompt(tokenizer, f"{instruction}\n\n{text}"), rng.randint(*new_range)))
+    return Workload("grounded", f"{num_requests} chat requests that restate, copy or edit a ~{prompt_range[0]}-"
+                    f"{prompt_range[1]}-token passage, {new_range[0]}-{new_range[1]} new tokens, greedy, EOS ignored",
+                    seed, requests)
+
+
 def build_workload(name: str, tokenizer, seed: int = 0, num_requests: int | None = None,
                    max_new_tokens_scale: float | None = None) -> Workload:
     """The named workload, scaled down to its first ``num_requests`` requests if given."""
     builders = {"mixed": build_mixed, "prefix": build_prefix, "decode": build_decode, "lora": build_lora,
-                "structured": build_structured, "beam": build_beam}
+                "structured": build_structured, "beam": build_beam, "grounded": build_grounded}
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}")
     if num_requests is not None and num_requests < 1:
