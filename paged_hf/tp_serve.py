@@ -36,9 +36,12 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
     _init_process_group(args.device)
     group = control_group()
     from .cli import build_app, load_engine, make_server  # noqa: PLC0415
+    from .server.engine_loop import reserve_torch_threads  # noqa: PLC0415
 
-    model, tokenizer, generator = load_engine(args, tp_plan="auto")
     rank = dist.get_rank()
+    # rank 0 steps on its engine thread (as `paged-hf serve`), the other ranks on their main thread
+    engine_threads = reserve_torch_threads() if rank == 0 else None
+    model, tokenizer, generator = load_engine(args, tp_plan="auto")
     if rank != 0:
         try:
             follow(generator, group)
@@ -48,7 +51,7 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
         return 0
     lockstep = LockstepGenerator(generator, group)
-    server = make_server(args, build_app(args, model, tokenizer, lockstep))
+    server = make_server(args, build_app(args, model, tokenizer, lockstep, engine_threads))
     lockstep._on_failure = lambda exc: _end_server(server, exc)
     print(f"paged-hf serve: tensor parallel over {world_size} ranks ({dist.get_backend()})", file=sys.stderr)
     server.run()

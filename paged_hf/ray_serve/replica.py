@@ -18,11 +18,13 @@ from .asgi import HttpCall, call_asgi
 class EngineReplica:
     def __init__(self, serve_args: dict):
         from paged_hf.cli import build_app, load_engine  # noqa: PLC0415
+        from paged_hf.server.engine_loop import reserve_torch_threads  # noqa: PLC0415
 
         args = argparse.Namespace(**serve_args)
+        engine_threads = reserve_torch_threads()  # the engine thread computes, as in `paged-hf serve`
         model, tokenizer, generator = load_engine(args)
         self.generator = generator
-        self.app = build_app(args, model, tokenizer, generator)
+        self.app = build_app(args, model, tokenizer, generator, engine_threads)
         self.engine = self.app.state.ctx.engine
         self.engine.start()  # what the app's lifespan does behind uvicorn
         self.name = serve.get_replica_context().replica_id.unique_id
