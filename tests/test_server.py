@@ -271,9 +271,14 @@ def test_client_disconnect_while_waiting_non_streamed_aborts(server):
     """A non-streamed request whose client gives up is noticed by the disconnect poll and aborted too."""
     before = metrics(server).get('paged_hf_sequences_finished_total{finish_reason="abort"}', 0)
     body = {"model": MODEL, "prompt": "the long way", "max_tokens": 450, "n": 4, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
-        post(server, "/v1/completions", body, timeout=httpx.Timeout(30, read=0.2))
-    m = wait_until_idle(server)
+    # at least 5 ms a step: the 450 steps cannot end before the client's 0.2 s (the tiny model alone can)
+    handle = server[3].register_forward_pre_hook(lambda module, args: time.sleep(0.005))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, "/v1/completions", body, timeout=httpx.Timeout(30, read=0.2))
+        m = wait_until_idle(server)
+    finally:
+        handle.remove()
     assert m['paged_hf_sequences_finished_total{finish_reason="abort"}'] == before + 4
 
 
