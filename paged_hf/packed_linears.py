@@ -37,14 +37,15 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, base: torch.nn.Linear):
         super().__init__()
         self.base = base
-        self._packed_from: tuple[torch.Tensor, int] | None = None
+        self._packed_from: tuple[torch.Tensor, int | None] | None = None
         self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.base.weight
-        if self._packed_from is None or self._packed_from[0] is not weight or self._packed_from[1] != weight._version:
+        source = (weight, _version(weight))
+        if self._packed_from is None or self._packed_from[0] is not weight or self._packed_from[1] != source[1]:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
-            self._packed_from = (weight, weight._version)
+            self._packed_from = source
         if x.dtype != weight.dtype:  # what F.linear would refuse, refused the same way
             return torch.nn.functional.linear(x, weight, self.base.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.base.bias, "none", [], "")
@@ -70,6 +71,12 @@ class PackedLinears:
     def __exit__(self, *exc) -> None:
         for parent, name, original, _ in self.sites:
             parent._modules[name] = original
+
+
+def _version(weight: torch.Tensor) -> int | None:
+    """The weight's in-place version counter; None for an inference tensor (a model created under
+    `torch.inference_mode()`), which has none: only replacing such a weight is noticed."""
+    return None if weight.is_inference() else weight._version
 
 
 def _packable(module: torch.nn.Module | None, dtypes: tuple[torch.dtype, ...]) -> bool:

@@ -77,3 +77,14 @@ def test_engine_with_packed_linears_gives_the_unpacked_engines_tokens():
             assert a.keys() == b.keys()
             for token in a:
                 assert abs(a[token] - b[token]) < 1e-4
+
+
+def test_a_model_created_under_inference_mode_is_served():
+    """Its weights are inference tensors, which have no version counter to watch (this raised before)."""
+    with torch.inference_mode():
+        model = tiny_model("llama", dtype=torch.float32)
+    prompts = random_prompts([6, 19])
+    params = SamplingParams(max_new_tokens=5, temperature=0)
+    runs = [[o.outputs[0].token_ids for o in paged_hf.wrap(model, num_blocks=16, pack_linear_weights=pack)
+             .generator.generate(prompts, params, use_tqdm=False)] for pack in (True, False)]
+    assert runs[0] == runs[1]

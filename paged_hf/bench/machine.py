@@ -92,15 +92,18 @@ def matmul_flops(m: int, k: int, n: int, device="cpu", min_seconds: float = 0.5,
     on AMD CPUs MKL's float32 GEMM runs AVX2 kernels at under half of it)."""
     import torch  # noqa: PLC0415
 
-    from ..packed_linears import packable_dtypes  # noqa: PLC0415
+    from ..packed_linears import PackedLinear, packable_dtypes  # noqa: PLC0415
 
     a = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
     b = torch.randn(k, n, device=device, dtype=a.dtype)
     out = torch.empty(m, n, device=device, dtype=a.dtype)
     ops = [lambda: torch.mm(a, b, out=out)]
     if a.device.type == "cpu" and a.dtype in packable_dtypes():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), m)
-        ops.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=a.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(b.t())
+        packed = PackedLinear(linear)  # the engine's own packed layer
+        ops.append(lambda: packed(a))
     rates = []
     for op in ops:
         elapsed, iterations = _time_op(op, device, min_seconds)
