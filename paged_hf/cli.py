@@ -73,7 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-lora", action="store_true", help="(vLLM's flag; adapters always work)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                            '"prompt_lookup_max": 4}\' (bench: only the paged_hf_spec system speculates)')
+                            '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "PATH", '
+                            '"num_speculative_tokens": 4}\' (bench: only the paged_hf_spec system speculates)')
 
 
 def engine_config(args: argparse.Namespace) -> dict:

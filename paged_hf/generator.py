@@ -29,7 +29,7 @@ from .request_group import RequestGroup
 from .sampler import Sampler, SamplingRow, make_generator
 from .sampling_params import SamplingParams, check_stop_limits
 from .scheduler import Scheduler
-from .spec_decode import Speculator
+from .spec_decode import Speculator, make_proposer
 from .stopping import StopChecker
 from .structured_output import GrammarCompiler, grammar_compiler
 from .token_stream import TokenStream
@@ -56,7 +56,8 @@ class ContinuousBatchGenerator:
         self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len)
         self.grammar_compiler: GrammarCompiler | None = None  # made with the first structured-output request
         speculative = self.config.speculative
-        self.speculator = None if speculative is None else Speculator(speculative, self.kv_cache_manager)
+        self.speculator = None if speculative is None else Speculator(
+            speculative, self.kv_cache_manager, make_proposer(speculative, self.config, self.info, num_blocks))
         self.groups: dict[str, RequestGroup] = {}  # unfinished requests by id
         # Outputs step() owes: requests of add_request that changed while generate()/stream() stepped the
         # engine, and aborts. Requests of generate()/stream() (claimed) are reported by those calls only.
@@ -97,6 +98,9 @@ class ContinuousBatchGenerator:
         self._check_fits(prompt_ids, params)
         self._check_vocab(params)
         lora = self._adapter(adapter)
+        if lora is not None and self.speculator is not None and not self.speculator.proposer.serves_adapters:
+            raise ValueError(f"adapter {adapter!r}: this engine speculates with a draft model, which serves "
+                             f"base-model requests only (the ngram method serves any adapter)")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")

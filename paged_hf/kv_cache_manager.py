@@ -53,6 +53,9 @@ class KVCacheManager:
         self.enable_caching = block_pool.enable_caching
         self._block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write pairs of this step
         self.num_block_copies = 0  # copy-on-write copies made so far (a counter for tests and stats)
+        # called with each request whose blocks go back (finished, aborted, preempted): state kept beside a
+        # request's blocks (a draft model's own cache) goes with them
+        self.free_listeners: list = []
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -190,3 +193,5 @@ class KVCacheManager:
         self.block_pool.free([blocks[i] for i in reversed(request.block_ids)])
         request.block_ids = []
         request.num_cached_blocks = 0
+        for listener in self.free_listeners:
+            listener(request)

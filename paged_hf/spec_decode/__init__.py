@@ -3,6 +3,7 @@
 from .config import SpeculativeConfig
 from .metrics import SpecDecodeStats
 from .ngram import NgramProposer
-from .speculator import Speculator
+from .proposer import Proposer
+from .speculator import Speculator, make_proposer
 
-__all__ = ["NgramProposer", "SpecDecodeStats", "SpeculativeConfig", "Speculator"]
+__all__ = ["NgramProposer", "Proposer", "SpecDecodeStats", "SpeculativeConfig", "Speculator", "make_proposer"]

@@ -10,11 +10,16 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from .proposer import Proposer
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+
+    def propose_batch(self, requests: list, num_drafts: list[int]) -> list[list[int]]:
+        return [self.propose(request.all_token_ids, k) for request, k in zip(requests, num_drafts)]
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k draft tokens to follow `token_ids` (fewer, or none, when nothing matches)."""

@@ -27,13 +27,24 @@ from ..kv_cache_manager import request_cache_key
 from .config import SpeculativeConfig
 from .metrics import SpecDecodeStats
 from .ngram import NgramProposer
+from .proposer import Proposer
+
+
+def make_proposer(config: SpeculativeConfig, paged_config, target_info, num_blocks: int) -> Proposer:
+    """The proposer of `config.method` (the draft model is loaded and given its own paged cache here)."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    from .draft_model import DraftModelProposer  # noqa: PLC0415 - imports the engine's runner
+
+    return DraftModelProposer(config.model, paged_config, target_info, num_blocks, config.num_speculative_tokens)
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, kv_cache_manager):
+    def __init__(self, config: SpeculativeConfig, kv_cache_manager, proposer: Proposer | None = None):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        kv_cache_manager.free_listeners.append(self.proposer.free)  # its per-request state goes with the blocks
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
 
     # --- before the step ------------------------------------------------------------------------------
@@ -46,10 +57,10 @@ class Speculator:
         k = self.num_drafts_per_request(running, len(decoding), max_num_batched_tokens)
         if k == 0:
             return
-        for request in decoding:
-            params = request.sampling_params
-            room = params.max_new_tokens - len(request.output_token_ids) - 1  # the step emits one more token
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, min(k, room))
+        # the step emits one more token than it accepts drafts
+        num_drafts = [min(k, r.sampling_params.max_new_tokens - len(r.output_token_ids) - 1) for r in decoding]
+        for request, drafts in zip(decoding, self.proposer.propose_batch(decoding, num_drafts)):
+            request.spec_token_ids = drafts
 
     def num_drafts_per_request(self, running: list, num_decoding: int, max_num_batched_tokens: int) -> int:
         """The policy: drafts fill what is left of `max_verify_tokens` once every running request has its
@@ -106,6 +117,7 @@ class Speculator:
         request.spec_token_ids = []
         self.kv_cache_manager.trim(request)
         self.kv_cache_manager.cache_full_blocks(request, request_cache_key(request))
+        self.proposer.commit(request)
 
 
 def _draws_seeded(request) -> bool:
