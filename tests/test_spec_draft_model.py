@@ -290,3 +290,39 @@ def test_cli_and_bench_take_a_draft_model_path(tmp_path):
     assert run.error is None, run.error
     counters = run.extra["spec_decode"]
     assert counters["spec_decode_num_drafts"] > 0 and counters["spec_decode_acceptance_rate"] == 1.0, counters
+
+
+def test_make_draft_model_example_cuts_the_first_layers():
+    """examples/make_draft_model.py: the first N layers of a model, the same weights, served as a draft."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "make_draft_model.py"
+    module_spec = importlib.util.spec_from_file_location("make_draft_model", path)
+    example = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(example)
+    model = tiny_model("llama")
+    draft = example.first_layers(model, 1)
+    assert draft.config.num_hidden_layers == 1 and len(draft.model.layers) == 1
+    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="--layers"):
+        example.first_layers(model, 3)
+    prompts = random_prompts([15, 22], seed=6)
+    outputs, stats, _ = run(model, prompts, greedy(12), spec(draft), num_blocks=64)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 12) for p in prompts]
+    assert stats["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.slow
+def test_real_model_float32_as_its_own_draft(loaded):
+    """The default model in float32, its own draft: HF's tokens, and (nearly) every draft accepted."""
+    model, tokenizer = loaded
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+    generator = paged_hf.wrap(model, tokenizer, speculative=spec(model), num_blocks=64).generator
+    output = generator.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0), use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == expected
+    stats = generator.stats()
+    assert stats["spec_decode_acceptance_rate"] >= 0.9, stats
+    assert_draft_pool_free(generator)
