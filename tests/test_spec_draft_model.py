@@ -326,3 +326,27 @@ def test_real_model_float32_as_its_own_draft(loaded):
     stats = generator.stats()
     assert stats["spec_decode_acceptance_rate"] >= 0.9, stats
     assert_draft_pool_free(generator)
+
+
+def test_serve_takes_a_draft_model_folder(tmp_path, monkeypatch, capsys):
+    """`paged-hf serve --speculative-config '{"method": "draft_model", "model": PATH}'`; a draft of another
+    vocabulary stops the start with its error."""
+    pytest.importorskip("uvicorn")
+    from paged_hf import cli, default_model
+    from paged_hf.server.lifecycle import DrainingServer
+    from paged_hf.spec_decode.draft_model import DraftModelProposer
+    from test_server import tiny_tokenizer
+
+    monkeypatch.setattr(default_model, "load_model",
+                        lambda name, dtype, device: (tiny_model("llama", dtype=torch.float32), tiny_tokenizer()))
+    result = {}
+    monkeypatch.setattr(DrainingServer, "run", lambda self: result.update(app=self.config.app))
+    small_draft().to(torch.float32).save_pretrained(tmp_path / "draft")
+    small_draft(vocab_size=64).save_pretrained(tmp_path / "other")
+    flag = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}'
+    assert cli.main(["serve", "--num-blocks", "8", "--speculative-config", flag % (tmp_path / "draft")]) == 0
+    generator = result["app"].state.ctx.engine.generator
+    assert isinstance(generator.speculator.proposer, DraftModelProposer)
+    assert generator.speculator.proposer.info.dtype == torch.float32  # loaded in the model's dtype
+    assert cli.main(["serve", "--num-blocks", "8", "--speculative-config", flag % (tmp_path / "other")]) != 0
+    assert "vocabulary (64 tokens) differs" in capsys.readouterr().err
