@@ -94,21 +94,27 @@ def test_greedy_parity_under_chunked_prefill_preemption_and_prefix_hits():
     expected = [hf_greedy(model, p, 24) for p in prompts]
     generator = paged_hf.wrap(model, speculative=SPEC, num_blocks=40, block_size=4, max_num_batched_tokens=16,
                               max_num_seqs=4).generator
+    assert step_to_completion(generator, prompts, greedy(24), _check_only_verified_blocks_hashed) == expected
+    stats = generator.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"], stats  # rollbacks
+    assert_no_leak(generator)
+
+
+def step_to_completion(generator, prompts, params, check) -> list[list[int]]:
+    """Run the prompts through step(), calling check(generator, request) on every running request after
+    each step -> each prompt's tokens."""
     for prompt in prompts:
-        generator.add_request(prompt, greedy(24))
+        generator.add_request(prompt, params)
     finished = {}
     while generator.has_unfinished_requests():
         for output in generator.step():
             if output.finished:
                 finished[int(output.request_id)] = output.outputs[0].token_ids
         for request in generator.scheduler.running:
-            _check_only_verified_blocks_hashed(generator, request)
-    assert [finished[i] for i in range(len(prompts))] == expected
-    stats = generator.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
-    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
-    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"], stats  # rollbacks
-    assert_no_leak(generator)
+            check(generator, request)
+    return [finished[i] for i in range(len(prompts))]
 
 
 def _check_only_verified_blocks_hashed(generator, request):
@@ -154,19 +160,22 @@ def test_seeded_sampling_gives_the_tokens_and_logprobs_of_the_plain_engine():
     assert stats["spec_decode_num_accepted_tokens"] > 0, stats
 
 
-def test_sampled_distribution_matches_the_model():
-    """Unseeded samples of (token 1, token 2) with speculation against their exact probabilities: a
-    chi-square test on a vocabulary of 6, where prompt lookup proposes (and gets rejected) constantly."""
+def six_token_model() -> torch.nn.Module:
     config = transformers.LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     torch.manual_seed(1)
     model = transformers.LlamaForCausalLM(config).to(torch.float64).eval()
     model.generation_config.eos_token_id = None
+    return model
+
+
+def two_token_chi_square(model, speculative: dict, num_samples: int = 3000, budget: int = 8192):
+    """-> (chi-square of `num_samples` unseeded (token 1, token 2) samples of one prompt, all in one batch,
+    against their exact probabilities; the engine's stats). 35 degrees of freedom."""
     prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3]
-    num_samples = 3000  # all at once: each child drafts its first token (from "2 3" -> 4)
     outputs, stats = run(model, [prompt], SamplingParams(max_new_tokens=2, temperature=1.0, n=num_samples, ignore_eos=True),
-                         speculative={**SPEC, "num_speculative_tokens": 1, "max_verify_tokens": 8192},
-                         max_num_seqs=num_samples, max_num_batched_tokens=8192, num_blocks=num_samples + 8)
+                         speculative={**speculative, "max_verify_tokens": budget},
+                         max_num_seqs=num_samples, max_num_batched_tokens=budget, num_blocks=num_samples + 8)
     counts = torch.zeros(6, 6, dtype=torch.float64)
     for completion in outputs[0].outputs:
         counts[tuple(completion.token_ids)] += 1
@@ -174,10 +183,16 @@ def test_sampled_distribution_matches_the_model():
         first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
         second = model(torch.tensor([prompt + [t] for t in range(6)])).logits[:, -1].softmax(-1)
     expected = (first[:, None] * second) * num_samples  # [6, 6]
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    # 35 degrees of freedom: the 0.999 quantile is ~66.6
-    assert chi2 < 66.6, (chi2, stats)
-    assert stats["spec_decode_num_draft_tokens"] == num_samples, stats
+    return float(((counts - expected) ** 2 / expected).sum()), stats
+
+
+def test_sampled_distribution_matches_the_model():
+    """Unseeded samples of (token 1, token 2) with speculation against their exact probabilities: a
+    chi-square test on a vocabulary of 6, where prompt lookup proposes (and gets rejected) constantly:
+    each child drafts its first token (from "2 3" -> 4)."""
+    chi2, stats = two_token_chi_square(six_token_model(), {**SPEC, "num_speculative_tokens": 1})
+    assert chi2 < 66.6, (chi2, stats)  # 35 degrees of freedom: the 0.999 quantile is ~66.6
+    assert stats["spec_decode_num_draft_tokens"] == 3000, stats
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
 
 

@@ -20,6 +20,7 @@ import paged_hf
 from paged_hf import PagedConfig, SamplingParams
 from paged_hf.kv_cache_manager import hash_block
 from paged_hf.request import RequestStatus
+from test_spec_decode import step_to_completion
 
 
 def small_draft(family: str = "llama", vocab_size: int = VOCAB, seed: int = 5) -> torch.nn.Module:
@@ -82,15 +83,7 @@ def test_greedy_parity_under_preemption_chunked_prefill_and_prefix_hits(draft):
     expected = [hf_greedy(model, p, 24) for p in prompts]
     generator = paged_hf.wrap(model, speculative=spec(model if draft == "itself" else small_draft()), num_blocks=40,
                               block_size=4, max_num_batched_tokens=16, max_num_seqs=4).generator
-    for prompt in prompts:
-        generator.add_request(prompt, greedy(24))
-    finished = {}
-    while generator.has_unfinished_requests():
-        for output in generator.step():
-            if output.finished:
-                finished[int(output.request_id)] = output.outputs[0].token_ids
-        _check_draft_state(generator)
-    assert [finished[i] for i in range(len(prompts))] == expected
+    assert step_to_completion(generator, prompts, greedy(24), _check_draft_state) == expected
     stats = generator.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
     assert stats["spec_decode_num_draft_tokens"] > 20, stats
@@ -101,13 +94,15 @@ def test_greedy_parity_under_preemption_chunked_prefill_and_prefix_hits(draft):
     assert_draft_pool_free(generator)
 
 
-def _check_draft_state(generator) -> None:
+def _check_draft_state(generator, running) -> None:
     """Shadows exist only for running requests, and every hashed block of a shadow holds verified tokens."""
     proposer = generator.speculator.proposer
     size = generator.config.block_size
     blocks = proposer.block_pool.blocks
     for request, sequence in proposer.sequences.items():
         assert request.status is RequestStatus.RUNNING, request.request_id
+        if request is not running:
+            continue
         shadow = sequence.request
         parent = None
         for i, block_id in enumerate(shadow.block_ids):
@@ -166,28 +161,13 @@ def test_seeded_sampling_gives_the_tokens_of_the_plain_engine():
 
 def test_sampled_distribution_matches_the_model():
     """Unseeded (token 1, token 2) samples against their exact probabilities (chi-square, vocabulary of 6),
-    proposed by another random model of that vocabulary: accepted sometimes, rejected often."""
-    config = transformers.LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config).to(torch.float64).eval()
-    model.generation_config.eos_token_id = None
-    prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3]
-    num_samples = 3000  # all at once, in one step: the draft catches up on 3000 x 10 tokens within the budget
-    outputs, stats, _ = run(model, [prompt], SamplingParams(max_new_tokens=2, temperature=1.0, n=num_samples,
-                                                            ignore_eos=True),
-                            spec(small_draft(vocab_size=6, seed=2), k=1, max_verify_tokens=32768),
-                            max_num_seqs=num_samples, max_num_batched_tokens=32768, num_blocks=num_samples + 8)
-    counts = torch.zeros(6, 6, dtype=torch.float64)
-    for completion in outputs[0].outputs:
-        counts[tuple(completion.token_ids)] += 1
-    with torch.no_grad():  # exact p(t1, t2) = p(t1) p(t2 | t1)
-        first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        second = model(torch.tensor([prompt + [t] for t in range(6)])).logits[:, -1].softmax(-1)
-    expected = (first[:, None] * second) * num_samples  # [6, 6]
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    proposed by another random model of that vocabulary: accepted sometimes, rejected often. The budget lets
+    the draft catch up on all 3000 x 10 tokens in one step, so every sample drafts."""
+    from test_spec_decode import six_token_model, two_token_chi_square
+
+    chi2, stats = two_token_chi_square(six_token_model(), spec(small_draft(vocab_size=6, seed=2), k=1), budget=32768)
     assert chi2 < 66.6, (chi2, stats)  # 35 degrees of freedom: the 0.999 quantile is ~66.6
-    assert stats["spec_decode_num_draft_tokens"] == num_samples, stats
+    assert stats["spec_decode_num_draft_tokens"] == 3000, stats
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
 
 
