@@ -18,6 +18,7 @@ import torch
 from .beam_group import BeamGroup, Lockstep
 from .kv_cache_manager import cdiv
 from .request import Request
+from .request_checks import per_prompt
 from .sampling_params import SamplingParams
 
 
@@ -146,11 +147,9 @@ def _check_beams_fit(generator, num_prompt_tokens: int, params: BeamSearchParams
 def beam_search(generator, prompts: Sequence, params, adapters=None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
     """Run beam searches to completion (batched with each other and with any other request in flight);
     outputs in prompt order. On any error the call's requests are aborted."""
-    from .generator import _per_prompt  # noqa: PLC0415
-
     prompts = list(prompts)
-    params_list = _per_prompt(params, len(prompts), "params")
-    adapter_names = _per_prompt(adapters, len(prompts), "adapters")
+    params_list = per_prompt(params, len(prompts), "params")
+    adapter_names = per_prompt(adapters, len(prompts), "adapters")
     groups = run_beam_searches(generator, prompts, params_list, adapter_names, use_tqdm)
     return [group.beam_output() for group in groups]
 

@@ -16,7 +16,7 @@ from transformers.utils import logging
 from . import beam_search as _beam_search
 from .block_pool import BlockPool
 from .config import PagedConfig
-from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_cache_manager import KVCacheManager
 from .cache_sizing import num_blocks_from_memory
 from .detokenizer import IncrementalDetokenizer
 from .distributed import broadcast_tokens
@@ -25,6 +25,7 @@ from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .prompt_logprobs import record_prompt_logprobs
 from .request import Request
+from .request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
 from .request_group import RequestGroup
 from .sampler import Sampler, SamplingRow, make_generator
 from .sampling_params import SamplingParams, check_stop_limits
@@ -96,7 +97,7 @@ class ContinuousBatchGenerator:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_fits(prompt_ids, params)
-        self._check_vocab(params)
+        check_token_ids(params, self.info.vocab_size)
         lora = self._adapter(adapter)
         if lora is not None and self.speculator is not None and not self.speculator.proposer.serves_adapters:
             raise ValueError(f"adapter {adapter!r}: this engine speculates with a draft model, which serves "
@@ -130,20 +131,10 @@ class ContinuousBatchGenerator:
         return group
 
     def _prompt_token_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to wrap() or give token ids")
-            prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("a prompt must be a string or a list of token ids")
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
-        return list(prompt)
+        return prompt_token_ids(prompt, self.tokenizer, self.info.vocab_size)
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        check_fits(prompt_ids, params, self.max_model_len, self.config.block_size, self.block_pool.num_blocks)
 
     def _compile_grammar(self, params: SamplingParams):
         """The request's compiled grammar (cached per spec), or None; ValueError for an invalid spec."""
@@ -154,23 +145,6 @@ class ContinuousBatchGenerator:
                 raise ValueError("structured outputs need a tokenizer: pass tokenizer= to wrap()")
             self.grammar_compiler = grammar_compiler(self.tokenizer, self.info.vocab_size, tuple(self.info.eos_token_ids))
         return self.grammar_compiler.compile(params.structured_outputs)
-
-    def _check_vocab(self, params: SamplingParams) -> None:
-        """logit_bias and allowed_token_ids name token ids: one outside the vocabulary is a mistake, not a no-op."""
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = [t for t in getattr(params, name) or () if t >= self.info.vocab_size]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
-
-    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                             f"is longer than max_model_len={self.max_model_len}")
-        needed = cdiv(total, self.config.block_size)
-        if needed > self.block_pool.num_blocks:
-            raise ValueError(f"a request of {total} tokens needs {needed} KV blocks but the whole cache has "
-                             f"{self.block_pool.num_blocks}; raise num_blocks/kv_cache_memory")
 
     # --- LoRA adapters --------------------------------------------------------------------------------
     def load_adapter(self, name: str, path) -> None:
@@ -367,9 +341,9 @@ class ContinuousBatchGenerator:
     def generate(self, prompts, sampling_params=None, adapters=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order. A single prompt (a string, a list of token ids)
         is one request. On any error the call's requests are aborted."""
-        prompts = _prompt_list(prompts)
-        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
-        adapter_names = _per_prompt(adapters, len(prompts), "adapters")
+        prompts = prompt_list(prompts)
+        params = per_prompt(sampling_params, len(prompts), "sampling_params")
+        adapter_names = per_prompt(adapters, len(prompts), "adapters")
         groups: list[RequestGroup] = []
         try:
             for prompt, p, adapter in zip(prompts, params, adapter_names):
@@ -428,23 +402,3 @@ def _split_peft_model(model: torch.nn.Module):
     if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
         return model, model.get_base_model()
     return None, model
-
-
-def _prompt_list(prompts) -> list:
-    """generate()'s prompts: one prompt (a string, a list of token ids, a 1-D tensor) or a sequence of them."""
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, torch.Tensor):
-        return [prompts] if prompts.dim() == 1 else list(prompts)
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]
-    return prompts
-
-
-def _per_prompt(value, count: int, name: str) -> list:
-    if isinstance(value, (list, tuple)):
-        if len(value) != count:
-            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
-        return list(value)
-    return [value] * count
