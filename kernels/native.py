@@ -1,4 +1,5 @@
-"""Builds `csrc/paged_decode.cpp` for this machine and loads it with ctypes.
+"""Builds the compiled kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`) for this machine and loads
+them with ctypes.
 
 Why at run time: the kernel is specialized to the model's head_dim and compiled with `-march=native`, so it
 cannot ship prebuilt. A build takes ~2 s with the system C++ compiler and is cached on disk, keyed by the
@@ -23,7 +24,10 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "paged_decode.cpp"
+PREFILL_SOURCE = CSRC / "paged_prefill.cpp"
+HEADERS = (CSRC / "vec_math.h",)  # included by both sources: part of every build's cache key
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 #: the cache dtypes the kernel reads, by entry-point suffix; bf16/fp16 are computed in float32
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -64,19 +68,7 @@ def _cache_dir() -> Path:
 @functools.lru_cache(maxsize=None)
 def load_paged_decode(head_dim: int) -> ctypes.CDLL:
     """The paged decode library for `head_dim`, built on first use. Raises NativeBuildError when it cannot be."""
-    compiler = _compiler()
-    flags = (*COMPILE_FLAGS, f"-DPAGED_HF_HEAD_DIM={head_dim}")
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, *flags, _cpu_signature(), platform.machine()]).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_d{head_dim}_{key}.so"
-    try:
-        if not target.exists():
-            _build(compiler, flags, target)
-            logger.info(f"paged_hf: built the native paged decode kernel for head_dim {head_dim} ({target})")
-        library = ctypes.CDLL(str(target))
-    except OSError as error:  # an unwritable cache, a compiler that cannot start, a library that cannot load
-        raise NativeBuildError(f"cannot build or load {target}: {error}") from error
+    library = _load(SOURCE, head_dim)
     for dtype_name in DTYPES.values():
         function = getattr(library, f"paged_decode_{dtype_name}")
         function.restype = ctypes.c_int
@@ -90,16 +82,53 @@ def load_paged_decode(head_dim: int) -> ctypes.CDLL:
     return library
 
 
-def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+@functools.lru_cache(maxsize=None)
+def load_paged_prefill(head_dim: int) -> ctypes.CDLL | None:
+    """The bf16 prefill attention library for `head_dim` (a multiple of 32), built on first use; None where the
+    CPU lacks AVX512-BF16 (the library then only says so). Raises NativeBuildError when it cannot be built."""
+    library = _load(PREFILL_SOURCE, head_dim)
+    if not library.paged_prefill_available():
+        return None
+    function = library.paged_prefill_bfloat16
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [
+        ctypes.c_int64] * 7 + [ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
+    return library
+
+
+def _load(source: Path, head_dim: int) -> ctypes.CDLL:
+    """`source` built for `head_dim` (cached by source, headers, compiler, flags and CPU) and loaded."""
+    compiler = _compiler()
+    flags = (*COMPILE_FLAGS, f"-DPAGED_HF_HEAD_DIM={head_dim}")
+    texts = [source.read_text(), *(header.read_text() for header in HEADERS)]
+    key = hashlib.sha256(
+        "\0".join([*texts, compiler, *flags, _cpu_signature(), platform.machine()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}_d{head_dim}_{key}.so"
+    try:
+        if not target.exists():
+            _build(compiler, flags, source, target)
+            logger.info(f"paged_hf: built the native kernel {source.name} for head_dim {head_dim} ({target})")
+        return ctypes.CDLL(str(target))
+    except OSError as error:  # an unwritable cache, a compiler that cannot start, a library that cannot load
+        raise NativeBuildError(f"cannot build or load {target}: {error}") from error
+
+
+def _build(compiler: str, flags: tuple[str, ...], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, rename into place: atomic
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True)
         if result.returncode != 0:
-            raise NativeBuildError(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr[-2000:]}")
+            raise NativeBuildError(f"{compiler} failed to build {source.name}:\n{result.stderr[-2000:]}")
         os.replace(built, target)
 
 
 def head_dim_fits(dtype: torch.dtype, head_dim: int) -> bool:
     """The kernel computes in 64-byte vectors of the compute dtype: head_dim must be a whole number of them."""
     return dtype in DTYPES and head_dim % (64 // COMPUTE_DTYPES[dtype].itemsize) == 0
+
+
+def prefill_head_dim_fits(head_dim: int) -> bool:
+    """The bf16 prefill kernel packs values 32 dimensions at a time."""
+    return head_dim % 32 == 0

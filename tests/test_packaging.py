@@ -76,7 +76,7 @@ def test_the_wheel_holds_every_package_and_nothing_at_the_top_level(installed):
     assert all(n.startswith(("paged_hf/", "paged_hf-")) for n in names), sorted({n.split("/")[0] for n in names})
     packaged = {n.rsplit("/", 1)[0].replace("/", ".") for n in names if n.endswith("/__init__.py")}
     assert set(source_packages()) <= packaged, sorted(set(source_packages()) - packaged)
-    sources = {f"paged_hf/kernels/csrc/{p.name}" for p in (ROOT / "kernels" / "csrc").glob("*.cpp")}
+    sources = {f"paged_hf/kernels/csrc/{p.name}" for p in (ROOT / "kernels" / "csrc").glob("*.[ch]*")}
     assert sources and sources <= set(names)
 
 

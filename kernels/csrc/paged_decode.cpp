@@ -23,11 +23,15 @@
 #include <cstring>
 #include <type_traits>
 
+#include "vec_math.h"
+
 #ifndef PAGED_HF_HEAD_DIM
 #error "compile with -DPAGED_HF_HEAD_DIM=<head_dim>"
 #endif
 
 namespace {
+
+using paged_hf::exp_nonpositive;
 
 constexpr int kMaxGroup = 8;  // query heads per KV head handled at once (their q lives in registers)
 
@@ -136,24 +140,6 @@ struct Batch {
 
 inline void prefetch(const void *data, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char *>(data) + offset);
-}
-
-// exp(x) for x <= 0 (scores minus their max), 16 lanes at once: Cephes' expf polynomial on the remainder of
-// x / ln 2, times 2^n built in the exponent bits. About 1 ulp; libm's expf is scalar and was ~40% of the work.
-inline Vec<float>::type exp_nonpositive(Vec<float>::type x) {
-  using V = Vec<float>::type;
-  typedef int32_t I __attribute__((vector_size(64)));
-  x = x < -87.0f ? V{} - 87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal float, and nothing a softmax sees
-  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
-  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;                 // x - n ln 2, in two parts
-  V y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const I two_to_n = (__builtin_convertvector(n, I) + 127) << 23;
-  return y * reinterpret_cast<const V &>(two_to_n);
 }
 
 // x[i] = exp(x[i] - shift) for i < n; returns their sum.

@@ -1,0 +1,324 @@
+// Prefill attention in bfloat16 (multi-token queries: prompt chunks, speculative decoding's drafts) read
+// straight from the paged KV cache, tiled like FlashAttention (online softmax over key blocks).
+//
+// Why: torch's CPU SDPA runs bf16 no faster than float32 (~90 GFLOP/s on 2 Zen 5 cores), while AVX512-BF16's
+// `vdpbf16ps` multiplies 32 bf16 pairs exactly and adds them into 16 float32 sums per instruction. Scores,
+// softmax and the output's sums are float32; only the softmax weights are rounded to bf16 before they weight
+// the values (as FlashAttention does), with the row sums taken before that rounding.
+//
+// The query rows are the vector lanes: a tile holds up to 48 rows (16 per vector) of one KV head, row r being
+// token r / G and query head r % G of that KV head's group of G. A key's bf16 pair (d, d+1) is broadcast from
+// the cache as one 32-bit value against the tile's queries packed as pairs, so no key is transposed or copied,
+// and every softmax step (max, exp, sums) runs across keys lane-wise: no horizontal sums. Values are packed per
+// block of 32 keys as (key 2i, key 2i+1) pairs of each dimension, the layout `vdpbf16ps` sums over.
+//
+// Built at run time by kernels/native.py for the model's head_dim (-DPAGED_HF_HEAD_DIM), with -march=native.
+// Without AVX512-BF16 only `paged_prefill_available` (returning 0) exists, and the caller keeps torch's SDPA.
+//
+// Layouts: q, out [tokens, num_heads, head_dim] with the given token and head strides (in elements, dimension
+// contiguous); k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] contiguous; per chunk c its
+// first row query_starts[c], query_lens[c] rows, context_lens[c] keys (the chunk's own included, already in the
+// cache) and block_tables[c, :]. Query i of a chunk sits at position context_len - query_len + i (causal);
+// window > 0 keeps the last `window` keys of each query; softcap > 0 maps a score s to softcap * tanh(s / softcap).
+#include <cstdint>
+
+#ifndef PAGED_HF_HEAD_DIM
+#error "compile with -DPAGED_HF_HEAD_DIM=<head_dim>"
+#endif
+
+#ifndef __AVX512BF16__
+extern "C" int paged_prefill_available() { return 0; }
+#else
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+using paged_hf::exp_nonpositive;
+
+constexpr int kDim = PAGED_HF_HEAD_DIM;
+constexpr int kPairs = kDim / 2;  // bf16 pairs per query/key row
+constexpr int kLanes = 16;        // float32 lanes: query rows per vector
+constexpr int kMaxVectors = 3;    // row vectors per tile: 48 rows
+constexpr int kKeyBlock = 32;     // keys per online-softmax step
+constexpr int kKeysAtOnce = 4;    // keys scored together (their broadcasts share the tile's query loads)
+constexpr int kDimsAtOnce = 8;    // output dimensions accumulated together
+constexpr float kMasked = -1e30f;  // a masked score: finite, so that max - max is never inf - inf
+static_assert(kDim % 32 == 0, "head_dim must be a multiple of 32");
+
+struct Chunks {
+  const uint16_t *q;
+  int64_t q_token_stride, q_head_stride;
+  const uint16_t *k_cache, *v_cache;
+  const int64_t *block_tables, *query_starts, *query_lens, *context_lens;
+  uint16_t *out;
+  int64_t out_token_stride, out_head_stride;
+  int64_t max_blocks, num_heads, num_kv_heads, block_size, window;
+  float scale, softcap;
+};
+
+struct Tile {
+  int64_t chunk, kv_head, first_token, tokens, cost;
+};
+
+// One thread's scratch, 64-byte aligned: the tile's packed queries, a key block's scores and bf16 weights, its
+// packed values, the running output (transposed: dimension-major, rows in lanes) and softmax state.
+struct alignas(64) Scratch {
+  __m512i queries[kPairs][kMaxVectors];
+  __m512 scores[kKeyBlock][kMaxVectors];
+  __m512i weights[kKeyBlock / 2][kMaxVectors];
+  uint32_t values[kKeyBlock / 2][kDim];
+  __m512 out[kDim][kMaxVectors];
+  __m512 max[kMaxVectors], sum[kMaxVectors], correction[kMaxVectors];
+  __m512i lo[kMaxVectors], hi[kMaxVectors];  // each row's allowed key positions [lo, hi]
+  __mmask16 allowed[kKeyBlock][kMaxVectors];
+  uint16_t zeros[kDim];  // stands in for the keys past a chunk's end
+};
+
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh &>(a), reinterpret_cast<__m512bh &>(b));
+}
+
+inline __m512i broadcast_pair(const uint16_t *pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, sizeof(bits));
+  return _mm512_set1_epi32(bits);
+}
+
+// The tile's query rows as pairs: queries[p][v] lane l = (q[d = 2p], q[2p + 1]) of row 16 v + l; zeros past
+// the last row (those lanes compute harmless finite garbage that is never written out).
+template <int R> void pack_queries(const Chunks &c, const Tile &t, Scratch &w) {
+  const int64_t group = c.num_heads / c.num_kv_heads, rows = t.tokens * group;
+  uint32_t *packed = reinterpret_cast<uint32_t *>(w.queries);
+  alignas(64) int32_t lo[R * kLanes], hi[R * kLanes];
+  const int64_t offset = c.context_lens[t.chunk] - c.query_lens[t.chunk];
+  for (int64_t r = 0; r < R * kLanes; ++r) {
+    const int64_t v = r / kLanes, lane = r % kLanes;
+    if (r >= rows) {
+      for (int p = 0; p < kPairs; ++p) packed[(p * kMaxVectors + v) * kLanes + lane] = 0;
+      lo[r] = 0, hi[r] = INT32_MAX;
+      continue;
+    }
+    const int64_t token = t.first_token + r / group, head = t.kv_head * group + r % group;
+    const uint16_t *row = c.q + (c.query_starts[t.chunk] + token) * c.q_token_stride + head * c.q_head_stride;
+    for (int p = 0; p < kPairs; ++p) std::memcpy(&packed[(p * kMaxVectors + v) * kLanes + lane], row + 2 * p, 4);
+    hi[r] = static_cast<int32_t>(offset + token);
+    lo[r] = c.window > 0 ? static_cast<int32_t>(std::max<int64_t>(0, offset + token - c.window + 1)) : 0;
+  }
+  for (int v = 0; v < R; ++v) {
+    w.lo[v] = _mm512_load_si512(lo + v * kLanes);
+    w.hi[v] = _mm512_load_si512(hi + v * kLanes);
+    w.max[v] = _mm512_set1_ps(kMasked);
+    w.sum[v] = _mm512_setzero_ps();
+  }
+  for (int d = 0; d < kDim; ++d)
+    for (int v = 0; v < R; ++v) w.out[d][v] = _mm512_setzero_ps();
+}
+
+// scores[i][v] = scale * q . k_i for the block's keys (rows in lanes), soft-capped when asked.
+template <int R> void score_block(const Chunks &c, const uint16_t *const *keys, Scratch &w) {
+  for (int i = 0; i < kKeyBlock; i += kKeysAtOnce) {
+    __m512 acc[kKeysAtOnce][R];
+    for (int j = 0; j < kKeysAtOnce; ++j)
+      for (int v = 0; v < R; ++v) acc[j][v] = _mm512_setzero_ps();
+    for (int p = 0; p < kPairs; ++p) {
+      __m512i q[R];
+      for (int v = 0; v < R; ++v) q[v] = w.queries[p][v];
+      for (int j = 0; j < kKeysAtOnce; ++j) {
+        const __m512i k = broadcast_pair(keys[i + j] + 2 * p);
+        for (int v = 0; v < R; ++v) acc[j][v] = dot_pairs(acc[j][v], q[v], k);
+      }
+    }
+    for (int j = 0; j < kKeysAtOnce; ++j)
+      for (int v = 0; v < R; ++v) {
+        __m512 s = acc[j][v] * c.scale;
+        if (c.softcap > 0) s = paged_hf::soft_cap(s, c.softcap);
+        w.scores[i + j][v] = s;
+      }
+  }
+}
+
+// Online softmax over the block's scores: masks (when the block is not allowed whole for every row), new
+// running max, the correction of what was accumulated, bf16 weights interleaved by key pairs, running sums.
+template <int R> void softmax_block(int64_t first_key, bool masked, Scratch &w) {
+  if (masked)
+    for (int i = 0; i < kKeyBlock; ++i) {
+      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(first_key + i));
+      for (int v = 0; v < R; ++v) {
+        const __mmask16 allowed = _mm512_cmple_epi32_mask(w.lo[v], key) & _mm512_cmple_epi32_mask(key, w.hi[v]);
+        w.allowed[i][v] = allowed;
+        w.scores[i][v] = _mm512_mask_blend_ps(allowed, _mm512_set1_ps(kMasked), w.scores[i][v]);
+      }
+    }
+  // (key 2i, key 2i + 1) of each row next to each other: lane l of the result holds both keys' weights of row l
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int v = 0; v < R; ++v) {
+    __m512 block_max = w.scores[0][v];
+    for (int i = 1; i < kKeyBlock; ++i) block_max = _mm512_max_ps(block_max, w.scores[i][v]);
+    const __m512 new_max = _mm512_max_ps(w.max[v], block_max);
+    w.correction[v] = exp_nonpositive(w.max[v] - new_max);
+    w.max[v] = new_max;
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < kKeyBlock; i += 2) {
+      __m512 even = exp_nonpositive(w.scores[i][v] - new_max), odd = exp_nonpositive(w.scores[i + 1][v] - new_max);
+      if (masked) {
+        even = _mm512_maskz_mov_ps(w.allowed[i][v], even);
+        odd = _mm512_maskz_mov_ps(w.allowed[i + 1][v], odd);
+      }
+      sum += even + odd;
+      const __m512bh both = _mm512_cvtne2ps_pbh(odd, even);  // lanes 0-15: even keys, 16-31: odd keys
+      w.weights[i / 2][v] = _mm512_permutexvar_epi16(interleave, reinterpret_cast<const __m512i &>(both));
+    }
+    w.sum[v] = w.sum[v] * w.correction[v] + sum;
+  }
+}
+
+// values[i][d] = (v[key 2i][d], v[key 2i + 1][d]).
+void pack_values(const uint16_t *const *values, Scratch &w) {
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int i = 0; i < kKeyBlock / 2; ++i)
+    for (int d = 0; d < kDim; d += 32) {
+      const __m512i even = _mm512_loadu_si512(values[2 * i] + d), odd = _mm512_loadu_si512(values[2 * i + 1] + d);
+      _mm512_store_si512(&w.values[i][d], _mm512_permutex2var_epi16(even, low, odd));
+      _mm512_store_si512(&w.values[i][d + 16], _mm512_permutex2var_epi16(even, high, odd));
+    }
+}
+
+// out[d][v] = out[d][v] * correction[v] + sum over the block's keys of weight * value[d].
+template <int R> void accumulate_block(int pairs, Scratch &w) {
+  for (int d0 = 0; d0 < kDim; d0 += kDimsAtOnce) {
+    __m512 acc[kDimsAtOnce][R];
+    for (int j = 0; j < kDimsAtOnce; ++j)
+      for (int v = 0; v < R; ++v) acc[j][v] = w.out[d0 + j][v] * w.correction[v];
+    for (int i = 0; i < pairs; ++i) {
+      __m512i weight[R];
+      for (int v = 0; v < R; ++v) weight[v] = w.weights[i][v];
+      for (int j = 0; j < kDimsAtOnce; ++j) {
+        const __m512i value = _mm512_set1_epi32(static_cast<int32_t>(w.values[i][d0 + j]));
+        for (int v = 0; v < R; ++v) acc[j][v] = dot_pairs(acc[j][v], weight[v], value);
+      }
+    }
+    for (int j = 0; j < kDimsAtOnce; ++j)
+      for (int v = 0; v < R; ++v) w.out[d0 + j][v] = acc[j][v];
+  }
+}
+
+// Each row's output divided by its softmax sum, rounded to bf16, written to its place in `out`.
+template <int R> void write_rows(const Chunks &c, const Tile &t, Scratch &w) {
+  const int64_t group = c.num_heads / c.num_kv_heads, rows = t.tokens * group;
+  alignas(64) float row[kDim];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t v = r / kLanes, lane = r % kLanes;
+    const float inverse = 1.0f / w.sum[v][lane];
+    for (int d = 0; d < kDim; ++d) row[d] = w.out[d][v][lane] * inverse;
+    const int64_t token = t.first_token + r / group, head = t.kv_head * group + r % group;
+    uint16_t *dst = c.out + (c.query_starts[t.chunk] + token) * c.out_token_stride + head * c.out_head_stride;
+    for (int d = 0; d < kDim; d += 16) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_load_ps(row + d));
+      std::memcpy(dst + d, &rounded, sizeof(rounded));
+    }
+  }
+}
+
+// One tile: its rows against the keys any of them may see, block by block.
+template <int R> void attend_tile(const Chunks &c, const Tile &t, Scratch &w) {
+  pack_queries<R>(c, t, w);
+  const int64_t group = c.num_heads / c.num_kv_heads, offset = c.context_lens[t.chunk] - c.query_lens[t.chunk];
+  const int64_t first = offset + t.first_token, last = first + t.tokens - 1;  // the tile's first and last positions
+  const int64_t begin = c.window > 0 ? std::max<int64_t>(0, first - c.window + 1) : 0, end = last + 1;
+  const int64_t lo_max = c.window > 0 ? std::max<int64_t>(0, last - c.window + 1) : 0;  // every row sees [lo_max, first]
+  const int64_t *table = c.block_tables + t.chunk * c.max_blocks;
+  const int64_t token_stride = c.num_kv_heads * kDim;
+  const uint16_t *keys[kKeyBlock], *values[kKeyBlock];
+  (void)group;
+  for (int64_t b0 = begin; b0 < end; b0 += kKeyBlock) {
+    const int64_t count = std::min<int64_t>(kKeyBlock, end - b0);
+    for (int i = 0; i < kKeyBlock; ++i) {
+      if (i < count) {
+        const int64_t pos = b0 + i;
+        const int64_t slot = table[pos / c.block_size] * c.block_size + pos % c.block_size;
+        keys[i] = c.k_cache + slot * token_stride + t.kv_head * kDim;
+        values[i] = c.v_cache + slot * token_stride + t.kv_head * kDim;
+      } else {
+        keys[i] = values[i] = w.zeros;
+      }
+    }
+    score_block<R>(c, keys, w);
+    softmax_block<R>(b0, b0 < lo_max || b0 + kKeyBlock - 1 > first, w);
+    pack_values(values, w);
+    accumulate_block<R>(static_cast<int>((count + 1) / 2), w);
+  }
+  write_rows<R>(c, t, w);
+}
+
+// The step's tiles: each chunk's tokens in runs of 48 / G (one KV head's rows of a tile), costliest first.
+std::vector<Tile> make_tiles(const Chunks &c, int64_t num_chunks) {
+  const int64_t group = c.num_heads / c.num_kv_heads;
+  const int64_t tokens_per_tile = std::max<int64_t>(1, kMaxVectors * kLanes / group);
+  std::vector<Tile> tiles;
+  for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+    const int64_t offset = c.context_lens[chunk] - c.query_lens[chunk];
+    for (int64_t first = 0; first < c.query_lens[chunk]; first += tokens_per_tile) {
+      const int64_t tokens = std::min(tokens_per_tile, c.query_lens[chunk] - first), end = offset + first + tokens;
+      const int64_t keys = c.window > 0 ? std::min(end, c.window + tokens) : end;
+      for (int64_t kv_head = 0; kv_head < c.num_kv_heads; ++kv_head)
+        tiles.push_back({chunk, kv_head, first, tokens, keys * (tokens * group + kLanes - 1) / kLanes});
+    }
+  }
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile &a, const Tile &b) { return a.cost > b.cost; });
+  return tiles;
+}
+
+}  // namespace
+
+extern "C" int paged_prefill_available() { return 1; }
+
+// Returns 0 on success, 1 when scratch memory could not be allocated, 2 when a KV head's query heads do not
+// fit in a tile (more than 48).
+extern "C" int paged_prefill_bfloat16(const uint16_t *q, int64_t q_token_stride, int64_t q_head_stride,
+                                      const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *block_tables,
+                                      const int64_t *query_starts, const int64_t *query_lens,
+                                      const int64_t *context_lens, uint16_t *out, int64_t out_token_stride,
+                                      int64_t out_head_stride, int64_t num_chunks, int64_t max_blocks,
+                                      int64_t num_heads, int64_t num_kv_heads, int64_t block_size, double scale,
+                                      int64_t window, double softcap, int num_threads) {
+  const Chunks c{q, q_token_stride, q_head_stride, k_cache, v_cache, block_tables, query_starts, query_lens,
+                 context_lens, out, out_token_stride, out_head_stride, max_blocks, num_heads, num_kv_heads,
+                 block_size, window, static_cast<float>(scale), static_cast<float>(softcap)};
+  if (num_heads / num_kv_heads > kMaxVectors * kLanes) return 2;
+  const std::vector<Tile> tiles = make_tiles(c, num_chunks);
+  const int64_t group = num_heads / num_kv_heads;
+  int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+  {
+    auto *w = static_cast<Scratch *>(std::aligned_alloc(alignof(Scratch), sizeof(Scratch)));
+    if (!w) {
+#pragma omp atomic write
+      failed = 1;
+    } else {
+      std::memset(w->zeros, 0, sizeof(w->zeros));
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()); ++i) {
+      if (!w) continue;
+      const Tile &t = tiles[i];
+      switch ((t.tokens * group + kLanes - 1) / kLanes) {
+        case 1: attend_tile<1>(c, t, *w); break;
+        case 2: attend_tile<2>(c, t, *w); break;
+        default: attend_tile<3>(c, t, *w); break;
+      }
+    }
+    std::free(w);
+  }
+  return failed;
+}
+#endif

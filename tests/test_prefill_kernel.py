@@ -1,0 +1,77 @@
+"""The compiled bf16 prefill kernel (kernels/csrc/paged_prefill.cpp) against dense float64 attention over the
+same bf16 K/V, the reference the torch kernel meets too (tests/test_kernels.py), on random paged batches that
+mix fresh prompts, chunks with a past and decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import check_against_dense
+
+from paged_hf.kernels import native
+from paged_hf.kernels.cpu_kernel import CpuKernel
+from paged_hf.kernels.torch_kernel import TorchKernel
+
+
+def has_prefill_kernel() -> bool:
+    return native.load_paged_prefill(64) is not None
+
+
+pytestmark = pytest.mark.skipif(not has_prefill_kernel(), reason="this CPU has no AVX512-BF16 (avx512_bf16): "
+                                "bf16 prefill chunks stay with torch's SDPA")
+
+
+@pytest.fixture
+def no_sdpa_prefills(monkeypatch):
+    """Any prefill chunk that reached torch's SDPA path fails the test: the compiled kernel must serve them all."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a prefill chunk went to the torch kernel")
+
+    monkeypatch.setattr(TorchKernel, "attend_prefills", refuse)
+
+
+def check(shapes, *, num_heads, num_kv_heads, head_dim, block_size=16, window=None, softcap=None, seed=0):
+    kernel = CpuKernel(torch.bfloat16, [head_dim])
+    assert kernel.serves_prefills
+    check_against_dense(kernel, shapes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        block_size=block_size, dtype=torch.bfloat16, window=window, softcap=softcap, seed=seed)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (16, 2, 64), (6, 2, 128)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 30.0), (20, 10.0)])
+def test_mixed_step_of_prompts_chunks_and_decodes(num_heads, num_kv_heads, head_dim, window, softcap,
+                                                  no_sdpa_prefills):
+    # (cached, new): fresh prompts longer and shorter than a tile, chunks with a past, a speculative-decoding-like
+    # short query on a long context, decodes; no context a multiple of the block size
+    shapes = [(0, 70), (100, 1), (0, 17), (45, 23), (61, 2), (0, 1), (130, 48), (5, 33), (250, 5), (3, 1)]
+    check(shapes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, window=window,
+          softcap=softcap)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, past", [(9, 3, 64, 0), (9, 3, 64, 29), (4, 4, 128, 0),
+                                                                     (4, 4, 128, 50)])
+def test_every_query_length_up_to_70(num_heads, num_kv_heads, head_dim, past, no_sdpa_prefills):
+    """Query lengths 2..70 in one step: every remainder of the tile (16 tokens at 3 heads per KV head, 48 at 1)."""
+    shapes = [(past + length % 7, length) for length in range(2, 71)]
+    check(shapes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=5, seed=past)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_prompt_with_window_shorter_than_a_key_block(seed, no_sdpa_prefills):
+    """A 300-token prompt and a chunk after a 400-token past, with a window of 7 (keys masked on both sides)."""
+    check([(0, 300), (400, 64)], num_heads=9, num_kv_heads=3, head_dim=64, window=7, seed=seed)
+
+
+def test_other_dtypes_and_head_dims_keep_sdpa():
+    assert CpuKernel(torch.bfloat16, [64]).serves_prefills
+    assert not CpuKernel(torch.bfloat16, [16]).serves_prefills  # head_dim not a multiple of 32
+    assert not CpuKernel(torch.bfloat16, [64, 48]).serves_prefills  # one layer's head_dim does not fit: none
+    assert not CpuKernel(torch.float32, [64]).serves_prefills
+    assert not CpuKernel(torch.float16, [64]).serves_prefills
+    assert not CpuKernel(torch.bfloat16, [64], torch.int8).serves_prefills  # a quantized cache
+
+
+def test_too_many_query_heads_per_kv_head_go_to_sdpa():
+    """64 query heads on one KV head do not fit a 48-row tile: SDPA serves them (and still matches)."""
+    check_against_dense(CpuKernel(torch.bfloat16, [32]), [(0, 5), (7, 3), (4, 1)], num_heads=64, num_kv_heads=1,
+                        head_dim=32, block_size=4, dtype=torch.bfloat16, window=None, softcap=None, seed=0)
