@@ -47,8 +47,9 @@ class CpuKernel(TorchKernel):
     name = "cpu"
 
     def __init__(self, dtype: torch.dtype, head_dims: list[int], kv_dtype: torch.dtype | None = None):
-        """Builds (or loads the cached build of) the decode library for each head_dim; raises
-        native.NativeBuildError when that is impossible here, ValueError for what it cannot serve.
+        """Builds (or loads the cached build of) the decode library for each head_dim, and for a bf16 model and
+        cache the prefill library (used where the CPU has AVX512-BF16); raises native.NativeBuildError when that
+        is impossible here, ValueError for what it cannot serve.
         `kv_dtype`: the cache's storage dtype when it differs from the model's `dtype` (int8/fp8)."""
         reason = self.unsupported_reason(torch.device("cpu"), dtype, head_dims, kv_dtype)
         if reason is not None:
