@@ -216,8 +216,10 @@ class LoRAManager:
             for module_path, (parent, attribute) in self._sites.items():
                 originals[module_path] = original = parent._modules[attribute]
                 wrapper = self.wrappers[module_path]
-                # the engine's packed stand-in of the base layer (paged_hf.packed_linears), when one is in place
-                wrapper.packed_base = original if getattr(original, "base", None) is wrapper.base else None
+                # the engine's packed stand-in of the base layer (paged_hf.packed_linears), when one is in place;
+                # a plain attribute, not a registered submodule (state_dict and forward's lookups stay as they are)
+                object.__setattr__(wrapper, "packed_base",
+                                   original if getattr(original, "base", None) is wrapper.base else None)
                 parent._modules[attribute] = wrapper
             self.context.routing = LoRARouting(token_slots)
             yield

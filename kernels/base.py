@@ -33,7 +33,7 @@ def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     reads what another wrote. A quantized cache (`scales` given) is written through `quant.write_quantized`;
     its per-step bookkeeping is made once and kept on the kernel's `plan` (its `quant_write` field)."""
     if scales is not None:
-        if plan.quant_write is None:
+        if scales.dynamic and plan.quant_write is None:  # fixed scales need no per-block bookkeeping
             plan.quant_write = plan_write(slot_mapping, key_cache.shape[1])
         write_quantized(key, key_cache, scales.key, scales.dynamic, slot_mapping, plan.quant_write)
         write_quantized(value, value_cache, scales.value, scales.dynamic, slot_mapping, plan.quant_write)

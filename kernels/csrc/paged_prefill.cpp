@@ -232,14 +232,13 @@ template <int R> void write_rows(const Chunks &c, const Tile &t, Scratch &w) {
 // One tile: its rows against the keys any of them may see, block by block.
 template <int R> void attend_tile(const Chunks &c, const Tile &t, Scratch &w) {
   pack_queries<R>(c, t, w);
-  const int64_t group = c.num_heads / c.num_kv_heads, offset = c.context_lens[t.chunk] - c.query_lens[t.chunk];
+  const int64_t offset = c.context_lens[t.chunk] - c.query_lens[t.chunk];
   const int64_t first = offset + t.first_token, last = first + t.tokens - 1;  // the tile's first and last positions
   const int64_t begin = c.window > 0 ? std::max<int64_t>(0, first - c.window + 1) : 0, end = last + 1;
   const int64_t lo_max = c.window > 0 ? std::max<int64_t>(0, last - c.window + 1) : 0;  // every row sees [lo_max, first]
   const int64_t *table = c.block_tables + t.chunk * c.max_blocks;
   const int64_t token_stride = c.num_kv_heads * kDim;
   const uint16_t *keys[kKeyBlock], *values[kKeyBlock];
-  (void)group;
   for (int64_t b0 = begin; b0 < end; b0 += kKeyBlock) {
     const int64_t count = std::min<int64_t>(kKeyBlock, end - b0);
     for (int i = 0; i < kKeyBlock; ++i) {
