@@ -57,6 +57,7 @@ class Ingress:
         from transformers import AutoTokenizer  # noqa: PLC0415
 
         self.engine, self.deployment_name = engine, deployment_name
+        self._handle = engine.options(stream=True).handle  # made once: options() builds new handle objects
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.served_names, self.block_size, self.chat_template = set(served_names), block_size, chat_template
 
@@ -66,7 +67,7 @@ class Ingress:
                         await request.body())
         if hint is None:
             hint = await asyncio.to_thread(self.hint_for, request.url.path, call.body)
-        stream = self.engine.options(stream=True).handle.remote(call, routing=hint)
+        stream = self._handle.remote(call, routing=hint)
         start = await stream.__anext__()
         headers = {k: v for k, v in start["headers"] if k.lower() not in _DROPPED_HEADERS}
         headers[REPLICA_HEADER] = start["replica"]
