@@ -4,30 +4,36 @@ Decode attention is where a CPU step spends its memory bandwidth: the torch kern
 into a dense buffer before SDPA reads them, the compiled kernel (`csrc/paged_decode.cpp`) reads the blocks in
 place, once. A bf16/fp16 cache is read at its own width and widened to float32 in registers (products and
 sums in float32); an int8/fp8 cache likewise, with its per-(block, KV head) scales applied per score and per
-softmax weight. Prefill chunks (and speculative decoding's multi-token queries) are compute-bound: in bf16, on
-a CPU with AVX512-BF16, they go to `csrc/paged_prefill.cpp` (bf16 dot products into float32 sums, read from the
-cache in place), because torch's SDPA runs bf16 no faster than float32; everywhere else they stay with SDPA.
+softmax weight. Prefill chunks are compute-bound: in bf16, on a CPU with AVX512-BF16, they go to
+`csrc/paged_prefill.cpp` (bf16 dot products into float32 sums, read from the cache in place), because torch's
+SDPA runs bf16 no faster than float32; everywhere else they stay with SDPA, except short ones (speculative
+decoding's last token plus drafts): those go to the decode kernel, one row per token, which reads the
+request's blocks once for all of its rows, where SDPA would gather them into a copy first.
 The torch kernel remains the reference this one is tested against.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from . import native
-from .torch_kernel import TorchKernel, TorchPlan
+from .torch_kernel import PrefillChunk, Query, TorchKernel, TorchPlan, prefill_chunk
 
 #: query heads per KV head the prefill kernel's tiles hold (48 rows); more go to SDPA
 MAX_PREFILL_GROUP = 48
+#: queries up to this many tokens (speculative decoding's drafts) read their context once in the decode kernel,
+#: where SDPA would gather it first (float32: a 3-token query cost ~5 ms more per step in SDPA than as a decode)
+MAX_NATIVE_QUERY_LEN = 8
 
 
 @dataclass
 class NativeDecodes:
-    rows: torch.Tensor  # [num_rows] token index of each decode query in the packed row
-    block_tables: torch.Tensor  # [num_rows, max_blocks] int64, padded with block 0 (never read)
-    context_lens: torch.Tensor  # [num_rows] int64
+    rows: torch.Tensor  # [num_rows] token index of each query token in the packed row, sequence by sequence
+    context_lens: torch.Tensor  # [num_rows] int64: the keys each row attends to (causal within a sequence)
+    seq_starts: torch.Tensor  # [num_seqs + 1] int64: sequence s is the rows [seq_starts[s], seq_starts[s + 1])
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with block 0 (never read)
 
 
 @dataclass
@@ -85,29 +91,15 @@ class CpuKernel(TorchKernel):
             return f"the CPU kernel needs head_dim a multiple of 64 bytes of {compute}, got {sorted(set(head_dims))}"
         return None
 
-    def plan(self, metadata, device: torch.device) -> CpuPlan:
-        plan = super().plan(metadata, device)
-        plan = CpuPlan(**{f.name: getattr(plan, f.name) for f in fields(plan)})
-        if self._prefill_functions and plan.prefills:
-            chunks = plan.prefills
-            plan.native_prefills = NativePrefills(
-                query_starts=torch.tensor([c.query_start for c in chunks], dtype=torch.long),
-                query_lens=torch.tensor([c.query_len for c in chunks], dtype=torch.long),
-                context_lens=torch.tensor([c.context_len for c in chunks], dtype=torch.long),
-                block_tables=torch.nn.utils.rnn.pad_sequence([c.block_ids.cpu() for c in chunks], batch_first=True),
-            )
-        return plan
-
-    def plan_decodes(self, decodes: list[tuple[int, int, list[int]]], device: torch.device) -> NativeDecodes | None:
-        if not decodes:
-            return None
-        max_blocks = max(len(table) for _, _, table in decodes)
-        return NativeDecodes(
-            rows=torch.tensor([row for _, row, _ in decodes], dtype=torch.long),
-            block_tables=torch.tensor([table + [0] * (max_blocks - len(table)) for _, _, table in decodes],
-                                      dtype=torch.long),
-            context_lens=torch.tensor([length for length, _, _ in decodes], dtype=torch.long),
-        )
+    def plan_queries(self, slot_mapping: torch.Tensor, queries: list[Query], device: torch.device) -> CpuPlan:
+        """Decodes go to the compiled decode kernel, and so do queries of up to MAX_NATIVE_QUERY_LEN tokens (a
+        request's last token with its drafts) unless the compiled prefill kernel serves them; the rest are
+        prefill chunks (bf16: compiled, else SDPA)."""
+        limit = 1 if self._prefill_functions else MAX_NATIVE_QUERY_LEN
+        chunks = [prefill_chunk(q, device) for q in queries if q.length > limit]
+        native_prefills = _native_prefills(chunks) if self._prefill_functions and chunks else None
+        return CpuPlan(slot_mapping, _native_decodes([q for q in queries if q.length <= limit]), chunks,
+                       native_prefills=native_prefills)
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan, *, scaling, sliding_window, softcap,
                        scales=None) -> None:
@@ -121,12 +113,12 @@ class CpuKernel(TorchKernel):
         # [num_rows, num_heads, head_dim], contiguous, in the compute dtype (float32 for a bf16/fp16/int8/fp8 cache)
         q = query.index_select(0, decodes.rows).to(native.COMPUTE_DTYPES.get(key_cache.dtype, torch.float32))
         out = torch.empty_like(q)
-        scale_pointers = () if scales is None else (scales.key.data_ptr(), scales.value.data_ptr())
+        scale_pointers = (None, None) if scales is None else (scales.key.data_ptr(), scales.value.data_ptr())
         status = self._functions[head_dim](
             q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *scale_pointers, decodes.block_tables.data_ptr(),
-            decodes.context_lens.data_ptr(), out.data_ptr(), q.shape[0], decodes.block_tables.shape[1],
-            q.shape[1], num_kv_heads, block_size, scaling, sliding_window or 0, softcap or 0.0,
-            torch.get_num_threads(),
+            decodes.context_lens.data_ptr(), decodes.seq_starts.data_ptr(), out.data_ptr(),
+            decodes.block_tables.shape[0], decodes.block_tables.shape[1], q.shape[1], num_kv_heads, block_size,
+            scaling, sliding_window or 0, softcap or 0.0, torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"paged decode kernel failed (status {status}: {'out of memory' if status == 1 else 'head_dim'})")
@@ -154,3 +146,30 @@ class CpuKernel(TorchKernel):
         if status != 0:
             raise RuntimeError(f"paged prefill kernel failed (status {status}: "
                                f"{'out of memory' if status == 1 else 'too many query heads per KV head'})")
+
+
+def _native_decodes(queries: list[Query]) -> NativeDecodes | None:
+    """Row i of a query of n tokens is its token i, which attends to context_len - n + 1 + i keys."""
+    if not queries:
+        return None
+    max_blocks = max(len(q.block_table) for q in queries)
+    rows, lens, starts = [], [], [0]
+    for q in queries:
+        rows.extend(range(q.start, q.start + q.length))
+        lens.extend(range(q.context_len - q.length + 1, q.context_len + 1))
+        starts.append(len(rows))
+    return NativeDecodes(
+        rows=torch.tensor(rows, dtype=torch.long), context_lens=torch.tensor(lens, dtype=torch.long),
+        seq_starts=torch.tensor(starts, dtype=torch.long),
+        block_tables=torch.tensor([q.block_table + [0] * (max_blocks - len(q.block_table)) for q in queries],
+                                  dtype=torch.long),
+    )
+
+
+def _native_prefills(chunks: list[PrefillChunk]) -> NativePrefills:
+    return NativePrefills(
+        query_starts=torch.tensor([c.query_start for c in chunks], dtype=torch.long),
+        query_lens=torch.tensor([c.query_len for c in chunks], dtype=torch.long),
+        context_lens=torch.tensor([c.context_len for c in chunks], dtype=torch.long),
+        block_tables=torch.nn.utils.rnn.pad_sequence([c.block_ids.cpu() for c in chunks], batch_first=True),
+    )

@@ -69,15 +69,10 @@ def _cache_dir() -> Path:
 def load_paged_decode(head_dim: int) -> ctypes.CDLL:
     """The paged decode library for `head_dim`, built on first use. Raises NativeBuildError when it cannot be."""
     library = _load(SOURCE, head_dim)
-    for dtype_name in DTYPES.values():
+    for dtype_name in (*DTYPES.values(), *QUANTIZED_DTYPES.values()):
         function = getattr(library, f"paged_decode_{dtype_name}")
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [
-            ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
-    for dtype_name in QUANTIZED_DTYPES.values():  # two more pointers: the K and V scales
-        function = getattr(library, f"paged_decode_{dtype_name}")
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [
+        function.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5 + [
             ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
     return library
 

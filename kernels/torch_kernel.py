@@ -23,6 +23,16 @@ MAX_DECODE_PADDING = 1.25  # a decode group's padded K/V may be at most this muc
 
 
 @dataclass
+class Query:
+    """One sequence's tokens in the step: rows [start, start + length) of the packed row, attending to the first
+    context_len tokens of its blocks (its own included; causal within the query)."""
+    start: int
+    length: int
+    context_len: int
+    block_table: list[int]  # the blocks that hold its context_len tokens
+
+
+@dataclass
 class DecodeGroup:
     rows: torch.Tensor  # [num_rows] token index of each decode query in the packed row
     block_ids: torch.Tensor  # [num_rows * max_blocks] each row's blocks, padded with block 0
@@ -56,16 +66,17 @@ class TorchKernel:
     def plan(self, metadata, device: torch.device) -> TorchPlan:
         block_size = metadata.block_size
         starts = metadata.query_start_loc
-        decodes, prefills = [], []
+        queries = []
         for i, context_len in enumerate(metadata.context_lens):
-            query_len = starts[i + 1] - starts[i]
             table = metadata.block_tables[i][: -(-context_len // block_size)]
-            if query_len == 1:
-                decodes.append((context_len, starts[i], table))
-            else:
-                block_ids = torch.tensor(table, dtype=torch.long, device=device)
-                prefills.append(PrefillChunk(starts[i], query_len, context_len, block_ids, query_len == context_len))
-        return TorchPlan(metadata.slot_mapping.to(device), self.plan_decodes(decodes, device), prefills)
+            queries.append(Query(starts[i], starts[i + 1] - starts[i], context_len, table))
+        return self.plan_queries(metadata.slot_mapping.to(device), queries, device)
+
+    def plan_queries(self, slot_mapping: torch.Tensor, queries: list[Query], device: torch.device) -> TorchPlan:
+        """One-token queries are decodes (grouped by context length), longer ones prefill chunks."""
+        decodes = [(q.context_len, q.start, q.block_table) for q in queries if q.length == 1]
+        prefills = [prefill_chunk(q, device) for q in queries if q.length > 1]
+        return TorchPlan(slot_mapping, self.plan_decodes(decodes, device), prefills)
 
     def plan_decodes(self, decodes: list[tuple[int, int, list[int]]], device: torch.device) -> list[DecodeGroup]:
         """decodes: (context_len, row, block_table) of every one-token query of the step."""
@@ -164,6 +175,11 @@ def _gather_blocks(plan: TorchPlan, key, key_cache, value_cache, block_ids, scal
     stored = buffer_key[-1]
     return (dequantize(k.view(stored).view(shape), scales.key.index_select(0, block_ids), dtype).flatten(1),
             dequantize(v.view(stored).view(shape), scales.value.index_select(0, block_ids), dtype).flatten(1))
+
+
+def prefill_chunk(query: Query, device) -> PrefillChunk:
+    block_ids = torch.tensor(query.block_table, dtype=torch.long, device=device)
+    return PrefillChunk(query.start, query.length, query.context_len, block_ids, query.length == query.context_len)
 
 
 def _group_by_length(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:

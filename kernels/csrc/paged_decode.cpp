@@ -1,4 +1,5 @@
-// Decode attention read straight from the paged KV cache: one query token per row, no gathered copy.
+// Decode attention read straight from the paged KV cache, no gathered copy: one query token per row, and a
+// sequence may have several rows (speculative decoding's drafts, short chunks), which read its blocks once.
 //
 // Why: the pure-PyTorch kernel first gathers each row's blocks into a dense buffer, so every K/V byte crosses
 // memory three times (read, write, read again), and decode attention on a CPU is memory-bound. Here each
@@ -11,7 +12,8 @@
 // threads are torch's own.
 //
 // Layouts, all contiguous: q, out [num_rows, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
-// num_kv_heads, head_dim]; block_tables [num_rows, max_blocks]; context_lens [num_rows]. window > 0 keeps the
+// num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks]; context_lens [num_rows]; seq_starts
+// [num_seqs + 1] (the rows of a sequence are consecutive). window > 0 keeps the
 // last `window` keys; softcap > 0 maps a score s to softcap * tanh(s / softcap).
 //
 // A quantized cache (int8, fp8 e4m3/e5m2; see kernels/quant.py) is read the same way: each value is widened to
@@ -132,9 +134,11 @@ template <typename S, int N> inline void load(typename Vec<typename Compute<S>::
 }
 
 struct Batch {
-  const int64_t *block_tables, *context_lens;
-  const float *k_scales, *v_scales;  // [num_blocks, num_kv_heads] for a quantized cache, else null
-  int64_t num_rows, max_blocks, num_heads, num_kv_heads, block_size, window;
+  const int64_t *block_tables;  // [num_seqs, max_blocks]
+  const int64_t *context_lens;  // [num_rows]
+  const int64_t *seq_starts;    // [num_seqs + 1]: sequence s is the rows [seq_starts[s], seq_starts[s + 1])
+  const float *k_scales, *v_scales;            // [num_blocks, num_kv_heads] for a quantized cache, else null
+  int64_t num_seqs, max_blocks, num_heads, num_kv_heads, block_size, window;
   double scale, softcap;
 };
 
@@ -233,42 +237,58 @@ template <typename S> BlockFn<S> block_fn(int64_t group) {
   }
 }
 
-// One row: all its query heads over its blocks, block by block.
+// One task: the query heads of one KV head, for the rows [r0, r1) of one sequence. A sequence's rows are its
+// query tokens (one for a decode; its last token and its drafts in speculative decoding); they share the
+// sequence's blocks, and row r attends to the first context_lens[r] tokens (causal: each later row sees one
+// more). Blocks are the outer loop, so a block's K/V comes from memory once and from cache for the other rows.
+// For each (row, head) the blocks and the arithmetic are those of a sequence with that row alone.
 template <typename S, typename T = typename Compute<S>::type>
-void attend_row(const T *q, const S *k_cache, const S *v_cache, int64_t row, const Batch &batch,
-                Running<T> *state, T *scores, T *out) {
+void attend_rows(const T *q, const S *k_cache, const S *v_cache, const int64_t *table, int64_t r0, int64_t r1,
+                 int64_t kv_head, const Batch &batch, Running<T> *state, T *scores, T *out) {
   constexpr int64_t D = PAGED_HF_HEAD_DIM;
-  const int64_t len = batch.context_lens[row], bs = batch.block_size;
-  const int64_t start = (batch.window > 0 && len > batch.window) ? len - batch.window : 0;
-  const int64_t *table = batch.block_tables + row * batch.max_blocks;
-  const int64_t group = batch.num_heads / batch.num_kv_heads;
+  const int64_t bs = batch.block_size, group = batch.num_heads / batch.num_kv_heads;
   const int64_t token_stride = batch.num_kv_heads * D, block_stride = bs * token_stride;
-  for (int64_t h = 0; h < batch.num_heads; ++h) state[h] = {-INFINITY, 0};
-  std::memset(out, 0, sizeof(T) * batch.num_heads * D);
-  const int64_t first = start / bs, last = (len - 1) / bs;
+  auto start_of = [&](int64_t len) { return (batch.window > 0 && len > batch.window) ? len - batch.window : 0; };
+  int64_t first = INT64_MAX, last = -1;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t len = batch.context_lens[r];
+    first = start_of(len) / bs < first ? start_of(len) / bs : first;
+    last = (len - 1) / bs > last ? (len - 1) / bs : last;
+    for (int64_t g = 0; g < group; ++g) state[(r - r0) * group + g] = {-INFINITY, 0};
+    std::memset(out + (r * batch.num_heads + kv_head * group) * D, 0, sizeof(T) * group * D);
+  }
   for (int64_t b = first; b <= last; ++b) {
     if (b < last) {
-      prefetch(k_cache + table[b + 1] * block_stride, block_stride * sizeof(S));
-      prefetch(v_cache + table[b + 1] * block_stride, block_stride * sizeof(S));
-    }
-    const int64_t t0 = b * bs, lo = start > t0 ? start - t0 : 0, hi = len - t0 < bs ? len - t0 : bs;
-    for (int64_t kv_head = 0; kv_head < batch.num_kv_heads; ++kv_head) {
-      const S *keys = k_cache + table[b] * block_stride + kv_head * D;
-      const S *values = v_cache + table[b] * block_stride + kv_head * D;
-      T k_scale = 1, v_scale = 1;
-      if constexpr (kQuantized<S>) {
-        k_scale = batch.k_scales[table[b] * batch.num_kv_heads + kv_head];
-        v_scale = batch.v_scales[table[b] * batch.num_kv_heads + kv_head];
+      for (int64_t t = 0; t < bs; ++t) {  // this KV head's slice of every token of the next block
+        prefetch(k_cache + table[b + 1] * block_stride + t * token_stride + kv_head * D, D * sizeof(S));
+        prefetch(v_cache + table[b + 1] * block_stride + t * token_stride + kv_head * D, D * sizeof(S));
       }
-      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {  // query heads of this KV head, at most 8 at once
+    }
+    const S *keys = k_cache + table[b] * block_stride + kv_head * D;
+    const S *values = v_cache + table[b] * block_stride + kv_head * D;
+    T k_scale = 1, v_scale = 1;
+    if constexpr (kQuantized<S>) {
+      k_scale = batch.k_scales[table[b] * batch.num_kv_heads + kv_head];
+      v_scale = batch.v_scales[table[b] * batch.num_kv_heads + kv_head];
+    }
+    const int64_t t0 = b * bs;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t len = batch.context_lens[r], start = start_of(len);
+      const int64_t lo = start > t0 ? start - t0 : 0, hi = len - t0 < bs ? len - t0 : bs;
+      if (lo >= hi) continue;  // the block lies outside this row's window or past its last key
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {  // at most 8 query heads at once
         const int64_t head = kv_head * group + g0, heads = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
-        block_fn<S>(heads)(q + head * D, keys, values, token_stride, lo, hi, batch, state + head, out + head * D, scores,
-                           k_scale, v_scale);
+        const int64_t offset = (r * batch.num_heads + head) * D;
+        block_fn<S>(heads)(q + offset, keys, values, token_stride, lo, hi, batch, state + (r - r0) * group + g0,
+                           out + offset, scores, k_scale, v_scale);
       }
     }
   }
-  for (int64_t h = 0; h < batch.num_heads; ++h)
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] /= state[h].sum;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      T *o = out + (r * batch.num_heads + kv_head * group + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] /= state[(r - r0) * group + g].sum;
+    }
 }
 
 template <typename S, typename T = typename Compute<S>::type>
@@ -276,20 +296,26 @@ int paged_decode(const T *q, const S *k_cache, const S *v_cache, T *out, const B
   if constexpr (PAGED_HF_HEAD_DIM % Vec<T>::lanes != 0) {
     return 2;  // this dtype's vectors do not tile head_dim (nothing else is instantiated for it)
   } else {
+  int64_t max_rows = 1;
+  for (int64_t s = 0; s < batch.num_seqs; ++s)
+    max_rows = batch.seq_starts[s + 1] - batch.seq_starts[s] > max_rows ? batch.seq_starts[s + 1] - batch.seq_starts[s]
+                                                                       : max_rows;
+  const int64_t group = batch.num_heads / batch.num_kv_heads;
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {
-    auto *state = static_cast<Running<T> *>(std::malloc(sizeof(Running<T>) * batch.num_heads));
+    auto *state = static_cast<Running<T> *>(std::malloc(sizeof(Running<T>) * max_rows * group));
     auto *scores = static_cast<T *>(std::malloc(sizeof(T) * kMaxGroup * batch.block_size));
     if (!state || !scores) {
 #pragma omp atomic write
       failed = 1;
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t row = 0; row < batch.num_rows; ++row) {
+    for (int64_t task = 0; task < batch.num_seqs * batch.num_kv_heads; ++task) {
       if (!state || !scores) continue;
-      const int64_t offset = row * batch.num_heads * PAGED_HF_HEAD_DIM;
-      attend_row<S>(q + offset, k_cache, v_cache, row, batch, state, scores, out + offset);
+      const int64_t seq = task / batch.num_kv_heads, kv_head = task % batch.num_kv_heads;
+      attend_rows<S>(q, k_cache, v_cache, batch.block_tables + seq * batch.max_blocks, batch.seq_starts[seq],
+                     batch.seq_starts[seq + 1], kv_head, batch, state, scores, out);
     }
     std::free(state);
     std::free(scores);
@@ -302,30 +328,22 @@ int paged_decode(const T *q, const S *k_cache, const S *v_cache, T *out, const B
 
 // Entry points for ctypes. Returns 0 on success, 1 when scratch memory could not be allocated, 2 when the
 // library was built for a head_dim this dtype cannot tile. q and out are in the compute type T (float for a
-// bf16/fp16 cache), k_cache and v_cache in the storage type S.
+// bf16/fp16/int8/fp8 cache), k_cache and v_cache in the storage type S; k_scales and v_scales ([num_blocks,
+// num_kv_heads] float32) for a quantized cache, else null. Sequence s is the rows [seq_starts[s], seq_starts[s+1]).
 #define PAGED_HF_ENTRY(NAME, S, T)                                                                              \
-  extern "C" int NAME(const T *q, const S *k_cache, const S *v_cache, const int64_t *block_tables,             \
-                      const int64_t *context_lens, T *out, int64_t num_rows, int64_t max_blocks,              \
+  extern "C" int NAME(const T *q, const S *k_cache, const S *v_cache, const float *k_scales,                  \
+                      const float *v_scales, const int64_t *block_tables, const int64_t *context_lens,         \
+                      const int64_t *seq_starts, T *out, int64_t num_seqs, int64_t max_blocks,                 \
                       int64_t num_heads, int64_t num_kv_heads, int64_t block_size, double scale,               \
                       int64_t window, double softcap, int num_threads) {                                       \
-    const Batch batch{block_tables, context_lens, nullptr, nullptr, num_rows, max_blocks, num_heads,           \
-                      num_kv_heads, block_size, window, scale, softcap};                                       \
-    return paged_decode<S>(q, k_cache, v_cache, out, batch, num_threads);                                     \
-  }
-// A quantized cache: the same, with the scales of K and V ([num_blocks, num_kv_heads] float32); q, out float.
-#define PAGED_HF_QUANTIZED_ENTRY(NAME, S)                                                                       \
-  extern "C" int NAME(const float *q, const S *k_cache, const S *v_cache, const float *k_scales,              \
-                      const float *v_scales, const int64_t *block_tables, const int64_t *context_lens,         \
-                      float *out, int64_t num_rows, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,\
-                      int64_t block_size, double scale, int64_t window, double softcap, int num_threads) {     \
-    const Batch batch{block_tables, context_lens, k_scales, v_scales, num_rows, max_blocks, num_heads,         \
-                      num_kv_heads, block_size, window, scale, softcap};                                       \
+    const Batch batch{block_tables, context_lens, seq_starts, k_scales, v_scales, num_seqs, max_blocks,        \
+                      num_heads, num_kv_heads, block_size, window, scale, softcap};                            \
     return paged_decode<S>(q, k_cache, v_cache, out, batch, num_threads);                                     \
   }
 PAGED_HF_ENTRY(paged_decode_float32, float, float)
 PAGED_HF_ENTRY(paged_decode_float64, double, double)
 PAGED_HF_ENTRY(paged_decode_bfloat16, bf16, float)
 PAGED_HF_ENTRY(paged_decode_float16, _Float16, float)
-PAGED_HF_QUANTIZED_ENTRY(paged_decode_int8, int8_t)
-PAGED_HF_QUANTIZED_ENTRY(paged_decode_fp8_e4m3, fp8e4m3)
-PAGED_HF_QUANTIZED_ENTRY(paged_decode_fp8_e5m2, fp8e5m2)
+PAGED_HF_ENTRY(paged_decode_int8, int8_t, float)
+PAGED_HF_ENTRY(paged_decode_fp8_e4m3, fp8e4m3, float)
+PAGED_HF_ENTRY(paged_decode_fp8_e5m2, fp8e5m2, float)
