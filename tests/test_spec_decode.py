@@ -41,22 +41,38 @@ def run(model, prompts, params, speculative=SPEC, **config):
 
 # --- the proposer and the config -------------------------------------------------------------------------------
 
-def test_ngram_proposes_what_followed_the_earliest_longest_match():
-    proposer = NgramProposer(1, 3)
-    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3, 4], 2) == [5, 9]  # 3-gram, earliest match
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    proposer = NgramProposer(1, 3)  # no spec factor: always up to k
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3, 4], 2) == [7, 2]  # 3-gram, latest of two
+    assert proposer.propose([5, 8, 9, 1, 3, 9, 2, 5, 8, 9], 2) == [1, 3]  # the longest match, not the latest 1-gram
     assert proposer.propose([5, 6, 7, 8, 1, 9, 1], 3) == [9, 1]  # only a 1-gram matches; what is left
     assert proposer.propose([1, 2, 3], 4) == []  # no match
     assert NgramProposer(2, 2).propose([1, 2, 9, 3, 2], 4) == []  # a 1-gram match is below min
+    assert NgramProposer(1, 2).propose([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3, 4], 1) == [7]  # max caps n, not k
     assert proposer.propose([4, 4, 4, 4], 0) == []
+
+
+def test_ngram_spec_factor_drafts_fewer_tokens_for_shorter_matches():
+    three = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3, 4]  # its last 3 tokens match
+    one = [5, 6, 7, 8, 1, 9, 2, 1]  # only its last token matches
+    assert NgramProposer(1, 3, spec_factor=1.0).propose(three, 8) == [7, 2, 3]  # n = 3: 3 drafts
+    assert NgramProposer(1, 3, spec_factor=0.5).propose(three, 8) == [7, 2]  # ceil(1.5)
+    assert NgramProposer(1, 3, spec_factor=2.0).propose(three, 4) == [7, 2, 3, 4]  # k still caps
+    assert NgramProposer(1, 3, spec_factor=1.0).propose(one, 8) == [9]  # n = 1: 1 draft
+    assert NgramProposer(1, 3, spec_factor=2.0).propose(one, 8) == [9, 2]
 
 
 def test_config_parsing_and_errors():
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 4, 4)
     assert SpeculativeConfig().prompt_lookup_min == 5  # vLLM's defaults
+    assert SpeculativeConfig().prompt_lookup_spec_factor == 2.0
+    assert SpeculativeConfig.parse('{"prompt_lookup_spec_factor": null}').prompt_lookup_spec_factor is None
     assert PagedConfig(speculative={"num_speculative_tokens": 2}).speculative.num_speculative_tokens == 2
     for bad, match in [({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                       ({"prompt_lookup_spec_factor": 0}, "prompt_lookup_spec_factor"),
+                       ({"prompt_lookup_spec_factor": "2"}, "prompt_lookup_spec_factor"),
                        ({"k": 2}, "unknown"), ("{not json", "JSON"), ([1], "dict")]:
         with pytest.raises(ValueError, match=match):
             PagedConfig(speculative=bad)

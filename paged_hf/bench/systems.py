@@ -38,7 +38,7 @@ DEFAULT_SYSTEMS = {
 }
 #: paged_hf_spec's speculative config unless --speculative-config gives one (the other paged_hf systems never
 #: speculate, so one invocation compares the same engine with and without)
-DEFAULT_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+DEFAULT_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_min": 1, "prompt_lookup_max": 16}
 #: transformers' continuous batching: `hf_cb` as tuned in MEASUREMENTS.md, `hf_cb_default` with transformers'
 #: own defaults (the configuration of issue 5's 20.9 tok/s; on CPU it is slower and uses 6-12 GB).
 HF_CB_CONFIGS = {"hf_cb": {"max_batch_tokens": 512, "max_requests_per_batch": 8, "num_blocks": 128},

@@ -7,6 +7,7 @@ command line, with vLLM's field names.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -16,6 +17,9 @@ METHODS = ("ngram", "draft_model")
 #: measured on a 2-core CPU with the default model (docs/speculative_decoding.md): a step's cost stays
 #: near flat up to ~32 tokens, so drafts are spread over the running requests within this many tokens
 DEFAULT_MAX_VERIFY_TOKENS = 32
+#: measured by replaying the grounded workload's greedy outputs through the proposer (docs/speculative_decoding.md):
+#: drafting 2 tokens per matched token cuts the wasted drafts of 1-token matches and keeps long matches' drafts
+DEFAULT_SPEC_FACTOR = 2.0
 
 
 @dataclass
@@ -23,7 +27,8 @@ class SpeculativeConfig:
     """`method`: "ngram" (prompt lookup: match the last prompt_lookup_min..max tokens against the prompt and
     output so far, propose the k tokens that followed) or "draft_model" (`model`: a smaller causal LM with the
     same vocabulary, a path / hub id or a live HF model, proposes k tokens greedily). `num_speculative_tokens`:
-    k, drafts per request and step at most. Policy (when speculation pays): a step verifies at most `max_verify_tokens` tokens of
+    k, drafts per request and step at most. `prompt_lookup_spec_factor` (ngram): a match of n tokens drafts at
+    most ceil(factor * n) of the k (null: always k, as vLLM's ngram). Policy (when speculation pays): a step verifies at most `max_verify_tokens` tokens of
     decoding requests (their last token plus drafts), so with many running requests each gets fewer drafts,
     and none once every request's own token fills it; `disable_by_batch_size` (vLLM's option): no drafts at
     all while more requests than this are running."""
@@ -32,6 +37,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    prompt_lookup_spec_factor: float | None = DEFAULT_SPEC_FACTOR
     max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS
     disable_by_batch_size: int | None = None
     model: object = None  # draft_model: a folder, a hub id or a live HF causal LM (torch.nn.Module)
@@ -59,6 +65,10 @@ class SpeculativeConfig:
             self.prompt_lookup_max = self.prompt_lookup_min
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             _check_int(name, getattr(self, name))
+        factor = self.prompt_lookup_spec_factor
+        if factor is not None and not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                                       and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"speculative config prompt_lookup_spec_factor must be a number > 0 or null, got {factor!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} is larger than "
                              f"prompt_lookup_max={self.prompt_lookup_max}")

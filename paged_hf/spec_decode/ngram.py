@@ -1,22 +1,30 @@
 """Prompt lookup (vLLM's `ngram` proposer): the text a request restates or edits is already in its context.
 
-The last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are searched for in the request's
-earlier tokens (prompt and output); at the first (earliest) match, the k tokens that followed it are the
-proposal. No model, no state: a few vectorized comparisons per request and step.
+The longest suffix of the request's tokens (n tokens, prompt_lookup_min <= n <= prompt_lookup_max) that
+occurred earlier in its prompt or output is found; the tokens that followed its latest occurrence are the
+proposal. Why the latest: when an output repeats itself (a list, a loop) the latest occurrence is the one it
+repeats, and in an edited passage it is the nearest context. How many: at most k, and at most
+`spec_factor * n` (when given): a 1-token match is a weak guess, and a wrong draft costs a verify slot, so
+short matches draft little and long matches draft all k (suffix decoding's rule, Oliaro et al. 2024).
+
+No model, no state: the candidate occurrences of the last token are found in one vectorized comparison, then
+narrowed one token further back at a time, so a step costs O(context) however large prompt_lookup_max is.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .proposer import Proposer
 
 
 class NgramProposer(Proposer):
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, spec_factor: float | None = None):
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+        self.spec_factor = spec_factor
 
     def propose_batch(self, requests: list, num_drafts: list[int]) -> list[list[int]]:
         return [self.propose(request.all_token_ids, k) for request, k in zip(requests, num_drafts)]
@@ -27,12 +35,21 @@ class NgramProposer(Proposer):
         if k <= 0 or num_tokens <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            # windows start at 0 .. num_tokens - n - 1: each has at least one token after it, and the
-            # suffix itself (start num_tokens - n) is not among them
-            windows = sliding_window_view(tokens[:-1], n)  # [num_tokens - n, n]
-            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if matches.size:
-                start = int(matches[0]) + n
-                return tokens[start:start + k].tolist()
-        return []
+        # ends[i]: one past an earlier occurrence of the last n tokens; below num_tokens - 1, so at least one
+        # token follows it and the suffix itself is not among them
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1]) + 1
+        n, match = 1, None
+        while ends.size:
+            if n >= self.min_n:
+                match = (n, int(ends[-1]))
+            if n == self.max_n:
+                break
+            ends = ends[ends > n]  # room for one more token before the occurrence
+            ends = ends[tokens[ends - n - 1] == tokens[-n - 1]]
+            n += 1
+        if match is None:
+            return []
+        n, end = match
+        if self.spec_factor is not None:
+            k = min(k, math.ceil(self.spec_factor * n))
+        return tokens[end:end + k].tolist()

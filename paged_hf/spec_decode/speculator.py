@@ -33,17 +33,17 @@ from .proposer import Proposer
 def make_proposer(config: SpeculativeConfig, paged_config, target_info, num_blocks: int) -> Proposer:
     """The proposer of `config.method` (the draft model is loaded and given its own paged cache here)."""
     if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.prompt_lookup_spec_factor)
     from .draft_model import DraftModelProposer  # noqa: PLC0415 - imports the engine's runner
 
     return DraftModelProposer(config.model, paged_config, target_info, num_blocks, config.num_speculative_tokens)
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, kv_cache_manager, proposer: Proposer | None = None):
+    def __init__(self, config: SpeculativeConfig, kv_cache_manager, proposer: Proposer):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer
         kv_cache_manager.free_listeners.append(self.proposer.free)  # its per-request state goes with the blocks
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
 
