@@ -153,7 +153,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):
     prepared = await prepare_off_loop(ctx, body, chat, time.monotonic())
     streams = await submit(ctx, prepared, reserved=True)  # bad input fails here, before any streamed byte
-    sources = [outputs(ctx, http_request, stream) for stream in streams]
+    sources = [outputs(ctx, http_request, stream, prepared.stream) for stream in streams]
     if prepared.stream:
         events = (_chat_events(ctx, prepared, sources[0]) if chat else
                   _completion_events(ctx, prepared, merged(sources)))

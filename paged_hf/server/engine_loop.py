@@ -14,6 +14,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from transformers.utils import logging
@@ -53,12 +54,15 @@ class EngineError(Exception):
 
 @dataclass(eq=False)
 class RequestStream:
-    """One request as the HTTP handler sees it: outputs arrive on `queue` (an `EngineError` ends it)."""
+    """One request as the HTTP handler sees it: outputs arrive through `put` on its event loop and are taken
+    with `get` (an `EngineError` ends it). A deque and one future per wait, not an asyncio.Queue: the wait for
+    each output is the server's most frequent operation, and Python 3.11's `wait_for` makes a Task for it."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
     arrival_time: float = field(default_factory=time.monotonic)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    items: deque = field(default_factory=deque)
+    _waiter: asyncio.Future | None = None
     # engine-thread bookkeeping for the latency metrics
     num_sequences: int = 1  # n
     started: bool = False
@@ -69,13 +73,38 @@ class RequestStream:
         """Engine thread -> event loop. A closed loop (server shutting down) has nobody left to tell."""
         deliver_all([(self, item)])
 
+    def put(self, item) -> None:
+        """On the event loop: queue an output and wake the waiting handler."""
+        self.items.append(item)
+        _wake(self._waiter)
+
+    async def get(self, timeout: float | None = None):
+        """On the event loop: the next output, or None after `timeout` seconds without one (None: no limit)."""
+        if not self.items:
+            waiter = self._waiter = self.loop.create_future()
+            timer = None if timeout is None else self.loop.call_later(timeout, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if not self.items:
+                return None
+        return self.items.popleft()
+
+
+def _wake(waiter: asyncio.Future | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
 
 def deliver_all(deliveries: list[tuple[RequestStream, object]]) -> None:
     """Hand a whole step's outputs to the event loop in one call per loop (each call wakes the loop and takes
     its lock: once per step, not once per request)."""
     by_loop: dict = {}
     for stream, item in deliveries:
-        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        by_loop.setdefault(stream.loop, []).append((stream, item))
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, items)
@@ -83,9 +112,9 @@ def deliver_all(deliveries: list[tuple[RequestStream, object]]) -> None:
             pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue_, item in items:
-        queue_.put_nowait(item)
+def _put_all(items: list[tuple[RequestStream, object]]) -> None:
+    for stream, item in items:
+        stream.put(item)
 
 
 class EngineLoop:

@@ -274,16 +274,19 @@ async def submit(ctx: ServerContext, prepared: Prepared, reserved: bool = False)
     return streams
 
 
-async def outputs(ctx: ServerContext, http_request, stream: RequestStream) -> AsyncIterator:
+async def outputs(ctx: ServerContext, http_request, stream: RequestStream, streaming: bool) -> AsyncIterator:
     """The request's outputs until it finishes. Leaving early (client gone, cancelled, error) aborts it, so its
-    blocks are freed at the engine's next step."""
+    blocks are freed at the engine's next step. While nothing is being sent (a non-streamed request, or a
+    streamed one before its first output) the client's going away is polled for; once chunks flow, the
+    streaming response notices it and cancels this generator, so the poll stops."""
     finished = False
+    polling = True
     loop = asyncio.get_running_loop()
     next_check = loop.time() + DISCONNECT_POLL_S
     try:
         while True:
-            item = await _next_item(stream.queue, max(0.01, next_check - loop.time()))
-            if loop.time() >= next_check:  # by the clock: outputs may arrive every step and never time out
+            item = await stream.get(max(0.01, next_check - loop.time()) if polling else None)
+            if polling and loop.time() >= next_check:  # by the clock: outputs may arrive every step
                 if await http_request.is_disconnected():
                     return
                 next_check = loop.time() + DISCONNECT_POLL_S
@@ -292,6 +295,7 @@ async def outputs(ctx: ServerContext, http_request, stream: RequestStream) -> As
             if isinstance(item, EngineError):
                 finished = True  # the engine already dropped it
                 raise item
+            polling = not streaming
             yield item
             if item.finished:
                 finished = True
@@ -299,18 +303,6 @@ async def outputs(ctx: ServerContext, http_request, stream: RequestStream) -> As
     finally:
         if not finished:
             ctx.engine.abort(stream.request_id)
-
-
-async def _next_item(queue: asyncio.Queue, timeout: float):
-    """The next output, or None after `timeout` seconds without one."""
-    try:
-        return queue.get_nowait()
-    except asyncio.QueueEmpty:
-        pass
-    try:
-        return await asyncio.wait_for(queue.get(), timeout=timeout)
-    except asyncio.TimeoutError:
-        return None
 
 
 def usage(prepared: Prepared, *outputs) -> Usage:
