@@ -35,16 +35,16 @@ class RequestRecord:
         return (self.latency - self.ttft) / (self.num_output_tokens - 1)
 
 
-async def _one(client, url: str, body: dict, record: RequestRecord) -> None:
+async def _one(session, url: str, body: dict, record: RequestRecord) -> None:
     start = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in response.content:  # one server-sent event line at a time
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
@@ -67,25 +67,28 @@ async def _one(client, url: str, body: dict, record: RequestRecord) -> None:
 
 async def run_load(base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
                    request_rate: float = float("inf"), seed: int = 0, timeout: float = 3600) -> tuple[list, float]:
-    """Send every prompt (token ids, EOS ignored, greedy, exactly `output_len` tokens); -> (records, wall s)."""
-    import httpx  # noqa: PLC0415 - the serve/test extras have it
+    """Send every prompt (token ids, EOS ignored, greedy, exactly `output_len` tokens); -> (records, wall s).
+
+    aiohttp, as `vllm bench serve` uses: the client shares the server's 2 cores here, and it costs less than
+    half the CPU of httpx per streamed chunk (measured: 0.30 against 0.74 CPU-seconds for 8,192 chunks)."""
+    import aiohttp  # noqa: PLC0415 - the bench/test extras have it
 
     rng = random.Random(seed)
     semaphore = asyncio.Semaphore(concurrency)
     records = [RequestRecord(len(p)) for p in prompts]
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async def limited(client, body, record):
+    async def limited(session, body, record):
         async with semaphore:
-            await _one(client, base_url + "/v1/completions", body, record)
+            await _one(session, base_url + "/v1/completions", body, record)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         start = time.perf_counter()
         tasks = []
         for prompt, record in zip(prompts, records):
             body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            tasks.append(asyncio.create_task(limited(client, body, record)))
+            tasks.append(asyncio.create_task(limited(session, body, record)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         await asyncio.gather(*tasks)
