@@ -19,6 +19,7 @@ from dataclasses import asdict, replace
 
 from paged_hf.device_dtype import DTYPE_NAMES, checkpoint_dtype, resolve_device, resolve_dtype
 from paged_hf.generate_command import cmd_generate
+from paged_hf.kernels.quant import KV_CACHE_DTYPE_NAMES
 from paged_hf.spec_decode.config import SpeculativeConfig
 
 #: The environment variable that holds the server's API key when --api-key is not given.
@@ -54,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, help="KV cache bytes, or a fraction of free memory (<= 1)")
     group.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
-    group.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
+    group.add_argument("--kv-cache-dtype", choices=(*KV_CACHE_DTYPE_NAMES, "fp8"),
                        help="KV cache storage: auto (the model's dtype) or int8/fp8 with per-block scales (2x the "
                        "tokens of bf16 in the same memory)")
     group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",

@@ -142,8 +142,8 @@ def cmd_eval_ppl(args) -> int:
     from .kv_cache_manager import cdiv  # noqa: PLC0415
 
     config = engine_config(args)
-    kv_dtypes = [d.strip() for d in (args.kv_cache_dtypes or config.pop("kv_cache_dtype", "auto")).split(",")]
-    config.pop("kv_cache_dtype", None)
+    default_kv_dtype = config.pop("kv_cache_dtype", "auto")  # each evaluation sets its own
+    kv_dtypes = [d.strip() for d in (args.kv_cache_dtypes or default_kv_dtype).split(",")]
     if args.text is None:
         text = stdlib_docstrings()
     else:

@@ -103,7 +103,7 @@ class Speculator:
             emitted.append(list(zip(targets[: num_accepted + 1], out.logprobs[row: row + num_accepted + 1])))
             if drafts:
                 self.stats.record(len(drafts), num_accepted)
-                if id(request) in rewind:
+                if id(request) in rewind and num_accepted < len(drafts):  # all kept: the sampler drew just those
                     _rewind(request.generator, rewind[id(request)], num_accepted + 1, stacked)
             row += len(drafts) + 1
         return emitted
