@@ -3,11 +3,14 @@ map, and one Prometheus exposition out of several replicas'."""
 
 from __future__ import annotations
 
+import json
+
 import paged_hf
 from conftest import random_prompts, tiny_model
 from paged_hf import SamplingParams
 from paged_hf.ray_serve.exposition import merge_expositions
-from paged_hf.ray_serve.routing import PrefixOwners, prompt_block_hashes
+from paged_hf.ray_serve.routing import PrefixOwners, RoutingHint, prompt_block_hashes, routing_hint
+from test_server import WORDS, tiny_tokenizer
 
 
 def test_block_hashes_are_the_prefix_caches_own():
@@ -20,6 +23,24 @@ def test_block_hashes_are_the_prefix_caches_own():
     assert prompt_block_hashes(prompt, 4, adapter="a")[0] != hashes[0]  # an adapter's blocks are its own
     assert prompt_block_hashes(prompt, 4, cache_salt="s")[0] != hashes[0]
     assert prompt_block_hashes(prompt, 4, max_blocks=1) == hashes[:1]
+
+
+def test_routing_hint_hashes_the_prompt_the_engine_gets():
+    """The ingress reads a request as the replica's server will: a chat's list-of-parts content, the request's
+    own template and its chat_template_kwargs, truncate_prompt_tokens; a completion's adapter and salt."""
+    tokenizer = tiny_tokenizer()
+    words = " ".join(WORDS[:24])
+    template = "{% if extra %}<system> time {% endif %}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": words}]}],
+            "chat_template": template, "chat_template_kwargs": {"extra": True}, "truncate_prompt_tokens": 20}
+    expected = tokenizer(f"<system> time <user> {words} ", add_special_tokens=False)["input_ids"][-20:]
+    hint = routing_hint("/v1/chat/completions", json.dumps(chat).encode(), tokenizer, {"tiny"}, 4)
+    assert hint.block_hashes == prompt_block_hashes(expected, 4) and hint.adapter is None
+    completion = {"model": "a1", "prompt": words, "cache_salt": "s"}
+    hint = routing_hint("/v1/completions", json.dumps(completion).encode(), tokenizer, {"tiny"}, 4)
+    ids = tokenizer(words)["input_ids"]
+    assert hint.adapter == "a1" and hint.block_hashes == prompt_block_hashes(ids, 4, "a1", "s")
+    assert routing_hint("/v1/completions", b"{not json", tokenizer, {"tiny"}, 4) == RoutingHint()
 
 
 def test_prefix_owners_longest_match_roots_and_capacity():

@@ -19,7 +19,7 @@ from ray import serve
 
 from .asgi import HttpCall
 from .exposition import merge_expositions
-from .routing import RoutingHint, prompt_block_hashes
+from .routing import RoutingHint, routing_hint
 
 REPLICA_HEADER = "x-paged-hf-replica"
 _DROPPED_HEADERS = ("content-length", "transfer-encoding", "connection")
@@ -53,13 +53,14 @@ def _lora_name(body: bytes) -> str:
 @serve.ingress(app)  # at import, so that every process that imports this module has the same routes
 class Ingress:
     def __init__(self, engine, deployment_name: str, tokenizer_path: str, served_names: list[str],
-                 block_size: int, chat_template: str | None = None):
+                 block_size: int, chat_template: str | None = None, tool_call_parser: str = "hermes"):
         from transformers import AutoTokenizer  # noqa: PLC0415
 
         self.engine, self.deployment_name = engine, deployment_name
         self._handle = engine.options(stream=True).handle  # made once: options() builds new handle objects
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.served_names, self.block_size, self.chat_template = set(served_names), block_size, chat_template
+        self.tool_call_parser = tool_call_parser
 
     # --- forwarding ---------------------------------------------------------------------------------
     async def forward(self, request: Request, hint: RoutingHint | None = None) -> Response:
@@ -90,29 +91,8 @@ class Ingress:
         return names or [""]  # before the router knows any replica: one request, to whichever
 
     def hint_for(self, path: str, body: bytes) -> RoutingHint:
-        """The routing hint of an OpenAI request (an empty one for anything that cannot be read here: the
-        replica answers it as it would anyway)."""
-        try:
-            payload = json.loads(body or b"{}")
-            model = payload.get("model")
-            adapter = model if isinstance(model, str) and model not in self.served_names else None
-            token_ids = self._prompt_token_ids(path, payload)
-            salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
-            return RoutingHint(prompt_block_hashes(token_ids, self.block_size, adapter, salt), adapter)
-        except Exception:  # noqa: BLE001 - bad input is the replica's to answer, with its own error
-            return RoutingHint()
-
-    def _prompt_token_ids(self, path: str, payload: dict) -> list[int]:
-        if path.endswith("/chat/completions"):
-            return list(self.tokenizer.apply_chat_template(payload["messages"], chat_template=self.chat_template,
-                                                           add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
-        prompt = payload.get("prompt")
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            prompt = prompt[0]  # a batch: route by its first prompt
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        return list(prompt) if isinstance(prompt, list) else []
+        return routing_hint(path, body, self.tokenizer, self.served_names, self.block_size, self.chat_template,
+                            self.tool_call_parser)
 
     def note_adapter(self, replica: str, adapter: str, loaded: bool) -> None:
         router = _router(self.deployment_name)

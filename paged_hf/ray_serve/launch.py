@@ -48,7 +48,7 @@ def build_application(args: argparse.Namespace):
         num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
     block_size = args.block_size or PagedConfig().block_size
     return ingress.bind(engines.bind(serve_args), ENGINE_DEPLOYMENT, tokenizer_path, names, block_size,
-                        read_chat_template(args.chat_template))
+                        read_chat_template(args.chat_template), args.tool_call_parser)
 
 
 def build_app(config: dict):

@@ -6,6 +6,7 @@ Kept free of Ray so that it can be tested (and reused) on its own.
 
 from __future__ import annotations
 
+import json
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -37,6 +38,25 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, adapter: str | No
     for start in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
         hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start:start + block_size], extra))
     return hashes
+
+
+def routing_hint(path: str, body: bytes, tokenizer, served_names: set[str], block_size: int,
+                 chat_template: str | None = None, tool_call_parser: str = "hermes") -> RoutingHint:
+    """The routing hint of an OpenAI request: its prompt read and tokenized exactly as the replica's server
+    will (serving.engine_prompt_ids: chat template, tools, template kwargs, truncation), and the adapter its
+    `model` names. An empty hint for anything that cannot be read here: the replica answers it as it would."""
+    from paged_hf.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: PLC0415
+    from paged_hf.server.serving import engine_prompt_ids  # noqa: PLC0415
+
+    try:
+        chat = path.endswith("/chat/completions")
+        request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(json.loads(body or b"{}"))
+        # the context length is the replica's to check: a prompt past it is refused whatever its route
+        _, ids = engine_prompt_ids(request, tokenizer, chat, 1 << 62, chat_template, tool_call_parser)
+    except Exception:  # noqa: BLE001 - bad input is the replica's to answer, with its own error
+        return RoutingHint()
+    adapter = request.model if isinstance(request.model, str) and request.model not in served_names else None
+    return RoutingHint(prompt_block_hashes(ids[0], block_size, adapter, request.cache_salt), adapter)
 
 
 class PrefixOwners:

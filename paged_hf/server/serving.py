@@ -211,21 +211,32 @@ def _max_tokens(requested: int | None, num_prompt_tokens: int, ctx: ServerContex
     return requested
 
 
+def engine_prompt_ids(request, tokenizer, chat: bool, max_model_len: int, chat_template: str | None = None,
+                      tool_call_parser: str = "hermes", tools: ToolMode | None = None) -> tuple[list, list[list[int]]]:
+    """-> (the request's prompts as sent, the token ids the engine gets for each: chat template with the
+    request's options and tools, special tokens, truncate_prompt_tokens). The server and the Ray ingress's
+    prefix-aware routing both use this, so that the routing hashes exactly what the engine will cache."""
+    if chat:
+        tools = tools if tools is not None else tool_mode(request)
+        prompts = [chat_prompt_ids(request, tokenizer, tools, tool_call_parser, chat_template)]
+    else:
+        prompts = completion_prompts(request, tokenizer)
+    add_special = request.add_special_tokens if request.add_special_tokens is not None else not chat
+    ids = [truncate(prompt_ids(p, tokenizer, add_special), request.truncate_prompt_tokens, max_model_len)
+           for p in prompts]
+    return prompts, ids
+
+
 def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float) -> Prepared:
     adapter = ctx.resolve_model(request.model)
     tools = tool_mode(request) if chat else ToolMode()
-    if chat:
-        parser = getattr(ctx.settings, "tool_call_parser", "hermes")
-        prompts = [chat_prompt_ids(request, ctx.tokenizer, tools, parser, ctx.settings.chat_template)]
-    else:
-        prompts = completion_prompts(request, ctx.tokenizer)
+    if not chat:
         if request.echo and request.stream:
             raise ApiError(400, "echo is not available with stream=true", "invalid_request", "echo")
         if request.max_tokens == 0 and not request.echo:
             raise ApiError(400, "max_tokens=0 needs echo=true", "invalid_max_tokens", "max_tokens")
-    add_special = request.add_special_tokens if request.add_special_tokens is not None else not chat
-    ids = [truncate(prompt_ids(p, ctx.tokenizer, add_special), request.truncate_prompt_tokens, ctx.max_model_len)
-           for p in prompts]
+    prompts, ids = engine_prompt_ids(request, ctx.tokenizer, chat, ctx.max_model_len, ctx.settings.chat_template,
+                                     getattr(ctx.settings, "tool_call_parser", "hermes"), tools)
     if any(not p for p in ids):
         raise ApiError(400, "the prompt is empty", "invalid_prompt", "messages" if chat else "prompt")
     params = sampling_params(request, max(len(p) for p in ids), ctx, chat, tools)
