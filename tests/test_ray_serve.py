@@ -136,3 +136,25 @@ def _adapter_requests_land_where_it_was_loaded(url: str, folder: str, root) -> N
             assert response.headers[REPLICA_HEADER] == home
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200
         assert client.post("/v1/completions", json={"model": "a1", "prompt": "the"}).status_code == 404
+
+
+def test_ingress_tokenizes_only_what_the_replica_takes():
+    """No routing hint (so no tokenizing) for a request the replica will refuse: no API key, a body too large."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from starlette.requests import Request  # noqa: PLC0415
+
+    from paged_hf.ray_serve.ingress import Ingress  # noqa: PLC0415
+    from paged_hf.server import ServerSettings  # noqa: PLC0415
+
+    ingress = SimpleNamespace(guard=ServerSettings(api_key=KEY, max_body_bytes=100))
+
+    def passes(headers: dict, body: bytes) -> bool:
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+        return Ingress.passes_guard(ingress, Request(scope), body)
+
+    assert passes(AUTH, b"{}")
+    assert not passes({}, b"{}")
+    assert not passes({"Authorization": "Bearer nope"}, b"{}")
+    assert not passes(AUTH, b"x" * 101)

@@ -17,6 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from paged_hf.server.app import ServerSettings, guard_rejection
+
 from .asgi import HttpCall
 from .exposition import merge_expositions
 from .routing import RoutingHint, routing_hint
@@ -53,7 +55,8 @@ def _lora_name(body: bytes) -> str:
 @serve.ingress(app)  # at import, so that every process that imports this module has the same routes
 class Ingress:
     def __init__(self, engine, deployment_name: str, tokenizer_path: str, served_names: list[str],
-                 block_size: int, chat_template: str | None = None, tool_call_parser: str = "hermes"):
+                 block_size: int, chat_template: str | None = None, tool_call_parser: str = "hermes",
+                 guard: ServerSettings | None = None):
         from transformers import AutoTokenizer  # noqa: PLC0415
 
         self.engine, self.deployment_name = engine, deployment_name
@@ -61,14 +64,15 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.served_names, self.block_size, self.chat_template = set(served_names), block_size, chat_template
         self.tool_call_parser = tool_call_parser
+        self.guard = guard or ServerSettings()  # the replicas' API key and body limit
 
     # --- forwarding ---------------------------------------------------------------------------------
     async def forward(self, request: Request, hint: RoutingHint | None = None) -> Response:
         call = HttpCall(request.method, request.url.path, request.url.query, tuple(request.headers.items()),
                         await request.body())
-        if hint is None:
+        if hint is None and self.passes_guard(request, call.body):
             hint = await asyncio.to_thread(self.hint_for, request.url.path, call.body)
-        stream = self._handle.remote(call, routing=hint)
+        stream = self._handle.remote(call, routing=hint or RoutingHint())
         start = await stream.__anext__()
         headers = {k: v for k, v in start["headers"] if k.lower() not in _DROPPED_HEADERS}
         headers[REPLICA_HEADER] = start["replica"]
@@ -89,6 +93,13 @@ class Ingress:
         router = _router(self.deployment_name)
         names = router.replica_names() if router is not None else []
         return names or [""]  # before the router knows any replica: one request, to whichever
+
+    def passes_guard(self, request: Request, body: bytes) -> bool:
+        """Whether the replica will take the request (API key, body size): only then is its prompt worth
+        tokenizing for a routing hint; the replica answers the others (401, 413) as it would anyway."""
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        return (guard_rejection(self.guard, request.url.path, headers) is None
+                and len(body) <= self.guard.max_body_bytes)
 
     def hint_for(self, path: str, body: bytes) -> RoutingHint:
         return routing_hint(path, body, self.tokenizer, self.served_names, self.block_size, self.chat_template,

@@ -26,8 +26,10 @@ def build_application(args: argparse.Namespace):
     from ray import serve  # noqa: PLC0415
     from ray.serve.config import RequestRouterConfig  # noqa: PLC0415
 
-    from paged_hf.cli import default_served_name, read_chat_template  # noqa: PLC0415
+    from paged_hf.cli import API_KEY_ENV_VAR, default_served_name, read_chat_template  # noqa: PLC0415
     from paged_hf.default_model import DEFAULT_MODEL, ensure_default_checkpoint, is_default_model  # noqa: PLC0415
+
+    from paged_hf.server import ServerSettings  # noqa: PLC0415
 
     from .ingress import Ingress  # noqa: PLC0415
     from .replica import EngineReplica  # noqa: PLC0415
@@ -48,7 +50,9 @@ def build_application(args: argparse.Namespace):
         num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
     block_size = args.block_size or PagedConfig().block_size
     return ingress.bind(engines.bind(serve_args), ENGINE_DEPLOYMENT, tokenizer_path, names, block_size,
-                        read_chat_template(args.chat_template), args.tool_call_parser)
+                        read_chat_template(args.chat_template), args.tool_call_parser,
+                        ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
+                                       max_body_bytes=args.max_body_bytes))
 
 
 def build_app(config: dict):

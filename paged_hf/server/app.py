@@ -82,17 +82,23 @@ class GuardMiddleware:
         await self.app(scope, limited_receive, send)
 
     def _reject(self, path: str, headers: dict) -> JSONResponse | None:
-        key = self.settings.api_key
-        if key and path not in self.OPEN_PATHS:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-                return error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                      "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.settings.max_body_bytes:
-            return error_response(413, f"the request body is larger than {self.settings.max_body_bytes} bytes",
-                                  "request_too_large")
-        return None
+        return guard_rejection(self.settings, path, headers)
+
+
+def guard_rejection(settings: ServerSettings, path: str, headers: dict) -> JSONResponse | None:
+    """The answer to a request without the API key (401) or with a body over the limit (413), else None.
+    `headers`: lower-cased names. Also asked by the Ray ingress, which tokenizes only what would pass."""
+    key = settings.api_key
+    if key and path not in GuardMiddleware.OPEN_PATHS:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            return error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                  "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    length = headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+        return error_response(413, f"the request body is larger than {settings.max_body_bytes} bytes",
+                              "request_too_large")
+    return None
 
 
 def create_app(generator, tokenizer, model_name: str | list[str], settings: ServerSettings | None = None) -> FastAPI:
