@@ -30,7 +30,8 @@ def test_routing_hint_hashes_the_prompt_the_engine_gets():
     own template and its chat_template_kwargs, truncate_prompt_tokens; a completion's adapter and salt."""
     tokenizer = tiny_tokenizer()
     words = " ".join(WORDS[:24])
-    template = "{% if extra %}<system> time {% endif %}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    template = ("{% if extra %}<system> time {% endif %}"
+                "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}")
     chat = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": words}]}],
             "chat_template": template, "chat_template_kwargs": {"extra": True}, "truncate_prompt_tokens": 20}
     expected = tokenizer(f"<system> time <user> {words} ", add_special_tokens=False)["input_ids"][-20:]

@@ -28,10 +28,10 @@ class SpeculativeConfig:
     output so far, propose the k tokens that followed) or "draft_model" (`model`: a smaller causal LM with the
     same vocabulary, a path / hub id or a live HF model, proposes k tokens greedily). `num_speculative_tokens`:
     k, drafts per request and step at most. `prompt_lookup_spec_factor` (ngram): a match of n tokens drafts at
-    most ceil(factor * n) of the k (null: always k, as vLLM's ngram). Policy (when speculation pays): a step verifies at most `max_verify_tokens` tokens of
-    decoding requests (their last token plus drafts), so with many running requests each gets fewer drafts,
-    and none once every request's own token fills it; `disable_by_batch_size` (vLLM's option): no drafts at
-    all while more requests than this are running."""
+    most ceil(factor * n) of the k (null: always k, as vLLM's ngram). Policy (when speculation pays): a step
+    verifies at most `max_verify_tokens` tokens of decoding requests (their last token plus drafts), so with
+    many running requests each gets fewer drafts, and none once every request's own token fills it;
+    `disable_by_batch_size` (vLLM's option): no drafts at all while more requests than this are running."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -68,7 +68,8 @@ class SpeculativeConfig:
         factor = self.prompt_lookup_spec_factor
         if factor is not None and not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
                                        and math.isfinite(factor) and factor > 0):
-            raise ValueError(f"speculative config prompt_lookup_spec_factor must be a number > 0 or null, got {factor!r}")
+            raise ValueError(f"speculative config prompt_lookup_spec_factor must be a number > 0 or null, "
+                             f"got {factor!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} is larger than "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
