@@ -127,7 +127,7 @@ class CpuKernel(TorchKernel):
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan, *, scaling, sliding_window,
                         softcap, scales=None) -> None:
         """bf16 chunks go to the compiled prefill kernel, which reads their context from the cache in place."""
-        prefills: NativePrefills | None = getattr(plan, "native_prefills", None)
+        prefills: NativePrefills | None = plan.native_prefills
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = key_cache.shape[2]
         if (prefills is None or scales is not None or num_heads // num_kv_heads > MAX_PREFILL_GROUP

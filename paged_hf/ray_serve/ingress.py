@@ -70,9 +70,10 @@ class Ingress:
     async def forward(self, request: Request, hint: RoutingHint | None = None) -> Response:
         call = HttpCall(request.method, request.url.path, request.url.query, tuple(request.headers.items()),
                         await request.body())
-        if hint is None and self.passes_guard(request, call.body):
-            hint = await asyncio.to_thread(self.hint_for, request.url.path, call.body)
-        stream = self._handle.remote(call, routing=hint or RoutingHint())
+        if hint is None:  # a request the replica will refuse is not worth tokenizing
+            hint = (await asyncio.to_thread(self.hint_for, request.url.path, call.body)
+                    if self.passes_guard(request, call.body) else RoutingHint())
+        stream = self._handle.remote(call, routing=hint)
         start = await stream.__anext__()
         headers = {k: v for k, v in start["headers"] if k.lower() not in _DROPPED_HEADERS}
         headers[REPLICA_HEADER] = start["replica"]

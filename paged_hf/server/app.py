@@ -64,7 +64,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        rejection = self._reject(scope["path"], headers)
+        rejection = guard_rejection(self.settings, scope["path"], headers)
         if rejection is not None:
             self.metrics.count_error(rejection.status_code)
             return await rejection(scope, receive, send)
@@ -80,9 +80,6 @@ class GuardMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
-
-    def _reject(self, path: str, headers: dict) -> JSONResponse | None:
-        return guard_rejection(self.settings, path, headers)
 
 
 def guard_rejection(settings: ServerSettings, path: str, headers: dict) -> JSONResponse | None:
