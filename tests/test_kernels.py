@@ -104,23 +104,25 @@ def test_cpu_kernel_decodes_long_contexts(num_heads, num_kv_heads, head_dim, win
                         scaling=head_dim ** -0.5)
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (18, 2, 32)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (18, 2, 32), (50, 1, 16)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 30.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
-def test_cpu_kernel_serves_short_queries_as_decode_rows(num_heads, num_kv_heads, head_dim, window, softcap, dtype):
-    """A request's last token plus its drafts (speculative decoding) is a short multi-token query: up to
-    MAX_NATIVE_QUERY_LEN tokens go to the decode kernel, one causal row per token over the request's blocks
-    (windows starting mid-block, rows ending in different blocks); a longer one stays a prefill chunk."""
-    limit = cpu_kernel.MAX_NATIVE_QUERY_LEN
-    shapes = [(300, limit), (47, 5), (0, limit), (511, 2), (15, limit + 1), (130, 1), (29, 3)]
+def test_cpu_kernel_serves_multi_token_queries(num_heads, num_kv_heads, head_dim, window, softcap, dtype):
+    """Multi-token queries (prompt chunks; a request's last token plus its drafts) computed in float32 all go to
+    the decode kernel, in tiles of (token, query head) pairs: a prompt over many tiles, a tile boundary inside a
+    token's group of heads (9 and 50 query heads per KV head), windows starting mid-block, rows ending in
+    different blocks, 2 rows (the fewest a tile takes). float64 sends only queries of up to
+    MAX_FLOAT64_QUERY_LEN tokens there, as causal rows; longer ones stay prefill chunks for SDPA."""
+    limit = cpu_kernel.MAX_FLOAT64_QUERY_LEN
+    shapes = [(300, limit), (47, 5), (0, 100), (511, 2), (15, limit + 1), (130, 1), (29, 3), (33, 17)]
     kernel = make_kernel("cpu", dtype, head_dim)
     starts = [sum(n for _, n in shapes[:i]) for i in range(len(shapes) + 1)]
     metadata = AttentionMetadata(16, starts, [p + n for p, n in shapes], [[0] * -(-(p + n) // 16) for p, n in shapes],
                                  torch.zeros(starts[-1], dtype=torch.long))
     plan = kernel.plan(metadata, torch.device("cpu"))
-    assert [chunk.query_len for chunk in plan.prefills] == [limit + 1]
-    assert plan.decodes.seq_starts.tolist() == [0, limit, limit + 5, 2 * limit + 5, 2 * limit + 7, 2 * limit + 8,
-                                                2 * limit + 11]
+    native = [n for _, n in shapes if dtype != torch.float64 or n <= limit]
+    assert [chunk.query_len for chunk in plan.prefills] == [n for _, n in shapes if n not in native]
+    assert plan.decodes.seq_starts.tolist() == [sum(native[:i]) for i in range(len(native) + 1)]
     check_against_dense(kernel, shapes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         block_size=16, dtype=dtype, window=window, softcap=softcap, seed=head_dim,
                         scaling=head_dim ** -0.5)

@@ -1,5 +1,6 @@
-// Decode attention read straight from the paged KV cache, no gathered copy: one query token per row, and a
-// sequence may have several rows (speculative decoding's drafts, short chunks), which read its blocks once.
+// Attention read straight from the paged KV cache, no gathered copy: one query token per row, and a sequence
+// may have several rows (a prompt chunk; speculative decoding's last token and drafts), which read its blocks
+// once. A lone decode row goes through attend_rows; several rows, computed in float, through tiles (below).
 //
 // Why: the pure-PyTorch kernel first gathers each row's blocks into a dense buffer, so every K/V byte crosses
 // memory three times (read, write, read again), and decode attention on a CPU is memory-bound. Here each
@@ -24,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -291,34 +293,284 @@ void attend_rows(const T *q, const S *k_cache, const S *v_cache, const int64_t *
     }
 }
 
+// --- Sequences of several rows: the rows in the vector lanes ------------------------------------------------
+//
+// attend_rows scores each (row, query head) against a key with a dot product and a horizontal sum, which costs
+// about as much again as the dot product, once per row. A sequence with several rows (a request's last token and
+// its drafts) instead goes through tiles of up to 48 (row, query head) pairs of one KV head, laid across the
+// lanes of three vectors, dimension-major, as csrc/paged_prefill.cpp does in bf16: each key element is
+// broadcast against the tile, and the online softmax runs lane-wise (one max and one exp per 16 pairs), so
+// nothing is summed horizontally. Lane p of a tile is token p / G and query head p % G of the KV head's group.
+// Float compute only; the float64 kernel keeps attend_rows.
+
+constexpr int kLanes = Vec<float>::lanes;
+constexpr int kTileVectors = 3;    // 48 (row, head) pairs per tile
+constexpr int kTileMinPairs = 6;   // fewer pairs fill too few lanes to beat attend_rows (measured: 6 gains)
+constexpr int kKeysAtOnce = 4;     // keys scored together (their broadcasts share the tile's query loads)
+constexpr int kDimsAtOnce = 8;     // output dimensions accumulated together
+constexpr float kMasked = -1e30f;  // a masked score: finite, so that max - max is never inf - inf
+using VF = Vec<float>::type;
+typedef int32_t VI __attribute__((vector_size(64), aligned(4)));  // like VF: any 4-byte address
+
+// The work of one thread for one KV head of a sequence: the rows [first, first + count) by attend_rows, or as
+// one tile the (row, head) pairs [first, first + count), pair row * G + g being query head g of the KV head's group.
+struct Task {
+  int64_t seq, kv_head, first, count;
+  bool tiled;
+};
+
+// One thread's tile scratch: the tile's queries and running output (dimension-major, pairs in lanes), its
+// softmax state, each pair's allowed key positions [lo, hi], a block's scores then weights, and a block's keys
+// and values widened to float when the cache stores another type.
+struct TileScratch {
+  VF q[PAGED_HF_HEAD_DIM][kTileVectors], out[PAGED_HF_HEAD_DIM][kTileVectors];
+  VF max[kTileVectors], sum[kTileVectors], correction[kTileVectors];
+  VI lo[kTileVectors], hi[kTileVectors];
+  VF *scores;                           // [block_size][kTileVectors]
+  float *keys, *values;                 // [block_size][head_dim] each
+  const float **key_rows, **value_rows;  // [block_size] each: the block's rows as float
+};
+
+// A TileScratch and its arrays in one allocation (free() releases it); null when out of memory.
+TileScratch *new_tile_scratch(int64_t block_size) {
+  const size_t bytes = sizeof(TileScratch) + sizeof(VF) * block_size * kTileVectors +
+                       sizeof(float) * 2 * block_size * PAGED_HF_HEAD_DIM + sizeof(float *) * 2 * block_size;
+  auto *w = static_cast<TileScratch *>(std::malloc(bytes));
+  if (!w) return nullptr;
+  w->scores = reinterpret_cast<VF *>(w + 1);
+  w->keys = reinterpret_cast<float *>(w->scores + block_size * kTileVectors);
+  w->values = w->keys + block_size * PAGED_HF_HEAD_DIM;
+  w->key_rows = reinterpret_cast<const float **>(w->values + block_size * PAGED_HF_HEAD_DIM);
+  w->value_rows = w->key_rows + block_size;
+  return w;
+}
+
+// The tile's queries into the lanes, each pair's allowed keys, the running state reset. Lanes past the last
+// pair allow no key, so they stay at zero weight and are never written.
+template <int R> void begin_tile(const float *q, const Task &t, const Batch &batch, TileScratch &w) {
+  constexpr int64_t D = PAGED_HF_HEAD_DIM;
+  const int64_t group = batch.num_heads / batch.num_kv_heads;
+  float *packed = reinterpret_cast<float *>(w.q);
+  int32_t lo[R * kLanes], hi[R * kLanes];
+  for (int64_t p = 0; p < R * kLanes; ++p) {
+    const int64_t v = p / kLanes, lane = p % kLanes;
+    if (p >= t.count) {
+      for (int64_t d = 0; d < D; ++d) packed[(d * kTileVectors + v) * kLanes + lane] = 0;
+      lo[p] = 0, hi[p] = -1;
+      continue;
+    }
+    const int64_t row = (t.first + p) / group, head = t.kv_head * group + (t.first + p) % group;
+    const float *src = q + (row * batch.num_heads + head) * D;
+    for (int64_t d = 0; d < D; ++d) packed[(d * kTileVectors + v) * kLanes + lane] = src[d];
+    const int64_t len = batch.context_lens[row];
+    hi[p] = static_cast<int32_t>(len - 1);
+    lo[p] = static_cast<int32_t>(batch.window > 0 && len > batch.window ? len - batch.window : 0);
+  }
+  for (int v = 0; v < R; ++v) {
+    std::memcpy(&w.lo[v], lo + v * kLanes, sizeof(VI));
+    std::memcpy(&w.hi[v], hi + v * kLanes, sizeof(VI));
+    w.max[v] = VF{} + kMasked;
+    w.sum[v] = VF{};
+    for (int64_t d = 0; d < D; ++d) w.out[d][v] = VF{};
+  }
+}
+
+// scores[i][v] = scale * q . key i (soft-capped when asked), for the n keys given.
+template <int R> void score_keys(const float *const *keys, int64_t n, float scale, float softcap, TileScratch &w) {
+  for (int64_t i = 0; i < n; i += kKeysAtOnce) {
+    const float *k[kKeysAtOnce];
+    for (int j = 0; j < kKeysAtOnce; ++j) k[j] = keys[i + j < n ? i + j : i];
+    VF acc[kKeysAtOnce][R] = {};
+    for (int d = 0; d < PAGED_HF_HEAD_DIM; ++d)
+      for (int v = 0; v < R; ++v) {
+        const VF qv = w.q[d][v];
+        for (int j = 0; j < kKeysAtOnce; ++j) acc[j][v] += qv * k[j][d];
+      }
+    for (int j = 0; j < kKeysAtOnce && i + j < n; ++j)
+      for (int v = 0; v < R; ++v) {
+        VF s = acc[j][v] * scale;
+        if (softcap > 0) s = paged_hf::soft_cap(s, softcap);
+        w.scores[(i + j) * kTileVectors + v] = s;
+      }
+  }
+}
+
+// Online softmax over the scores of the n keys from position `first`: masked (when some pair may not see all of
+// them), new running max, the correction of what was accumulated, the scores turned into weights, running sums.
+template <int R> void softmax_keys(int64_t first, int64_t n, bool masked, TileScratch &w) {
+  for (int v = 0; v < R; ++v) {
+    VF block_max = VF{} + kMasked;
+    for (int64_t i = 0; i < n; ++i) {
+      VF &s = w.scores[i * kTileVectors + v];
+      if (masked) {
+        const VI position = VI{} + static_cast<int32_t>(first + i);
+        s = (w.lo[v] <= position) & (position <= w.hi[v]) ? s : VF{} + kMasked;
+      }
+      block_max = s > block_max ? s : block_max;
+    }
+    const VF new_max = w.max[v] > block_max ? w.max[v] : block_max;
+    w.correction[v] = exp_nonpositive(w.max[v] - new_max);
+    w.max[v] = new_max;
+    VF sum{};
+    for (int64_t i = 0; i < n; ++i) {
+      VF &s = w.scores[i * kTileVectors + v];
+      VF e = exp_nonpositive(s - new_max);
+      if (masked) {
+        const VI position = VI{} + static_cast<int32_t>(first + i);
+        e = (w.lo[v] <= position) & (position <= w.hi[v]) ? e : VF{};
+      }
+      s = e;
+      sum += e;
+    }
+    w.sum[v] = w.sum[v] * w.correction[v] + sum;
+  }
+}
+
+// out[d][v] = out[d][v] * correction[v] + sum over the n keys of weight * value[d] (weights times v_scale).
+template <int R> void accumulate_keys(const float *const *values, int64_t n, float v_scale, TileScratch &w) {
+  for (int d0 = 0; d0 < PAGED_HF_HEAD_DIM; d0 += kDimsAtOnce) {
+    VF acc[kDimsAtOnce][R];
+    for (int j = 0; j < kDimsAtOnce; ++j)
+      for (int v = 0; v < R; ++v) acc[j][v] = w.out[d0 + j][v] * w.correction[v];
+    for (int64_t i = 0; i < n; ++i) {
+      VF weight[R];
+      for (int v = 0; v < R; ++v) weight[v] = w.scores[i * kTileVectors + v] * v_scale;
+      const float *value = values[i] + d0;
+      for (int j = 0; j < kDimsAtOnce; ++j)
+        for (int v = 0; v < R; ++v) acc[j][v] += weight[v] * value[j];
+    }
+    for (int j = 0; j < kDimsAtOnce; ++j)
+      for (int v = 0; v < R; ++v) w.out[d0 + j][v] = acc[j][v];
+  }
+}
+
+// Rows [lo, hi) of a block as float rows: pointers into the cache, or into `widened` for another storage type.
+template <typename S>
+void float_rows(const S *block, int64_t token_stride, int64_t lo, int64_t hi, float *widened, const float **rows) {
+  constexpr int NV = PAGED_HF_HEAD_DIM / kLanes;
+  for (int64_t i = lo; i < hi; ++i) {
+    if constexpr (std::is_same_v<S, float>) {
+      rows[i - lo] = block + i * token_stride;
+    } else {
+      VF row[NV];
+      load<S, NV>(row, block + i * token_stride);
+      std::memcpy(widened + (i - lo) * PAGED_HF_HEAD_DIM, row, sizeof(row));
+      rows[i - lo] = widened + (i - lo) * PAGED_HF_HEAD_DIM;
+    }
+  }
+}
+
+// One tile: its pairs against the keys any of them may see, block by block; then each pair's output.
+template <typename S, int R>
+void attend_tile(const float *q, const S *k_cache, const S *v_cache, const Task &t, const Batch &batch,
+                 TileScratch &w, float *out) {
+  constexpr int64_t D = PAGED_HF_HEAD_DIM;
+  const int64_t bs = batch.block_size, token_stride = batch.num_kv_heads * D, block_stride = bs * token_stride;
+  const int64_t *table = batch.block_tables + t.seq * batch.max_blocks;
+  begin_tile<R>(q, t, batch, w);
+  auto start_of = [&](int64_t len) { return (batch.window > 0 && len > batch.window) ? len - batch.window : 0; };
+  int64_t shortest = INT64_MAX, longest = 0;
+  const int64_t group = batch.num_heads / batch.num_kv_heads;
+  for (int64_t r = t.first / group; r <= (t.first + t.count - 1) / group; ++r) {
+    shortest = batch.context_lens[r] < shortest ? batch.context_lens[r] : shortest;
+    longest = batch.context_lens[r] > longest ? batch.context_lens[r] : longest;
+  }
+  // every pair sees the keys [start_of(longest), shortest); some see more, from start_of(shortest) to longest
+  const int64_t seen_by_all = start_of(longest), first = start_of(shortest), last = (longest - 1) / bs;
+  for (int64_t b = first / bs; b <= last; ++b) {
+    if (b < last) {
+      for (int64_t i = 0; i < bs; ++i) {
+        prefetch(k_cache + table[b + 1] * block_stride + i * token_stride + t.kv_head * D, D * sizeof(S));
+        prefetch(v_cache + table[b + 1] * block_stride + i * token_stride + t.kv_head * D, D * sizeof(S));
+      }
+    }
+    const int64_t t0 = b * bs;
+    const int64_t lo = first > t0 ? first - t0 : 0, hi = longest - t0 < bs ? longest - t0 : bs;
+    float k_scale = 1, v_scale = 1;
+    if constexpr (kQuantized<S>) {
+      k_scale = batch.k_scales[table[b] * batch.num_kv_heads + t.kv_head];
+      v_scale = batch.v_scales[table[b] * batch.num_kv_heads + t.kv_head];
+    }
+    float_rows<S>(k_cache + table[b] * block_stride + t.kv_head * D, token_stride, lo, hi, w.keys, w.key_rows);
+    float_rows<S>(v_cache + table[b] * block_stride + t.kv_head * D, token_stride, lo, hi, w.values, w.value_rows);
+    score_keys<R>(w.key_rows, hi - lo, static_cast<float>(batch.scale) * k_scale, static_cast<float>(batch.softcap), w);
+    softmax_keys<R>(t0 + lo, hi - lo, t0 + lo < seen_by_all || t0 + hi > shortest, w);
+    accumulate_keys<R>(w.value_rows, hi - lo, v_scale, w);
+  }
+  for (int64_t p = 0; p < t.count; ++p) {
+    const int64_t v = p / kLanes, lane = p % kLanes;
+    const int64_t row = (t.first + p) / group, head = t.kv_head * group + (t.first + p) % group;
+    float *dst = out + (row * batch.num_heads + head) * D;
+    const float inverse = 1.0f / w.sum[v][lane];
+    for (int64_t d = 0; d < D; ++d) dst[d] = w.out[d][v][lane] * inverse;
+  }
+}
+
+// The step's tasks: per sequence and KV head, its (row, head) pairs in tiles when it has several rows and
+// enough pairs to fill lanes (split evenly into as few tiles as hold them), else its rows by attend_rows (a lone
+// decode row reads its keys fastest there).
+template <typename T> std::vector<Task> make_tasks(const Batch &batch) {
+  constexpr int64_t kTilePairs = kTileVectors * kLanes;
+  const int64_t group = batch.num_heads / batch.num_kv_heads;
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < batch.num_seqs; ++s) {
+    const int64_t first = batch.seq_starts[s], rows = batch.seq_starts[s + 1] - first, pairs = rows * group;
+    if (!std::is_same_v<T, float> || rows < 2 || pairs < kTileMinPairs) {
+      for (int64_t kv_head = 0; kv_head < batch.num_kv_heads; ++kv_head) tasks.push_back({s, kv_head, first, rows, false});
+      continue;
+    }
+    const int64_t tiles = (pairs + kTilePairs - 1) / kTilePairs, per_tile = (pairs + tiles - 1) / tiles;
+    for (int64_t p = 0; p < pairs; p += per_tile)
+      for (int64_t kv_head = 0; kv_head < batch.num_kv_heads; ++kv_head)
+        tasks.push_back({s, kv_head, first * group + p, per_tile < pairs - p ? per_tile : pairs - p, true});
+  }
+  return tasks;
+}
+
 template <typename S, typename T = typename Compute<S>::type>
 int paged_decode(const T *q, const S *k_cache, const S *v_cache, T *out, const Batch &batch, int num_threads) {
   if constexpr (PAGED_HF_HEAD_DIM % Vec<T>::lanes != 0) {
     return 2;  // this dtype's vectors do not tile head_dim (nothing else is instantiated for it)
   } else {
-  int64_t max_rows = 1;
-  for (int64_t s = 0; s < batch.num_seqs; ++s)
-    max_rows = batch.seq_starts[s + 1] - batch.seq_starts[s] > max_rows ? batch.seq_starts[s + 1] - batch.seq_starts[s]
-                                                                       : max_rows;
+  const std::vector<Task> tasks = make_tasks<T>(batch);
   const int64_t group = batch.num_heads / batch.num_kv_heads;
+  int64_t max_rows = 1;  // of an attend_rows task
+  bool any_tiled = false;
+  for (const Task &t : tasks) {
+    max_rows = !t.tiled && t.count > max_rows ? t.count : max_rows;
+    any_tiled = any_tiled || t.tiled;
+  }
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {
     auto *state = static_cast<Running<T> *>(std::malloc(sizeof(Running<T>) * max_rows * group));
     auto *scores = static_cast<T *>(std::malloc(sizeof(T) * kMaxGroup * batch.block_size));
-    if (!state || !scores) {
+    TileScratch *tile = any_tiled ? new_tile_scratch(batch.block_size) : nullptr;
+    const bool ready = state && scores && (tile || !any_tiled);
+    if (!ready) {
 #pragma omp atomic write
       failed = 1;
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch.num_seqs * batch.num_kv_heads; ++task) {
-      if (!state || !scores) continue;
-      const int64_t seq = task / batch.num_kv_heads, kv_head = task % batch.num_kv_heads;
-      attend_rows<S>(q, k_cache, v_cache, batch.block_tables + seq * batch.max_blocks, batch.seq_starts[seq],
-                     batch.seq_starts[seq + 1], kv_head, batch, state, scores, out);
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      if (!ready) continue;
+      const Task &t = tasks[i];
+      if constexpr (std::is_same_v<T, float>) {
+        if (t.tiled) {
+          switch ((t.count + kLanes - 1) / kLanes) {
+            case 1: attend_tile<S, 1>(q, k_cache, v_cache, t, batch, *tile, out); break;
+            case 2: attend_tile<S, 2>(q, k_cache, v_cache, t, batch, *tile, out); break;
+            default: attend_tile<S, 3>(q, k_cache, v_cache, t, batch, *tile, out); break;
+          }
+          continue;
+        }
+      }
+      attend_rows<S>(q, k_cache, v_cache, batch.block_tables + t.seq * batch.max_blocks, t.first, t.first + t.count,
+                     t.kv_head, batch, state, scores, out);
     }
     std::free(state);
     std::free(scores);
+    std::free(tile);
   }
   return failed;
   }
