@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .cli_args import add_engine_args, add_model_args, engine_config
+
 #: The built-in corpus: the docstrings of these standard-library modules (and their classes and functions), in
 #: this order. They change a little between Python versions: compare numbers from one interpreter.
 CORPUS_MODULES = (
@@ -118,7 +120,7 @@ def engine_perplexity(model, ids: list[int], context_len: int, stride: int, **co
 
 # --- the command --------------------------------------------------------------------------------------------------
 
-def add_parser(sub, add_model_args, add_engine_args) -> None:
+def add_parser(sub) -> None:
     parser = sub.add_parser("eval-ppl", help="perplexity through the engine, per KV cache dtype, and plain HF's")
     parser.add_argument("--text", default=None, metavar="FILE", help="UTF-8 text (default: the built-in corpus of "
                         "standard-library docstrings)")
@@ -137,7 +139,6 @@ def add_parser(sub, add_model_args, add_engine_args) -> None:
 def cmd_eval_ppl(args) -> int:
     import json  # noqa: PLC0415
 
-    from .cli import engine_config  # noqa: PLC0415
     from .default_model import load_model  # noqa: PLC0415
     from .kv_cache_manager import cdiv  # noqa: PLC0415
 

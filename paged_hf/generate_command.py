@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import fields
 
+from paged_hf.cli_args import engine_config
 from paged_hf.sampling_params import SamplingParams
 
 #: Fields a JSONL line may set (eos_token_ids is internal, not part of the public contract).
@@ -69,7 +70,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         requests = [parse_request_line(line, n, defaults) for n, line in enumerate(fh, 1) if line.strip()]
     if not requests:
         raise ValueError(f"{args.input} holds no requests")
-    from paged_hf.cli import engine_config  # noqa: PLC0415
 
     config = engine_config(args)
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)

@@ -11,6 +11,7 @@ import torch
 uvicorn = pytest.importorskip("uvicorn")
 
 from paged_hf import cli, device_dtype  # noqa: E402
+from paged_hf.cli_args import engine_config  # noqa: E402
 from paged_hf.server.lifecycle import DrainingServer  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
@@ -81,7 +82,7 @@ def test_vllm_spellings(served, tmp_path):
 def test_lora_modules_flag():
     args = cli.build_parser().parse_args(["serve", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}',
                                           "--adapter", "c=/z"])
-    assert cli.engine_config(args)["adapters"] == {"a": "/x", "b": "/y", "c": "/z"}
+    assert engine_config(args)["adapters"] == {"a": "/x", "b": "/y", "c": "/z"}
 
 
 def test_api_key_from_environment_cors_and_generation_defaults(served, monkeypatch):

@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("ray", reason="the test extra installs ray[serve]")
 from ray import serve  # noqa: E402
 
-from paged_hf.cli import build_parser, resolve_model_args  # noqa: E402
+from paged_hf.cli import build_parser  # noqa: E402
+from paged_hf.cli_args import resolve_model_args  # noqa: E402
 from paged_hf.ray_serve.ingress import REPLICA_HEADER  # noqa: E402
 from paged_hf.ray_serve.launch import build_application, start_local_ray, start_serve, stop_ray  # noqa: E402
 from serve_process import MODEL, free_port, save_tiny_model  # noqa: E402

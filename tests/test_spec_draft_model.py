@@ -257,7 +257,8 @@ def test_cli_and_bench_take_a_draft_model_path(tmp_path):
     from paged_hf.bench import sized_engine_config
     from paged_hf.bench.systems import run_system
     from paged_hf.bench.workloads import build_workload
-    from paged_hf.cli import build_parser, engine_config
+    from paged_hf.cli import build_parser
+    from paged_hf.cli_args import engine_config
 
     tokenizer = real_tokenizer()
     model = tiny_model_for(tokenizer)

@@ -58,7 +58,8 @@ def build_application(args: argparse.Namespace):
 def build_app(config: dict):
     """Ray Serve's application builder (`serve run paged_hf.ray_serve:build_app ...` or a config file's
     `import_path`): `serve_args` (the `paged-hf serve` flags, a string or a list), `replicas`, `routing`."""
-    from paged_hf.cli import build_parser, resolve_model_args  # noqa: PLC0415
+    from paged_hf.cli import build_parser  # noqa: PLC0415
+    from paged_hf.cli_args import resolve_model_args  # noqa: PLC0415
 
     flags = config.get("serve_args", [])
     flags = shlex.split(flags) if isinstance(flags, str) else [str(flag) for flag in flags]

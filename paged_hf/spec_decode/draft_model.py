@@ -154,8 +154,8 @@ class DraftModelProposer(Proposer):
             shadow = Request(request.request_id, request.index, list(request.all_token_ids), request.sampling_params,
                              cache_salt=request.cache_salt)
             sequence = self.sequences[request] = DraftSequence(shadow, shadow.num_tokens)
-        else:
-            self._sync(request, sequence)
+        elif sequence.num_verified != request.num_tokens or sequence.request.num_tokens != request.num_tokens:
+            self._sync(request, sequence)  # behind: a step without drafts, or drafts the scheduler dropped
         return sequence
 
     def _sync(self, request: Request, sequence: DraftSequence) -> None:
