@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
+from .quant import KV_CACHE_DTYPES
+
 logger = logging.get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -34,8 +36,9 @@ DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "b
 #: the dtype of the query and output each cache dtype is computed in
 COMPUTE_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32,
                   torch.float16: torch.float32}
-#: quantized cache dtypes (kernels/quant.py), by entry-point suffix: computed in float32, with per-block scales
-QUANTIZED_DTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+#: quantized cache dtypes, by entry-point suffix (their kv_cache_dtype names): computed in float32, with
+#: per-block scales
+QUANTIZED_DTYPES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
 
 
 class NativeBuildError(RuntimeError):
