@@ -6,8 +6,9 @@ place, once. A bf16/fp16 cache is read at its own width and widened to float32 i
 sums in float32); an int8/fp8 cache likewise, with its per-(block, KV head) scales applied per score and per
 softmax weight. The same kernel serves multi-token queries (prompt chunks, speculative decoding's last token
 plus drafts) computed in float32, in tiles with the query rows in the vector lanes: 1.7-2.5x torch's float32
-SDPA on SmolLM2's shapes (5 to 512 tokens, with and without a past), and no gathered copy. In bf16, on a CPU with AVX512-BF16, prompt chunks go to `csrc/paged_prefill.cpp` instead (bf16
-dot products into float32 sums). float64 (tests) keeps SDPA for queries longer than MAX_FLOAT64_QUERY_LEN.
+SDPA on SmolLM2's shapes (17 to 512 tokens, with and without a past), and no gathered copy. In bf16, on a CPU
+with AVX512-BF16, prompt chunks go to `csrc/paged_prefill.cpp` instead (bf16 dot products into float32 sums).
+float64 (tests) keeps SDPA for queries longer than MAX_FLOAT64_QUERY_LEN.
 The torch kernel remains the reference this one is tested against.
 """
 

@@ -16,7 +16,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="auto", help="torch device of the model (auto: cuda when present)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                        help="auto: the checkpoint's on a GPU; on CPU float32 (bfloat16 where it is fast)")
+                        help="auto: the checkpoint's on a GPU, float32 on CPU (bfloat16: ~1.8x as fast with "
+                        "AVX512-BF16)")
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:

@@ -516,7 +516,8 @@ template <typename T> std::vector<Task> make_tasks(const Batch &batch) {
   for (int64_t s = 0; s < batch.num_seqs; ++s) {
     const int64_t first = batch.seq_starts[s], rows = batch.seq_starts[s + 1] - first, pairs = rows * group;
     if (!std::is_same_v<T, float> || rows < 2 || pairs < kTileMinPairs) {
-      for (int64_t kv_head = 0; kv_head < batch.num_kv_heads; ++kv_head) tasks.push_back({s, kv_head, first, rows, false});
+      for (int64_t kv_head = 0; kv_head < batch.num_kv_heads; ++kv_head)
+        tasks.push_back({s, kv_head, first, rows, false});
       continue;
     }
     const int64_t tiles = (pairs + kTilePairs - 1) / kTilePairs, per_tile = (pairs + tiles - 1) / tiles;
