@@ -118,6 +118,9 @@ class LoRAManager:
         self.wrappers: dict[str, LoRALinear] = {}  # module path -> wrapper
         self._sites: dict[str, tuple[torch.nn.Module, str]] = {}  # module path -> (parent, attribute)
         self.resident: OrderedDict[LoRAAdapter, int] = OrderedDict()  # adapter -> slot, least recent first
+        # the resident adapters' names, replaced whole on each swap: what another thread may read (the Ray
+        # replica's routing stats) while the engine thread reorders `resident` every step
+        self.resident_names: frozenset[str] = frozenset()
         self._num_loads = 0
         self.num_swaps = 0  # adapters copied into a device slot so far
         # serving a PeftModel: its own LoRA layers must be bypassed in every step, also without adapter tokens
@@ -201,6 +204,7 @@ class LoRAManager:
         for module_path, wrapper in self.wrappers.items():
             wrapper.set_slot(slot, adapter.weights.get(module_path))
         self.resident[adapter] = slot
+        self.resident_names = frozenset(a.name for a in self.resident)
         self.num_swaps += 1
         return slot
 

@@ -113,6 +113,8 @@ def test_runtime_load_unload_through_fewer_slots(setup):
     with pytest.raises(ValueError, match="'all'"):
         generator.unload_adapter("all")
     assert served(generator, prompts[:2], ["down", "qv"]) == expected_tokens(base, oracles, prompts[:2], ["down", "qv"])
+    lora = generator.runner.lora  # what another thread reads (Ray's routing stats): the two in the slots now
+    assert lora.resident_names == {"down", "qv"} == {adapter.name for adapter in lora.resident}
     assert_no_leak(generator)
 
 

@@ -39,7 +39,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         lora = getattr(getattr(self.generator, "runner", None), "lora", None)
-        resident = [adapter.name for adapter in list(lora.resident)] if lora is not None else []
+        resident = sorted(lora.resident_names) if lora is not None else []  # not `resident`: the engine's
         return {"adapters": list(self.engine.adapter_names), "resident_adapters": resident,
                 "num_in_flight": self.engine.num_in_flight}
 
