@@ -346,7 +346,7 @@ TileScratch *new_tile_scratch(int64_t block_size) {
 }
 
 // The tile's queries into the lanes, each pair's allowed keys, the running state reset. Lanes past the last
-// pair allow no key, so they stay at zero weight and are never written.
+// pair hold zero queries and allow no key; whatever they accumulate (finite) is never written.
 template <int R> void begin_tile(const float *q, const Task &t, const Batch &batch, TileScratch &w) {
   constexpr int64_t D = PAGED_HF_HEAD_DIM;
   const int64_t group = batch.num_heads / batch.num_kv_heads;
