@@ -14,6 +14,7 @@ The torch kernel remains the reference this one is tested against.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -102,11 +103,11 @@ class CpuKernel(TorchKernel):
         elif self.compute_dtype == torch.float64:
             limit = MAX_FLOAT64_QUERY_LEN
         else:
-            limit = None
-        chunks = [prefill_chunk(q, device) for q in queries if limit is not None and q.length > limit]
+            limit = math.inf
+        chunks = [prefill_chunk(q, device) for q in queries if q.length > limit]
         native_prefills = _native_prefills(chunks) if self._prefill_functions and chunks else None
-        return CpuPlan(slot_mapping, _native_decodes([q for q in queries if limit is None or q.length <= limit]),
-                       chunks, native_prefills=native_prefills)
+        return CpuPlan(slot_mapping, _native_decodes([q for q in queries if q.length <= limit]), chunks,
+                       native_prefills=native_prefills)
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan, *, scaling, sliding_window, softcap,
                        scales=None) -> None:

@@ -142,6 +142,9 @@ struct Batch {
   const float *k_scales, *v_scales;            // [num_blocks, num_kv_heads] for a quantized cache, else null
   int64_t num_seqs, max_blocks, num_heads, num_kv_heads, block_size, window;
   double scale, softcap;
+
+  // The first key a row with `len` keys attends to (its window's start; 0 without a window).
+  int64_t first_key(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
 };
 
 inline void prefetch(const void *data, int64_t bytes) {
@@ -250,11 +253,10 @@ void attend_rows(const T *q, const S *k_cache, const S *v_cache, const int64_t *
   constexpr int64_t D = PAGED_HF_HEAD_DIM;
   const int64_t bs = batch.block_size, group = batch.num_heads / batch.num_kv_heads;
   const int64_t token_stride = batch.num_kv_heads * D, block_stride = bs * token_stride;
-  auto start_of = [&](int64_t len) { return (batch.window > 0 && len > batch.window) ? len - batch.window : 0; };
   int64_t first = INT64_MAX, last = -1;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t len = batch.context_lens[r];
-    first = start_of(len) / bs < first ? start_of(len) / bs : first;
+    first = batch.first_key(len) / bs < first ? batch.first_key(len) / bs : first;
     last = (len - 1) / bs > last ? (len - 1) / bs : last;
     for (int64_t g = 0; g < group; ++g) state[(r - r0) * group + g] = {-INFINITY, 0};
     std::memset(out + (r * batch.num_heads + kv_head * group) * D, 0, sizeof(T) * group * D);
@@ -275,7 +277,7 @@ void attend_rows(const T *q, const S *k_cache, const S *v_cache, const int64_t *
     }
     const int64_t t0 = b * bs;
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t len = batch.context_lens[r], start = start_of(len);
+      const int64_t len = batch.context_lens[r], start = batch.first_key(len);
       const int64_t lo = start > t0 ? start - t0 : 0, hi = len - t0 < bs ? len - t0 : bs;
       if (lo >= hi) continue;  // the block lies outside this row's window or past its last key
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {  // at most 8 query heads at once
@@ -364,7 +366,7 @@ template <int R> void begin_tile(const float *q, const Task &t, const Batch &bat
     for (int64_t d = 0; d < D; ++d) packed[(d * kTileVectors + v) * kLanes + lane] = src[d];
     const int64_t len = batch.context_lens[row];
     hi[p] = static_cast<int32_t>(len - 1);
-    lo[p] = static_cast<int32_t>(batch.window > 0 && len > batch.window ? len - batch.window : 0);
+    lo[p] = static_cast<int32_t>(batch.first_key(len));
   }
   for (int v = 0; v < R; ++v) {
     std::memcpy(&w.lo[v], lo + v * kLanes, sizeof(VI));
@@ -468,15 +470,14 @@ void attend_tile(const float *q, const S *k_cache, const S *v_cache, const Task 
   const int64_t bs = batch.block_size, token_stride = batch.num_kv_heads * D, block_stride = bs * token_stride;
   const int64_t *table = batch.block_tables + t.seq * batch.max_blocks;
   begin_tile<R>(q, t, batch, w);
-  auto start_of = [&](int64_t len) { return (batch.window > 0 && len > batch.window) ? len - batch.window : 0; };
   int64_t shortest = INT64_MAX, longest = 0;
   const int64_t group = batch.num_heads / batch.num_kv_heads;
   for (int64_t r = t.first / group; r <= (t.first + t.count - 1) / group; ++r) {
     shortest = batch.context_lens[r] < shortest ? batch.context_lens[r] : shortest;
     longest = batch.context_lens[r] > longest ? batch.context_lens[r] : longest;
   }
-  // every pair sees the keys [start_of(longest), shortest); some see more, from start_of(shortest) to longest
-  const int64_t seen_by_all = start_of(longest), first = start_of(shortest), last = (longest - 1) / bs;
+  // every pair sees the keys [first_key(longest), shortest); some see more, from first_key(shortest) to longest
+  const int64_t seen_by_all = batch.first_key(longest), first = batch.first_key(shortest), last = (longest - 1) / bs;
   for (int64_t b = first / bs; b <= last; ++b) {
     if (b < last) {
       for (int64_t i = 0; i < bs; ++i) {

@@ -236,7 +236,7 @@ def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float) -> Pre
         if request.max_tokens == 0 and not request.echo:
             raise ApiError(400, "max_tokens=0 needs echo=true", "invalid_max_tokens", "max_tokens")
     prompts, ids = engine_prompt_ids(request, ctx.tokenizer, chat, ctx.max_model_len, ctx.settings.chat_template,
-                                     getattr(ctx.settings, "tool_call_parser", "hermes"), tools)
+                                     ctx.settings.tool_call_parser, tools)
     if any(not p for p in ids):
         raise ApiError(400, "the prompt is empty", "invalid_prompt", "messages" if chat else "prompt")
     params = sampling_params(request, max(len(p) for p in ids), ctx, chat, tools)
