@@ -19,7 +19,7 @@ import argparse
 import torch
 import transformers
 
-from paged_hf import default_model
+from paged_hf.loader import default_model
 
 
 def tiny_target(tokenizer) -> torch.nn.Module:

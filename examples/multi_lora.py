@@ -18,8 +18,8 @@ from pathlib import Path
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.default_model import load_model
 from paged_hf.integrations.peft import save_random_adapter
+from paged_hf.loader.default_model import load_model
 
 ADAPTERS = {  # name -> LoraConfig fields
     "qv_r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),

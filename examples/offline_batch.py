@@ -12,7 +12,7 @@ import torch
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.default_model import load_model
+from paged_hf.loader.default_model import load_model
 
 QUESTIONS = [
     "What is the capital of France?",

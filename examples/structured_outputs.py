@@ -13,7 +13,7 @@ import time
 
 import paged_hf
 from paged_hf import SamplingParams, StructuredOutputsParams
-from paged_hf.default_model import load_model
+from paged_hf.loader.default_model import load_model
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
           "properties": {"name": {"type": "string", "maxLength": 30},

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.default_model import ensure_default_checkpoint
+from paged_hf.loader.default_model import ensure_default_checkpoint
 
 
 def main() -> None:

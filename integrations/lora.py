@@ -22,8 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .accelerate import _execution_device
-from .peft import LoRAAdapter, adapters_from_peft_model, is_peft_lora_layer, read_adapter
+from paged_hf.integrations.accelerate import _execution_device
+from paged_hf.integrations.peft import LoRAAdapter, adapters_from_peft_model, is_peft_lora_layer, read_adapter
 
 
 class LoRARouting:
@@ -220,7 +220,7 @@ class LoRAManager:
             for module_path, (parent, attribute) in self._sites.items():
                 originals[module_path] = original = parent._modules[attribute]
                 wrapper = self.wrappers[module_path]
-                # the engine's packed stand-in of the base layer (paged_hf.packed_linears), when one is in place;
+                # the engine's packed stand-in of the base layer (paged_hf.worker.packed_linears), when one is in place;
                 # a plain attribute, not a registered submodule (state_dict and forward's lookups stay as they are)
                 object.__setattr__(wrapper, "packed_base",
                                    original if getattr(original, "base", None) is wrapper.base else None)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging
 
-from .base import AttentionKernel
-from .torch_kernel import TorchKernel
+from paged_hf.kernels.base import AttentionKernel
+from paged_hf.kernels.torch_kernel import TorchKernel
 
 logger = logging.get_logger(__name__)
 
@@ -44,8 +44,8 @@ def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, he
 
 
 def _try_cpu(device, dtype, head_dims, kv_dtype) -> tuple[AttentionKernel | None, str | None]:
-    from .cpu_kernel import CpuKernel  # noqa: PLC0415
-    from .native import NativeBuildError  # noqa: PLC0415
+    from paged_hf.kernels.cpu_kernel import CpuKernel  # noqa: PLC0415
+    from paged_hf.kernels.native import NativeBuildError  # noqa: PLC0415
 
     reason = CpuKernel.unsupported_reason(device, dtype, head_dims, kv_dtype)
     if reason is not None:
@@ -59,7 +59,7 @@ def _try_cpu(device, dtype, head_dims, kv_dtype) -> tuple[AttentionKernel | None
 
 def _try_flashinfer(device, dtype, head_dims, kv_dtype) -> tuple[AttentionKernel | None, str | None]:
     try:
-        from .flashinfer import FlashInferKernel  # noqa: PLC0415 (lazy: never imported on CPU)
+        from paged_hf.kernels.flashinfer import FlashInferKernel  # noqa: PLC0415 (lazy: never imported on CPU)
 
         reasons = [FlashInferKernel.unsupported_reason(device, dtype, d, kv_dtype) for d in sorted(set(head_dims))]
         reason = next((r for r in reasons if r is not None), None)

@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .quant import KVScales, plan_write, write_quantized
+from paged_hf.kernels.quant import KVScales, plan_write, write_quantized
 
 
 class AttentionKernel(Protocol):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
-from .torch_kernel import PrefillChunk, Query, TorchKernel, TorchPlan, prefill_chunk
+from paged_hf.kernels import native
+from paged_hf.kernels.torch_kernel import PrefillChunk, Query, TorchKernel, TorchPlan, prefill_chunk
 
 #: query heads per KV head the prefill kernel's tiles hold (48 rows); more go to SDPA
 MAX_PREFILL_GROUP = 48

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import write_kv_by_slots
+from paged_hf.kernels.base import write_kv_by_slots
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_HEAD_DIMS = (64, 128, 256)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from .quant import KV_CACHE_DTYPES
+from paged_hf.kernels.quant import KV_CACHE_DTYPES
 
 logger = logging.get_logger(__name__)
 
@@ -63,7 +63,7 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    from paged_hf.default_model import cache_root  # noqa: PLC0415 (engine module; keeps kernels import-light)
+    from paged_hf.loader.default_model import cache_root  # noqa: PLC0415 (engine module; keeps kernels import-light)
 
     return cache_root() / "kernels"
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import write_kv_by_slots
-from .quant import KVScales, as_bytes, dequantize
+from paged_hf.kernels.base import write_kv_by_slots
+from paged_hf.kernels.quant import KVScales, as_bytes, dequantize
 
 MAX_DECODE_PADDING = 1.25  # a decode group's padded K/V may be at most this much larger than its real K/V
 

@@ -1,14 +1,14 @@
 """paged_hf: serve any HuggingFace causal LM like vLLM does, without leaving transformers."""
 
-from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .config import PagedConfig
-from .generator import ContinuousBatchGenerator
-from .llm import LLM
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .paged_cache import PagedCache
-from .paged_model import PagedModel, wrap
-from .sampling_params import SamplingParams
-from .structured_output import StructuredOutputsParams
+from paged_hf.config import PagedConfig
+from paged_hf.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from paged_hf.engine.generator import ContinuousBatchGenerator
+from paged_hf.hf.paged_model import PagedModel, wrap
+from paged_hf.llm import LLM
+from paged_hf.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged_hf.sample.structured_output import StructuredOutputsParams
+from paged_hf.sampling_params import SamplingParams
+from paged_hf.worker.paged_cache import PagedCache
 
 __all__ = [
     "BeamSearchOutput",

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from paged_hf.entrypoints.cli import main
 
 sys.exit(main())

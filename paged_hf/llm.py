@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .device_dtype import checkpoint_dtype, resolve_device, resolve_dtype
-from .outputs import RequestOutput
-from .paged_model import wrap
-from .sampling_params import SamplingParams
+from paged_hf.hf.paged_model import wrap
+from paged_hf.loader.device_dtype import checkpoint_dtype, resolve_device, resolve_dtype
+from paged_hf.outputs import RequestOutput
+from paged_hf.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", **config):
         """`model`: an HF folder or hub id (None: the default model); `config`: PagedConfig fields (vLLM's
         `speculative_config` is accepted as `speculative`)."""
-        from .default_model import load_model  # noqa: PLC0415
+        from paged_hf.loader.default_model import load_model  # noqa: PLC0415
 
         if "speculative_config" in config:
             if "speculative" in config:

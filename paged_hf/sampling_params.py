@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 #: a temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would overflow
 GREEDY_TEMPERATURE = 1e-5
 
-from .structured_output import StructuredOutputsParams
+from paged_hf.sample.structured_output import StructuredOutputsParams
 
 
 @dataclass

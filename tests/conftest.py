@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from paged_hf import default_model as dm
+from paged_hf.loader import default_model as dm
 
 VOCAB = 128
 

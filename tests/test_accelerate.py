@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import paged_hf
 from paged_hf import PagedConfig, SamplingParams
-from paged_hf.cache_sizing import bytes_per_block, num_blocks_from_memory
+from paged_hf.worker.cache_sizing import bytes_per_block, num_blocks_from_memory
 
 
 def dispatched(tmp_path, device_map):

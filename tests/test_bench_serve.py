@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from paged_hf import cli  # noqa: E402
-
 from serve_process import save_tiny_model  # noqa: E402
+
+from paged_hf.entrypoints import cli  # noqa: E402
 
 
 def test_bench_serve_reports_server_and_offline_side_by_side(tmp_path, capsys):

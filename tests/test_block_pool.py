@@ -12,9 +12,9 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from paged_hf import SamplingParams
-from paged_hf.block_pool import Block, BlockPool, FreeBlockQueue
-from paged_hf.kv_cache_manager import KVCacheManager, cdiv, hash_block
-from paged_hf.request import Request
+from paged_hf.core.block_pool import Block, BlockPool, FreeBlockQueue
+from paged_hf.core.kv_cache_manager import KVCacheManager, cdiv, hash_block
+from paged_hf.core.request import Request
 
 NUM_BLOCKS = 10
 BLOCK_SIZE = 3

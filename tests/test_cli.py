@@ -9,7 +9,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from conftest import tiny_model  # noqa: E402
 
-from paged_hf import cli, default_model  # noqa: E402
+from paged_hf.entrypoints import cli
+from paged_hf.loader import default_model  # noqa: E402
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def served(monkeypatch):
     monkeypatch.setattr(default_model, "load_model",
                         lambda name, dtype, device: (tiny_model("llama", dtype=torch.float32), tiny_tokenizer()))
     result = {}
-    from paged_hf.server.lifecycle import DrainingServer  # noqa: PLC0415
+    from paged_hf.serving.openai.lifecycle import DrainingServer  # noqa: PLC0415
 
     monkeypatch.setattr(DrainingServer, "run", lambda self: result.update(app=self.config.app))
     return result

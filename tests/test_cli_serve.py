@@ -10,18 +10,19 @@ import torch
 
 uvicorn = pytest.importorskip("uvicorn")
 
-from paged_hf import cli, device_dtype  # noqa: E402
-from paged_hf.cli_args import engine_config  # noqa: E402
-from paged_hf.server.lifecycle import DrainingServer  # noqa: E402
-
 from conftest import tiny_model  # noqa: E402
 from test_server import serving, tiny_tokenizer  # noqa: E402
+
+from paged_hf.entrypoints import cli
+from paged_hf.entrypoints.cli_args import engine_config  # noqa: E402
+from paged_hf.loader import device_dtype  # noqa: E402
+from paged_hf.serving.openai.lifecycle import DrainingServer  # noqa: E402
 
 
 @pytest.fixture
 def served(monkeypatch):
     """Runs `paged-hf serve ARGS` on the tiny model; returns (ctx, loaded (name, dtype, device), app)."""
-    from paged_hf import default_model
+    from paged_hf.loader import default_model
 
     loads, result = [], {}
 

@@ -1,4 +1,4 @@
-"""Tests for paged_hf.default_model: the bundled SmolLM2-135M-Instruct, converted once from GGUF.
+"""Tests for paged_hf.loader.default_model: the bundled SmolLM2-135M-Instruct, converted once from GGUF.
 
 The conversion (~20-30 s on a small CPU box) happens once per test session, into a pytest temp folder, in the
 session-scoped ``converted`` fixture. That fixture also captures the GGUF-loaded model the conversion used, so
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_hf import default_model as dm
+from paged_hf.loader import default_model as dm
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention stores the KV cache in blocks"
 

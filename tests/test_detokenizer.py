@@ -7,11 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import tiny_model
+
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.detokenizer import IncrementalDetokenizer
-
-from conftest import tiny_model
+from paged_hf.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello, world! The café's crème brûlée costs 5€.", "日本語のテキストと中文字符 mixed with English.",
          "Emoji: 👍🏽 🇫🇷 👨‍👩‍👧 🤖✨ and math ∑∫√ ≠ ≤.", "  leading spaces,\ttabs\nand\n\nnewlines  ",

@@ -13,8 +13,8 @@ import pytest
 SCRIPT = r"""
 import asyncio, resource, sys, torch, transformers
 import paged_hf
-from paged_hf.server.engine_loop import EngineLoop, reserve_torch_threads
-from paged_hf.server.metrics import ServerMetrics
+from paged_hf.serving.openai.engine_loop import EngineLoop, reserve_torch_threads
+from paged_hf.serving.openai.metrics import ServerMetrics
 
 reserved = sys.argv[1] == "reserve"
 num_threads = reserve_torch_threads() if reserved else None

@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import random_prompts, real_tokenizer, tiny_model, tiny_model_for
 
-from paged_hf.cli import main
-from paged_hf.eval_ppl import engine_perplexity, hf_nll, perplexity, stdlib_docstrings, windows
+from paged_hf.entrypoints.cli import main
+from paged_hf.entrypoints.eval_ppl import engine_perplexity, hf_nll, perplexity, stdlib_docstrings, windows
 
 
 @pytest.mark.parametrize("num_tokens, context_len, stride", [(100, 16, 15), (100, 16, 5), (17, 16, 8), (2, 4, 3),

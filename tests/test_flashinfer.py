@@ -9,7 +9,7 @@ import torch
 
 from paged_hf.kernels import TorchKernel
 from paged_hf.kernels.flashinfer import build_csr
-from paged_hf.step_inputs import AttentionMetadata
+from paged_hf.worker.step_inputs import AttentionMetadata
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, NUM_HEADS = 4, 64, 2, 64, 4
 

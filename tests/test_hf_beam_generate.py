@@ -7,7 +7,7 @@ import torch
 from conftest import assert_no_leak, random_prompts, tiny_model
 
 import paged_hf
-from paged_hf import beam_search
+from paged_hf.engine import beam_search
 
 PAD = 0
 PROMPTS = random_prompts([5, 9, 3], seed=1)
@@ -31,7 +31,7 @@ def paged(model, monkeypatch):
     calls = []
     original = beam_search.run_beam_searches
     monkeypatch.setattr(beam_search, "run_beam_searches", lambda *a, **k: calls.append(a[2]) or original(*a, **k))
-    monkeypatch.setattr("paged_hf.hf_beam_generate.run_beam_searches", beam_search.run_beam_searches)
+    monkeypatch.setattr("paged_hf.hf.beam_generate.run_beam_searches", beam_search.run_beam_searches)
     paged.beam_calls = calls  # the BeamSearchParams of every call served by the engine (no fallback)
     yield paged
     assert_no_leak(paged.generator)

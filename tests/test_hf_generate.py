@@ -225,14 +225,14 @@ def test_beam_sampling_falls_back_with_one_warning(model, paged, caplog):
     """Beam search runs on the engine (test_hf_beam_generate.py); beam *sampling* is HF's, warned once."""
     ids, mask = BATCH
     hf_logging.warning_once.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="paged_hf.hf_generate"):
+    with caplog.at_level(logging.WARNING, logger="paged_hf.hf.generate"):
         for _ in range(2):
             kwargs = dict(attention_mask=mask, max_new_tokens=5, num_beams=2, do_sample=True, pad_token_id=PAD)
             torch.manual_seed(0)
             expected = model.generate(ids, **kwargs)
             torch.manual_seed(0)
             assert torch.equal(paged.generate(ids, **kwargs), expected)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "paged_hf.hf_generate"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "paged_hf.hf.generate"]
     assert len(warnings) == 1 and "beam" in warnings[0].lower(), warnings
 
 

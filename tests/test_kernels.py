@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from paged_hf.integrations.transformers import register
-from paged_hf.kernels import TorchKernel, select_kernel
-from paged_hf.kernels import cpu_kernel
+from paged_hf.kernels import TorchKernel, cpu_kernel, select_kernel
 from paged_hf.kernels.cpu_kernel import CpuKernel
-from paged_hf.step_inputs import AttentionMetadata
+from paged_hf.worker.step_inputs import AttentionMetadata
 
 
 def dense_reference(q, k, v, scaling, window, softcap):

@@ -9,8 +9,8 @@ from conftest import assert_no_leak, hf_greedy, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import PagedConfig, SamplingParams
-from paged_hf.cache_sizing import bytes_per_block, num_blocks_from_memory
 from paged_hf.kernels.quant import KV_CACHE_DTYPES
+from paged_hf.worker.cache_sizing import bytes_per_block, num_blocks_from_memory
 
 QUANTIZED = list(KV_CACHE_DTYPES)
 LENGTHS = [5, 17, 33, 40, 9, 26]

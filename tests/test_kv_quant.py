@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernels import dense_reference
 
 from paged_hf.kernels import TorchKernel, select_kernel
 from paged_hf.kernels.cpu_kernel import CpuKernel
 from paged_hf.kernels.quant import KV_CACHE_DTYPES, QMAX, KVScales, dequantize, plan_write, write_quantized
-from paged_hf.step_inputs import AttentionMetadata
-
-from test_kernels import dense_reference
+from paged_hf.worker.step_inputs import AttentionMetadata
 
 KV_DTYPES = list(KV_CACHE_DTYPES.values())
 #: one rounding: |dequantized - true| <= RELATIVE * |true| + ABSOLUTE * scale. int8 rounds to half a step; fp8

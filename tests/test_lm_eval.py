@@ -13,10 +13,10 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("lm_eval")
 
-import paged_hf  # noqa: E402
-from paged_hf.server import ServerSettings, create_app  # noqa: E402
-
 from test_server import serving  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
 
 DOCS = [
     {"context": "The capital of France is", "continuation": " Paris"},

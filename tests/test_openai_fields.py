@@ -13,13 +13,13 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-import paged_hf  # noqa: E402
-from paged_hf.server import ServerSettings, create_app  # noqa: E402
-from paged_hf.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
-from paged_hf.server.request_fields import CHAT_REFUSED_UNLESS, COMPLETION_REFUSED_UNLESS, IGNORED  # noqa: E402
-
 from conftest import assert_no_leak, tiny_model  # noqa: E402
 from test_server import serving, tiny_tokenizer  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
+from paged_hf.serving.openai.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from paged_hf.serving.openai.request_fields import CHAT_REFUSED_UNLESS, COMPLETION_REFUSED_UNLESS, IGNORED  # noqa: E402
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "tell me the time"}]

@@ -12,10 +12,10 @@ from conftest import VOCAB, assert_no_leak, hf_greedy, random_prompts, tiny_mode
 
 import paged_hf
 from paged_hf import PagedConfig, SamplingParams
-from paged_hf.block_pool import BlockPool
-from paged_hf.kv_cache_manager import KVCacheManager
-from paged_hf.request import Request, RequestStatus
-from paged_hf.scheduler import Scheduler
+from paged_hf.core.block_pool import BlockPool
+from paged_hf.core.kv_cache_manager import KVCacheManager
+from paged_hf.core.request import Request, RequestStatus
+from paged_hf.core.scheduler import Scheduler
 
 
 def greedy(max_new_tokens: int, n: int = 1) -> SamplingParams:

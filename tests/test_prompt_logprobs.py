@@ -9,7 +9,7 @@ from conftest import assert_no_leak, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.token_constraints import banned_tokens
+from paged_hf.sample.token_constraints import banned_tokens
 
 
 def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:

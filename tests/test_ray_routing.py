@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
-import paged_hf
 from conftest import random_prompts, tiny_model
-from paged_hf import SamplingParams
-from paged_hf.ray_serve.exposition import merge_expositions
-from paged_hf.ray_serve.routing import PrefixOwners, RoutingHint, prompt_block_hashes, routing_hint
 from test_server import WORDS, tiny_tokenizer
+
+import paged_hf
+from paged_hf import SamplingParams
+from paged_hf.serving.ray.exposition import merge_expositions
+from paged_hf.serving.ray.routing import PrefixOwners, RoutingHint, prompt_block_hashes, routing_hint
 
 
 def test_block_hashes_are_the_prefix_caches_own():

@@ -17,14 +17,14 @@ import pytest
 
 pytest.importorskip("ray", reason="the test extra installs ray[serve]")
 from ray import serve  # noqa: E402
-
-from paged_hf.cli import build_parser  # noqa: E402
-from paged_hf.cli_args import resolve_model_args  # noqa: E402
-from paged_hf.ray_serve.ingress import REPLICA_HEADER  # noqa: E402
-from paged_hf.ray_serve.launch import build_application, start_local_ray, start_serve, stop_ray  # noqa: E402
 from serve_process import MODEL, free_port, save_tiny_model  # noqa: E402
 from test_lora import make_adapter  # noqa: E402
 from test_server import WORDS  # noqa: E402
+
+from paged_hf.entrypoints.cli import build_parser  # noqa: E402
+from paged_hf.entrypoints.cli_args import resolve_model_args  # noqa: E402
+from paged_hf.serving.ray.ingress import REPLICA_HEADER  # noqa: E402
+from paged_hf.serving.ray.launch import build_application, start_local_ray, start_serve, stop_ray  # noqa: E402
 
 KEY = "ray-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -145,8 +145,8 @@ def test_ingress_tokenizes_only_what_the_replica_takes():
 
     from starlette.requests import Request  # noqa: PLC0415
 
-    from paged_hf.ray_serve.ingress import Ingress  # noqa: PLC0415
-    from paged_hf.server import ServerSettings  # noqa: PLC0415
+    from paged_hf.serving.openai import ServerSettings  # noqa: PLC0415
+    from paged_hf.serving.ray.ingress import Ingress  # noqa: PLC0415
 
     ingress = SimpleNamespace(guard=ServerSettings(api_key=KEY, max_body_bytes=100))
 

@@ -7,8 +7,8 @@ import torch
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.default_model import load_model
 from paged_hf.kernels import native
+from paged_hf.loader.default_model import load_model
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
              "Explain what a CPU does in one sentence."]

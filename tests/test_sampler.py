@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from paged_hf.sampler import (
+from paged_hf.sample.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRow,

@@ -19,10 +19,10 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-import paged_hf  # noqa: E402
-from paged_hf.server import ServerSettings, create_app  # noqa: E402
-
 from conftest import VOCAB, assert_no_leak, hf_greedy, tiny_model  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
@@ -349,16 +349,15 @@ def test_adapters_are_served_under_their_own_model_names(tmp_path):
 @pytest.fixture
 def tiny_load_model(monkeypatch):
     """`paged-hf serve` on the tiny model instead of the default one (no download, no conversion)."""
-    from paged_hf import default_model
+    from paged_hf.loader import default_model
 
     monkeypatch.setattr(default_model, "load_model",
                         lambda name, dtype, device: (tiny_model("llama", dtype=torch.float32), tiny_tokenizer()))
 
 
 def test_cli_serve_builds_the_app_from_its_flags(tiny_load_model, monkeypatch):
-    from paged_hf import cli
-
-    from paged_hf.server.lifecycle import DrainingServer
+    from paged_hf.entrypoints import cli
+    from paged_hf.serving.openai.lifecycle import DrainingServer
 
     served = {}
     monkeypatch.setattr(DrainingServer, "run", lambda self: served.update(
@@ -375,9 +374,8 @@ def test_cli_serve_builds_the_app_from_its_flags(tiny_load_model, monkeypatch):
 
 
 def test_cli_serve_fails_at_startup_for_an_adapter_it_cannot_serve(tiny_load_model, monkeypatch, tmp_path, capsys):
-    from paged_hf import cli
-
-    from paged_hf.server.lifecycle import DrainingServer
+    from paged_hf.entrypoints import cli
+    from paged_hf.serving.openai.lifecycle import DrainingServer
 
     monkeypatch.setattr(DrainingServer, "run", lambda self: pytest.fail("must not start serving"))
     assert cli.main(["serve", "--adapter", f"tenant={tmp_path / 'missing'}", "--num-blocks", "8"]) == 2
@@ -387,7 +385,7 @@ def test_cli_serve_fails_at_startup_for_an_adapter_it_cannot_serve(tiny_load_mod
 def test_stream_sends_each_sequence_finish_once():
     """With n > 1 a finished sequence stays in every later output; its finish goes out once, the others go on."""
     from paged_hf.outputs import CompletionOutput, RequestOutput
-    from paged_hf.server.serving import Deltas
+    from paged_hf.serving.openai.serving import Deltas
 
     deltas = Deltas()
 

@@ -152,13 +152,12 @@ def test_a_second_sigterm_exits_at_once(folder):
 def test_an_exception_of_one_request_fails_only_that_request(monkeypatch):
     """A request whose text cannot be decoded gets a 500 (or an error event), the requests beside it run on."""
     import torch
-
-    import paged_hf
-    from paged_hf.detokenizer import IncrementalDetokenizer
-    from paged_hf.server import ServerSettings, create_app
-
     from conftest import assert_no_leak, tiny_model
     from test_server import serving, tiny_tokenizer
+
+    import paged_hf
+    from paged_hf.engine.detokenizer import IncrementalDetokenizer
+    from paged_hf.serving.openai import ServerSettings, create_app
 
     original = IncrementalDetokenizer.update
 

@@ -12,12 +12,12 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("peft")
 
-import paged_hf  # noqa: E402
-from paged_hf.server import ServerSettings, create_app  # noqa: E402
-
 from conftest import assert_no_leak, hf_greedy, tiny_model  # noqa: E402
 from test_lora import make_adapter  # noqa: E402
 from test_server import serving, tiny_tokenizer  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
 
 KEY = "k"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -13,14 +13,14 @@ from pydantic import BaseModel, Field
 
 openai = pytest.importorskip("openai")
 
-import paged_hf  # noqa: E402
-from paged_hf.server import ServerSettings, create_app  # noqa: E402
-from paged_hf.server.protocol import ChatCompletionRequest  # noqa: E402
-from paged_hf.server.serving import chat_prompt_ids  # noqa: E402
-from paged_hf.server.tool_calls import tool_mode  # noqa: E402
-
 from conftest import assert_no_leak, real_tokenizer, tiny_model_for  # noqa: E402
 from test_server import serving  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
+from paged_hf.serving.openai.protocol import ChatCompletionRequest  # noqa: E402
+from paged_hf.serving.openai.serving import chat_prompt_ids  # noqa: E402
+from paged_hf.serving.openai.tool_calls import tool_mode  # noqa: E402
 
 
 class Color(str, enum.Enum):

@@ -269,8 +269,8 @@ def test_real_model_float32_greedy_is_unchanged(loaded):
 
 
 def test_server_metrics_carry_the_spec_decode_counters():
-    from paged_hf.server.metrics import ServerMetrics
-    from paged_hf.server.vllm_metrics import vllm_aliases
+    from paged_hf.serving.openai.metrics import ServerMetrics
+    from paged_hf.serving.openai.vllm_metrics import vllm_aliases
 
     model = tiny_model("llama")
     generator = paged_hf.wrap(model, speculative=SPEC, num_blocks=64).generator

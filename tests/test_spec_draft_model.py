@@ -15,12 +15,12 @@ import pytest
 import torch
 import transformers
 from conftest import FAMILIES, VOCAB, assert_no_leak, hf_greedy, random_prompts, tiny_model
+from test_spec_decode import step_to_completion
 
 import paged_hf
 from paged_hf import PagedConfig, SamplingParams
-from paged_hf.kv_cache_manager import hash_block
-from paged_hf.request import RequestStatus
-from test_spec_decode import step_to_completion
+from paged_hf.core.kv_cache_manager import hash_block
+from paged_hf.core.request import RequestStatus
 
 
 def small_draft(family: str = "llama", vocab_size: int = VOCAB, seed: int = 5) -> torch.nn.Module:
@@ -234,7 +234,7 @@ def test_server_refuses_an_adapter_request_with_400(tmp_path):
     from test_lora import CONFIGS, make_adapter
     from test_server import MODEL, serving, tiny_tokenizer
 
-    from paged_hf.server import ServerSettings, create_app
+    from paged_hf.serving.openai import ServerSettings, create_app
 
     base = tiny_model("llama", dtype=torch.float32)
     make_adapter(base, tmp_path / "qv", seed=1, **CONFIGS["qv"])
@@ -257,8 +257,8 @@ def test_cli_and_bench_take_a_draft_model_path(tmp_path):
     from paged_hf.bench import sized_engine_config
     from paged_hf.bench.systems import run_system
     from paged_hf.bench.workloads import build_workload
-    from paged_hf.cli import build_parser
-    from paged_hf.cli_args import engine_config
+    from paged_hf.entrypoints.cli import build_parser
+    from paged_hf.entrypoints.cli_args import engine_config
 
     tokenizer = real_tokenizer()
     model = tiny_model_for(tokenizer)
@@ -313,10 +313,12 @@ def test_serve_takes_a_draft_model_folder(tmp_path, monkeypatch, capsys):
     """`paged-hf serve --speculative-config '{"method": "draft_model", "model": PATH}'`; a draft of another
     vocabulary stops the start with its error."""
     pytest.importorskip("uvicorn")
-    from paged_hf import cli, default_model
-    from paged_hf.server.lifecycle import DrainingServer
-    from paged_hf.spec_decode.draft_model import DraftModelProposer
     from test_server import tiny_tokenizer
+
+    from paged_hf.entrypoints import cli
+    from paged_hf.loader import default_model
+    from paged_hf.serving.openai.lifecycle import DrainingServer
+    from paged_hf.spec_decode.draft_model import DraftModelProposer
 
     monkeypatch.setattr(default_model, "load_model",
                         lambda name, dtype, device: (tiny_model("llama", dtype=torch.float32), tiny_tokenizer()))

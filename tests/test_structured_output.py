@@ -8,12 +8,11 @@ import re
 
 import pytest
 import torch
+from conftest import assert_no_leak, real_tokenizer, tiny_model_for
 
 import paged_hf
 from paged_hf import SamplingParams, StructuredOutputsParams
-from paged_hf.structured_output import GrammarCompiler, apply_grammar_masks
-
-from conftest import assert_no_leak, real_tokenizer, tiny_model_for
+from paged_hf.sample.structured_output import GrammarCompiler, apply_grammar_masks
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "ok", "n"],
           "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"},

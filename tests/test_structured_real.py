@@ -5,18 +5,18 @@ streamed and not, all valid and schema-conforming."""
 from __future__ import annotations
 
 import enum
-from typing import Annotated
 from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated
 
 import pytest
 from pydantic import BaseModel, Field
 
 openai = pytest.importorskip("openai")
 
-import paged_hf  # noqa: E402
-from paged_hf.server import ServerSettings, create_app  # noqa: E402
-
 from test_server import serving  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
 
 
 class Mood(str, enum.Enum):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from paged_hf.server.tool_parsers import PARSERS, parse_required
+from paged_hf.serving.openai.tool_parsers import PARSERS, parse_required
 
 CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {})]
 

@@ -13,12 +13,12 @@ import httpx
 import psutil
 import pytest
 import torch
+from serve_process import MODEL, ServerProcess, save_tiny_model
+from test_server import serving
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import paged_hf
-from paged_hf.server import create_app
-from serve_process import MODEL, ServerProcess, save_tiny_model
-from test_server import serving
+from paged_hf.serving.openai import create_app
 
 PROMPTS = ["the a of", "you that he was for on are", "water than call first who may down side been now find",
            "in and is it"]

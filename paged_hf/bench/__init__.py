@@ -10,11 +10,11 @@ from __future__ import annotations
 import sys
 import time
 
-from ..config import PagedConfig
-from ..kv_cache_manager import cdiv
-from .systems import DEFAULT_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
-from .vllm_system import default_vllm_python, run_vllm
-from .workloads import WORKLOAD_NAMES, Workload, build_workload
+from paged_hf.bench.systems import DEFAULT_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
+from paged_hf.bench.vllm_system import default_vllm_python, run_vllm
+from paged_hf.bench.workloads import WORKLOAD_NAMES, Workload, build_workload
+from paged_hf.config import PagedConfig
+from paged_hf.core.kv_cache_manager import cdiv
 
 __all__ = ["DEFAULT_SYSTEMS", "SYSTEM_NAMES", "WORKLOAD_NAMES", "Workload", "build_workload", "run_bench"]
 
@@ -81,7 +81,7 @@ def _log(message: str) -> None:
 def _load_tokenizer(model: str | None):
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from ..default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
+    from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
 
     return AutoTokenizer.from_pretrained(ensure_default_checkpoint() if is_default_model(model) else model)
 
@@ -90,7 +90,7 @@ def _measure_limit(model: str | None, workload: Workload, device: str, dtype: st
     """The limit in the dtype the systems ran: its matmul rates, and its weight bytes for the bandwidth floor."""
     import torch  # noqa: PLC0415
 
-    from . import machine  # noqa: PLC0415
+    from paged_hf.bench import machine  # noqa: PLC0415
 
     try:
         shape = machine.model_shape(model, getattr(torch, dtype).itemsize)
@@ -103,7 +103,7 @@ def _measure_limit(model: str | None, workload: Workload, device: str, dtype: st
 def run_bench(args) -> int:
     """Run the benchmark described by the parsed ``paged-hf bench`` arguments; 0 if every system ran (or was
     skipped on purpose), 1 if any failed."""
-    from . import report as reporting  # noqa: PLC0415
+    from paged_hf.bench import report as reporting  # noqa: PLC0415
 
     tokenizer = _load_tokenizer(args.model)
     workload = build_workload(args.workload, tokenizer, args.seed, args.requests, args.max_new_tokens_scale)

@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-from .workloads import Workload
+from paged_hf.bench.workloads import Workload
 
 
 @dataclass
@@ -45,7 +45,7 @@ def model_shape(model_name: str | None, dtype_bytes: int = 4) -> ModelShape:
     import torch  # noqa: PLC0415
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
 
-    from ..default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
+    from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
 
     source = ensure_default_checkpoint() if is_default_model(model_name) else model_name
     config = AutoConfig.from_pretrained(source)
@@ -92,7 +92,7 @@ def matmul_flops(m: int, k: int, n: int, device="cpu", min_seconds: float = 0.5,
     on AMD CPUs MKL's float32 GEMM runs AVX2 kernels at under half of it)."""
     import torch  # noqa: PLC0415
 
-    from ..packed_linears import PackedLinear, packable_dtypes  # noqa: PLC0415
+    from paged_hf.worker.packed_linears import PackedLinear, packable_dtypes  # noqa: PLC0415
 
     a = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
     b = torch.randn(k, n, device=device, dtype=a.dtype)

@@ -11,8 +11,8 @@ import math
 import os
 from dataclasses import asdict
 
-from .systems import SystemRun
-from .workloads import Workload
+from paged_hf.bench.systems import SystemRun
+from paged_hf.bench.workloads import Workload
 
 #: Baselines whose greedy outputs the others are compared with, in order of preference (whichever ran).
 REFERENCE_SYSTEMS = ("hf_single", "hf_static_8", "hf_static_32")

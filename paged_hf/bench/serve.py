@@ -21,8 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .loadgen import run_load, summarize
-from .vllm_system import default_vllm_python
+from paged_hf.bench.loadgen import run_load, summarize
+from paged_hf.bench.vllm_system import default_vllm_python
 
 SERVED_NAME = "bench-model"
 
@@ -152,7 +152,7 @@ def _offline_main(spec_path: str) -> None:
     import torch  # noqa: PLC0415
 
     import paged_hf  # noqa: PLC0415
-    from paged_hf.default_model import load_model  # noqa: PLC0415
+    from paged_hf.loader.default_model import load_model  # noqa: PLC0415
 
     spec = json.loads(Path(spec_path).read_text())
     model, tokenizer = load_model(spec["model"], getattr(torch, spec["dtype"]), spec["device"])
@@ -171,7 +171,7 @@ def run_serve_bench(args) -> int:
     """Every system on the same prompts, one after the other; prints the table (and writes JSON to --out)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from ..default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
+    from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
 
     model_path = str(ensure_default_checkpoint()) if is_default_model(args.model) else args.model
     tokenizer = AutoTokenizer.from_pretrained(model_path)

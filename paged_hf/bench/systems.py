@@ -20,7 +20,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
-from .workloads import Workload
+from paged_hf.bench.workloads import Workload
 
 #: paged_hf with a quantized KV cache (PagedConfig.kv_cache_dtype): `paged_hf_kv_<dtype>`
 KV_SYSTEMS = {"paged_hf_kv_int8": "int8", "paged_hf_kv_fp8_e4m3": "fp8_e4m3", "paged_hf_kv_fp8_e5m2": "fp8_e5m2"}
@@ -333,7 +333,7 @@ def worker_main(spec_path: str) -> int:
     try:
         import torch  # noqa: PLC0415
 
-        from paged_hf.default_model import load_model  # noqa: PLC0415
+        from paged_hf.loader.default_model import load_model  # noqa: PLC0415
 
         if spec.get("threads"):
             torch.set_num_threads(spec["threads"])

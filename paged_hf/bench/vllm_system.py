@@ -14,8 +14,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .systems import SystemRun, _stderr_fd, warmup_ids
-from .workloads import Workload
+from paged_hf.bench.systems import SystemRun, _stderr_fd, warmup_ids
+from paged_hf.bench.workloads import Workload
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 #: where `make bench-vllm` puts vLLM's venv, relative to the working directory
@@ -43,7 +43,7 @@ def skip_reason(vllm_python: str | None, workload: Workload, device: str) -> str
 
 def model_folder(model: str | None) -> str:
     """What vLLM loads: the default model's converted HF checkpoint, or the name/folder as given."""
-    from ..default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
+    from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
 
     return str(ensure_default_checkpoint()) if is_default_model(model) else model
 

@@ -1,9 +1,9 @@
 """Speculative decoding: a proposer guesses k tokens, the model checks them in one multi-token query."""
 
-from .config import SpeculativeConfig
-from .metrics import SpecDecodeStats
-from .ngram import NgramProposer
-from .proposer import Proposer
-from .speculator import Speculator, make_proposer
+from paged_hf.config.speculative import SpeculativeConfig
+from paged_hf.spec_decode.metrics import SpecDecodeStats
+from paged_hf.spec_decode.ngram import NgramProposer
+from paged_hf.spec_decode.proposer import Proposer
+from paged_hf.spec_decode.speculator import Speculator, make_proposer
 
 __all__ = ["NgramProposer", "Proposer", "SpecDecodeStats", "SpeculativeConfig", "Speculator", "make_proposer"]

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..block_pool import BlockPool
-from ..distributed import broadcast_tokens
-from ..kv_cache_manager import KVCacheManager, cdiv, request_cache_key
-from ..model_info import inspect_model
-from ..model_runner import ModelRunner
-from ..request import Request
-from ..scheduler import ScheduledRequest, SchedulerOutput
-from .proposer import Proposer
+from paged_hf.core.block_pool import BlockPool
+from paged_hf.core.kv_cache_manager import KVCacheManager, cdiv, request_cache_key
+from paged_hf.core.request import Request
+from paged_hf.core.scheduler import ScheduledRequest, SchedulerOutput
+from paged_hf.spec_decode.proposer import Proposer
+from paged_hf.worker.distributed import broadcast_tokens
+from paged_hf.worker.model_info import inspect_model
+from paged_hf.worker.model_runner import ModelRunner
 
 
 @dataclass(eq=False)
@@ -182,7 +182,7 @@ def load_draft_model(model, target_info) -> torch.nn.Module:
         return model
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from ..default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
+    from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
 
     source = ensure_default_checkpoint() if is_default_model(model) else model
     try:

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from .proposer import Proposer
+from paged_hf.spec_decode.proposer import Proposer
 
 
 class NgramProposer(Proposer):

@@ -22,19 +22,19 @@ from dataclasses import replace
 
 import torch
 
-from ..distributed import broadcast_tokens
-from ..kv_cache_manager import request_cache_key
-from .config import SpeculativeConfig
-from .metrics import SpecDecodeStats
-from .ngram import NgramProposer
-from .proposer import Proposer
+from paged_hf.config.speculative import SpeculativeConfig
+from paged_hf.core.kv_cache_manager import request_cache_key
+from paged_hf.spec_decode.metrics import SpecDecodeStats
+from paged_hf.spec_decode.ngram import NgramProposer
+from paged_hf.spec_decode.proposer import Proposer
+from paged_hf.worker.distributed import broadcast_tokens
 
 
 def make_proposer(config: SpeculativeConfig, paged_config, target_info, num_blocks: int) -> Proposer:
     """The proposer of `config.method` (the draft model is loaded and given its own paged cache here)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.prompt_lookup_spec_factor)
-    from .draft_model import DraftModelProposer  # noqa: PLC0415 - imports the engine's runner
+    from paged_hf.spec_decode.draft_model import DraftModelProposer  # noqa: PLC0415 - imports the engine's runner
 
     return DraftModelProposer(config.model, paged_config, target_info, num_blocks, config.num_speculative_tokens)
 

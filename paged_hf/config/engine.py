@@ -1,0 +1,77 @@
+"""Engine configuration: every field has a default; `paged_hf.wrap(model, **fields)` fills it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from paged_hf.config.speculative import SpeculativeConfig
+from paged_hf.kernels.quant import KV_CACHE_DTYPE_NAMES
+
+DEFAULT_MAX_NUM_SEQS = 64
+
+
+@dataclass
+class PagedConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_memory
+    # bytes (> 1) or a fraction of free device memory (<= 1); None: half the free GPU memory, or on CPU
+    # 4 GiB capped at a quarter of the available RAM (vLLM's CPU default)
+    kv_cache_memory: float | int | None = None
+    # requests running at once; None: 64, or max_num_batched_tokens when that is smaller (every running
+    # request needs a token of each step's budget, or the tail of the running list would starve)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int = 512  # per-step token budget = chunk size of chunked prefill
+    max_model_len: int | None = None  # default: the model's max positions
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flashinfer"
+    # "auto" (the model's dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2" ("fp8": e4m3, as vLLM): a quantized cache with
+    # one scale per (block, KV head) holds 2x the tokens of a bf16 cache in the same memory (docs/kv_cache_dtype.md)
+    kv_cache_dtype: str = "auto"
+    adapters: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    # bounds on a request's stop strings: each one is searched in every new token's text of that request
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 512
+    # CPU: run the model's float32/bfloat16 linears on oneDNN-packed copies of their weights during steps
+    # (2.3x faster float32 matmuls than MKL's on AMD; costs the weights' memory once more), paged_hf.worker.packed_linears
+    pack_linear_weights: bool = True
+    # speculative decoding (vLLM's speculative_config): a SpeculativeConfig or its fields as a dict / JSON
+    # text, e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off
+    speculative: object = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
+            self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
+        if not (isinstance(self.block_size, int) and self.block_size >= 1):
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if self.num_blocks is not None and not (isinstance(self.num_blocks, int) and self.num_blocks >= 1):
+            raise ValueError(f"num_blocks must be an int >= 1 or None, got {self.num_blocks!r}")
+        if self.kv_cache_memory is not None and not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):
+            raise ValueError(f"kv_cache_memory must be bytes or a fraction in (0, 1], got {self.kv_cache_memory!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank", "max_stop_strings",
+                     "max_stop_string_chars"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_num_seqs="
+                             f"{self.max_num_seqs}: every running request needs one token of each step's budget")
+        if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
+            raise ValueError(f"max_model_len must be an int >= 1 or None, got {self.max_model_len!r}")
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPE_NAMES))} (or 'fp8'), "
+                             f"got {self.kv_cache_dtype!r}")
+        self.speculative = SpeculativeConfig.parse(self.speculative)
+        if self.attention_backend not in ("auto", "torch", "cpu", "flashinfer"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'flashinfer', got {self.attention_backend!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "PagedConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown PagedConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)

@@ -1,0 +1,1 @@
+"""Blocks and scheduling: block pool, KV-cache manager, scheduler, request. Bookkeeping only, no torch math."""

@@ -1,0 +1,105 @@
+"""The state of one sequence inside the engine: its tokens, how many have K/V in the cache, its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_hf.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. A user request with `n > 1` becomes n of these (children), sharing `request_id`.
+
+    The single scheduling rule: `num_computed_tokens` catches up with `num_tokens` within the token budget.
+    A prefill chunk, a decode step, a prefix-cache hit and a resume after preemption are all that rule.
+
+    Parallel sampling: child 0 is the only one queued; the others wait in its `pending_forks` (their
+    `fork_parent` points back) until it has computed every prompt token but the last. Then they fork: they
+    share its blocks (ref counts) and each computes the last prompt token itself, so each gets its own
+    logits. From then on every child is an ordinary request.
+    """
+
+    request_id: str
+    index: int  # child index within its user request (0 when n == 1)
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    adapter: str | None = None
+    adapter_version: int | None = None  # which load of `adapter` (a re-load under the same name is a new one)
+    lora: object | None = field(default=None, repr=False)  # the adapter's weights (integrations.peft.LoRAAdapter)
+    cache_salt: str | None = None  # mixed into the block hashes: cached blocks are shared only with equal salts
+    generator: torch.Generator | None = None
+    grammar: object | None = field(default=None, repr=False)  # structured outputs: a GrammarState, own per child
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] | None = None
+    detokenizer: object | None = field(default=None, repr=False)  # IncrementalDetokenizer, with a tokenizer
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # sampling_params.bad_words, tokenized
+    # {position: {token_id: logprob}} of prompt tokens 1.. (child 0 only; filled while its prompt is computed)
+    prompt_logprobs: dict[int, dict[int, float]] | None = field(default=None, repr=False)
+    num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts of this step, not yet verified (spec_decode)
+    block_ids: list[int] = field(default_factory=list)  # the block table
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
+    block_hashes_key: bytes | None = None  # the extra keys `block_hashes` were computed with
+    num_cached_blocks: int = 0  # how many leading blocks of `block_ids` were offered to the prefix cache
+    pending_forks: list["Request"] = field(default_factory=list, repr=False)  # siblings that fork from this one
+    fork_parent: "Request | None" = field(default=None, repr=False)  # set while waiting in a parent's pending_forks
+    reserved_seats: int = 0  # a beam search's first sequence: seats for the beams it will fork
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_seats(self) -> int:
+        """Seats of max_num_seqs it takes while running: itself and the sequences that will fork from it."""
+        return 1 + len(self.pending_forks) + self.reserved_seats
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def fork_point(self) -> int:
+        """Tokens computed before the pending siblings fork: all but the last prompt token."""
+        return self.num_prompt_tokens - 1
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """What the scheduler may compute next: up to the fork point while siblings wait, else everything."""
+        target = self.fork_point if self.pending_forks else self.num_tokens
+        return target - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """The grammar advances with the tokens (a token it forbids fails the request in the stop check)."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

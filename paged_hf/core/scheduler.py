@@ -1,0 +1,253 @@
+"""Decides each step's work: running requests first, then waiting ones, all within one token budget.
+
+One rule covers everything (vLLM V1): a request's `num_computed_tokens` catches up with its `num_tokens`.
+Decodes take one token, prompts are chunked to what the budget leaves, prefix hits skip ahead, and a
+preempted request simply starts again from zero (its tokens are recomputed, its outputs unchanged).
+
+Parallel sampling (`n > 1`): only child 0 is queued. It stops one token short of its prompt; then its
+siblings fork from it (sharing its blocks) and join the running requests, and every child computes the
+last prompt token itself. A sibling that finds no seat (`max_num_seqs`) at fork time is queued as a plain
+request instead (it still finds the prompt's full blocks in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
+from paged_hf.core.request import Request, RequestStatus
+from paged_hf.sample.prompt_logprobs import wants_prompt_logprobs
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens whose K/V this step computes, starting at request.num_computed_tokens
+    num_spec_tokens: int = 0  # of which drafts (request.spec_token_ids) after its last token: speculative decoding
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token, so its logits give the next token."""
+        num_real = self.num_new_tokens - self.num_spec_tokens
+        return self.request.num_computed_tokens + num_real == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # copy-on-write: the runner copies block src to block dst (every layer's K and V) before the forward
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int | None = None):
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras  # distinct adapters among the running requests (so in any step); None: no limit
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.max_num_running = 0  # the most requests that ran at once (after any step's scheduling)
+        # prefix-cache lookups in tokens (vLLM's accounting): a lookup queries all of the request's tokens.
+        # Lookups of preempted requests (which mostly find their own blocks again) are counted apart, so
+        # that recomputation does not inflate the hit rate of new requests.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.preempted_prefix_cache_queries = 0
+        self.preempted_prefix_cache_hits = 0
+
+    def add(self, request: Request) -> None:
+        """Queue a request; its `pending_forks` (siblings of an n > 1 request) come along with it."""
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, siblings still waiting for their fork included."""
+        return sum(1 + len(r.pending_forks) for r in self.waiting) + sum(len(r.pending_forks) for r in self.running)
+
+    def _num_seats(self) -> int:
+        """Seats taken out of max_num_seqs: running requests and the siblings they will fork."""
+        return sum(r.num_seats for r in self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens_to_compute, budget)
+            if num_new == 0:  # a beam waiting for its siblings' logits (beam search): nothing to compute
+                index += 1
+                continue
+            num_spec = min(len(request.spec_token_ids), budget - num_new)  # drafts: only what is left over
+            while not self.kv_cache_manager.allocate_slots(request, num_new + num_spec):
+                if num_spec:  # drafts are the first to go when blocks run short
+                    num_spec = 0
+                    continue
+                victim = self.running.pop()  # the newest request gives its blocks back
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                del request.spec_token_ids[num_spec:]
+                out.scheduled.append(ScheduledRequest(request, num_new + num_spec, num_spec))
+                budget -= num_new + num_spec
+                index += 1
+                continue
+            break
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+            if not out.scheduled and self.waiting:
+                self._unpark(out, budget)
+        out.block_copies = self.kv_cache_manager.take_block_copies()
+        self.max_num_running = max(self.max_num_running, len(self.running))
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in order (FCFS) while budget, seats and blocks last. A request with
+        siblings to fork needs seats for all of them (at most max_num_seqs, so n > max_num_seqs can run)."""
+        kv_cache_manager = self.kv_cache_manager
+        num_seats = self._num_seats()
+        adapters = self._running_adapters()
+        skipped: list[Request] = []  # waiting for an adapter slot: they keep their place in the queue
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            seats = min(request.num_seats, self.max_num_seqs)
+            if num_seats + seats > self.max_num_seqs:
+                break
+            if adapters is not None and not self._adapter_fits(request, adapters):
+                skipped.append(self.waiting.popleft())
+                continue
+            hits = ([] if wants_prompt_logprobs(request) else
+                    kv_cache_manager.find_cached_prefix(request, request_cache_key(request)))
+            num_cached = len(hits) * kv_cache_manager.block_size
+            num_new = min(request.num_tokens_to_compute - num_cached, budget)
+            if not kv_cache_manager.allocate_slots(request, num_new, hits):
+                break
+            self._count_lookup(request, num_cached)
+            num_seats += request.num_seats
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if adapters is not None and request.adapter_version is not None:
+                adapters.add(request.adapter_version)
+            if num_new == 0:  # hits reach the fork point: fork now, every child computes from the next step
+                self._fork(request)
+                continue
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _running_adapters(self) -> set[int] | None:
+        """Adapter versions (one per loaded adapter) the running requests use; None when unlimited."""
+        if self.max_loras is None:
+            return None
+        return {r.adapter_version for r in self.running if r.adapter_version is not None}
+
+    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
+        """At most max_loras distinct adapters run at once, so every step fits the device slots. A request
+        of another adapter waits (later requests may pass it) until a running adapter's requests finish;
+        when nothing runs, anything fits, so no request waits forever for a slot."""
+        version = request.adapter_version
+        return version is None or version in adapters or len(adapters) < self.max_loras
+
+    def _count_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        if not self.kv_cache_manager.enable_caching:
+            return
+        if request.num_preemptions:
+            self.preempted_prefix_cache_queries += request.num_tokens
+            self.preempted_prefix_cache_hits += num_hit_tokens
+        else:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def _fork(self, parent: Request) -> None:
+        """The parent computed all prompt tokens but the last: its pending siblings share its blocks and
+        join the running requests (the newest, so preempted first). Siblings without a seat are queued at
+        the front as plain requests."""
+        siblings, parent.pending_forks = parent.pending_forks, []
+        num_seats = max(0, self.max_num_seqs - self._num_seats())
+        for child in siblings:
+            child.fork_parent = None
+        for child in siblings[:num_seats]:
+            self.kv_cache_manager.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        self.waiting.extendleft(reversed(siblings[num_seats:]))
+
+    def _unpark(self, out: SchedulerOutput, budget: int) -> None:
+        """Every running request is a beam waiting for its siblings (beam search) and the queue's head does
+        not fit: free the blocks of other requests' waiting beams, newest first, until it does. They keep
+        their logits and queue at the back (they recompute once their search moves on)."""
+        head = self.waiting[0].request_id
+        while not out.scheduled:
+            parked = [r for r in self.running if r.num_tokens_to_compute == 0 and r.request_id != head]
+            if not parked:
+                return
+            victim = parked[-1]
+            self.running.remove(victim)
+            self._preempt(victim)
+            self.waiting.remove(victim)
+            self.waiting.append(victim)
+            out.preempted.append(victim)
+            self._admit_waiting(out, budget)
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Beam search: each child holds the parent's tokens plus one of its own. A parent with blocks shares
+        them (the children join the running requests, seats allowing); one without (preempted) has none to
+        share, so the children queue at the front and recompute (prefix-cache hits included)."""
+        parent.reserved_seats = 0
+        if parent.status is RequestStatus.RUNNING:
+            parent.pending_forks = list(children)
+            self._fork(parent)
+        else:
+            self.waiting.extendleft(reversed(children))
+
+    def _preempt(self, request: Request) -> None:
+        """Give the request's blocks back; it is recomputed from zero later (siblings still waiting for
+        their fork stay with it). Its full blocks stay in the prefix cache until evicted."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def advance(self, scheduled: ScheduledRequest) -> None:
+        """After the forward pass: the step's tokens now have K/V; publish newly full blocks, and fork the
+        waiting siblings once the parent reached its fork point."""
+        request = scheduled.request
+        request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_spec_tokens  # drafts: once verified
+        self.kv_cache_manager.cache_full_blocks(request, request_cache_key(request))
+        if request.pending_forks and request.num_computed_tokens == request.fork_point:
+            self._fork(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (stop, length, abort) wherever it is, and free its blocks at once. Siblings still
+        waiting for their fork end first (an abort goes through the children last to first); a parent
+        never stops on its own before its fork, which comes before its first token."""
+        assert not request.pending_forks, f"{request.request_id}: finish the siblings before their parent"
+        if request.fork_parent is not None:
+            request.fork_parent.pending_forks.remove(request)
+            request.fork_parent = None
+        elif request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

@@ -1,0 +1,197 @@
+"""Beam search on the paged cache: `BeamSearchParams`, its outputs, and the engine calls that run it.
+
+A beam search is one user request whose live beams are ordinary engine sequences (`Request`s sharing its
+request_id), scheduled in the same steps as every other request. Each round, once every live beam has its
+next-token logits, HF's arithmetic (`beam_scoring.BeamScorer`) picks the next beams; a beam extended by
+several of them forks (the children share its blocks by reference count, and the last partial block is
+copied only when two of them write into it), a beam extended by none is freed. This is not `n > 1`:
+parallel sampling draws n independent sequences, beam search keeps the k most likely ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_hf.beam.group import BeamGroup, Lockstep
+from paged_hf.core.kv_cache_manager import cdiv
+from paged_hf.core.request import Request
+from paged_hf.engine.request_checks import per_prompt
+from paged_hf.sampling_params import SamplingParams
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams` names plus HF's beam-search settings (same meanings as HF's `generate`).
+
+    `length_penalty`: a hypothesis scores sum(logprobs) / num_generated_tokens ** length_penalty.
+    `early_stopping`: True stops once beam_width hypotheses are finished; False stops when the heuristic says
+    no running beam can beat them; "never" only when that is certain (HF's three values).
+    `num_return_sequences`: how many of the best hypotheses come back (default: beam_width).
+    """
+
+    beam_width: int
+    max_tokens: int = 16
+    min_tokens: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width", self.beam_width, "an int >= 1")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               "an int in [0, max_tokens]")
+        _check(_is_number(self.length_penalty), "length_penalty", self.length_penalty, "a number")
+        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
+               self.early_stopping, 'True, False or "never"')
+        if self.num_return_sequences is None:
+            self.num_return_sequences = self.beam_width
+        _check(_is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= self.beam_width,
+               "num_return_sequences", self.num_return_sequences, "an int in [1, beam_width]")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+        _check(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "a list of token ids")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               self.repetition_penalty, "> 0")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned hypothesis. `tokens` holds the prompt too (as vLLM's); `score` is HF's sequences_scores."""
+
+    tokens: list[int]
+    output_token_ids: list[int]
+    cum_logprob: float
+    score: float
+    finish_reason: str  # "stop" (EOS or a stop token, included in the tokens) or "length"
+    text: str | None = None
+    beam_indices: list[int] = field(default_factory=list, repr=False)  # per token, the beam row it extended
+
+
+@dataclass
+class BeamSearchOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]  # best first
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+
+
+def _check(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"BeamSearchParams.{name} must be {expected}, got {value!r}")
+
+
+# --- the engine calls (ContinuousBatchGenerator.add_beam_request / beam_search delegate here) -----------------
+def add_beam_request(generator, prompt, params: BeamSearchParams, adapter: str | None = None,
+                     request_id: str | None = None, lockstep: Lockstep | None = None, record: bool = False) -> str:
+    """Validate and queue one beam search; its first beam computes the prompt, the others fork from it.
+    `lockstep` and `record` serve the drop-in's `output_scores` (HF runs a batch until every prompt is done
+    and keeps every round's scores)."""
+    prompt_ids = generator._prompt_token_ids(prompt)
+    internal = check_beam_request(generator, prompt_ids, params)
+    lora = generator._adapter(adapter)
+    request_id = str(next(generator._ids)) if request_id is None else str(request_id)
+    if request_id in generator.groups:
+        raise ValueError(f"request_id {request_id!r} is already in use")
+    first = Request(request_id, 0, list(prompt_ids), internal, adapter, lora=lora,
+                    adapter_version=None if lora is None else lora.version)
+    first.reserved_seats = params.beam_width - 1  # the beams it forks after the prompt have seats waiting
+    stop_ids = list(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        stop_ids += [t for t in generator.info.eos_token_ids if t not in stop_ids]
+    group = BeamGroup(request_id, prompt_ids, params, first, stop_ids, generator.tokenizer, lockstep, record)
+    generator.groups[request_id] = group
+    generator.scheduler.add(first)
+    return request_id
+
+
+def check_beam_request(generator, prompt_ids: list[int], params: BeamSearchParams) -> SamplingParams:
+    """ValueError for a beam search the engine cannot hold; -> the SamplingParams its sequences carry."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if params.beam_width > generator.config.max_num_seqs:
+        raise ValueError(f"beam_width={params.beam_width} is more than max_num_seqs={generator.config.max_num_seqs} "
+                         "(every beam runs as one sequence)")
+    internal = SamplingParams(max_new_tokens=params.max_tokens, temperature=0, ignore_eos=True)
+    generator._check_fits(prompt_ids, internal)
+    _check_beams_fit(generator, len(prompt_ids), params)
+    return internal
+
+
+def _check_beams_fit(generator, num_prompt_tokens: int, params: BeamSearchParams) -> None:
+    """All beams at full length, sharing only the prompt's full blocks (none without prefix caching, where
+    a preempted beam recomputes its prompt alone), must fit in the cache at once."""
+    block_size = generator.config.block_size
+    per_beam = cdiv(num_prompt_tokens + params.max_tokens, block_size)
+    shared = num_prompt_tokens // block_size if generator.block_pool.enable_caching else 0
+    needed = shared + params.beam_width * (per_beam - shared)
+    if needed > generator.block_pool.num_blocks:
+        raise ValueError(f"a beam search of width {params.beam_width} over {num_prompt_tokens} + {params.max_tokens} "
+                         f"tokens needs up to {needed} KV blocks but the whole cache has "
+                         f"{generator.block_pool.num_blocks}; raise num_blocks/kv_cache_memory")
+
+
+def beam_search(generator, prompts: Sequence, params, adapters=None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    """Run beam searches to completion (batched with each other and with any other request in flight);
+    outputs in prompt order. On any error the call's requests are aborted."""
+    prompts = list(prompts)
+    params_list = per_prompt(params, len(prompts), "params")
+    adapter_names = per_prompt(adapters, len(prompts), "adapters")
+    groups = run_beam_searches(generator, prompts, params_list, adapter_names, use_tqdm)
+    return [group.beam_output() for group in groups]
+
+
+def run_beam_searches(generator, prompts: list, params: list[BeamSearchParams], adapters: list, use_tqdm: bool = False,
+                      lockstep: Lockstep | None = None, record: bool = False) -> list[BeamGroup]:
+    """Submit one beam search per prompt and step the engine until all ended; -> their groups. Their outputs
+    are this call's, not step()'s; on any error (or interrupt) they are aborted."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    groups: list[BeamGroup] = []
+    try:
+        for prompt, p, adapter in zip(prompts, params, adapters):
+            groups.append(generator.groups[add_beam_request(generator, prompt, p, adapter, None, lockstep, record)])
+            generator._claimed.add(groups[-1])
+        with tqdm(total=len(groups), desc="paged_hf beam search", unit="req", disable=not use_tqdm) as bar:
+            while not all(group.finished for group in groups):
+                num_done = sum(group.finished for group in groups)
+                generator._step_for_call()
+                bar.update(sum(group.finished for group in groups) - num_done)
+        return groups
+    finally:
+        for group in groups:
+            generator._release(group)
+
+
+def route_beam_rows(generator, requests: list[Request], logits):
+    """Hand this step's logits rows of beam sequences to their searches (each decides its round once all its
+    beams are in) -> (the other requests, their logits rows, the beam searches that ended this step)."""
+    groups = generator.groups
+    beam_rows = [i for i, r in enumerate(requests) if isinstance(groups.get(r.request_id), BeamGroup)]
+    if not beam_rows:
+        return requests, logits, []
+    touched: dict[BeamGroup, None] = {}
+    for i in beam_rows:
+        group = groups[requests[i].request_id]
+        group.deliver(requests[i], logits[i])
+        touched[group] = None
+    for group in touched:
+        if group.ready:
+            group.decide(generator.scheduler)
+    beam_set = set(beam_rows)
+    others = [i for i in range(len(requests)) if i not in beam_set]
+    rest = logits[torch.tensor(others, dtype=torch.long, device=logits.device)]  # [num_others, vocab_size]
+    return [requests[i] for i in others], rest, [group for group in touched if group.finished]

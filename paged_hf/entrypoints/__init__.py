@@ -1,0 +1,1 @@
+"""The `paged-hf` command line: generate, serve, bench, eval-ppl."""

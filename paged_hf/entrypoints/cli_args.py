@@ -1,0 +1,93 @@
+"""The command-line flags every `paged-hf` command shares: which model (`--model/--device/--dtype`) and how the
+engine is configured (the `PagedConfig` fields a user tunes), parsed into `PagedConfig` keyword arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from paged_hf.config.speculative import SpeculativeConfig
+from paged_hf.kernels.quant import KV_CACHE_DTYPE_NAMES
+from paged_hf.loader.device_dtype import DTYPE_NAMES, checkpoint_dtype, resolve_device, resolve_dtype
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF folder or hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="auto", help="torch device of the model (auto: cuda when present)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                        help="auto: the checkpoint's on a GPU, float32 on CPU (bfloat16: ~1.8x as fast with "
+                        "AVX512-BF16)")
+
+
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """`paged-hf serve MODEL` as `vllm serve MODEL`; --device/--dtype auto become concrete names."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
+    args.device = resolve_device(args.device)
+    args.dtype = str(resolve_dtype(args.dtype, args.device, lambda: checkpoint_dtype(args.model))).removeprefix(
+        "torch.")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The PagedConfig fields a user tunes most; unset flags keep the engine's defaults."""
+    group = parser.add_argument_group("engine (paged_hf.wrap) configuration")
+    group.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (chunked prefill size)")
+    group.add_argument("--max-num-seqs", type=int, help="most requests running at once")
+    group.add_argument("--num-blocks", type=int, help="KV cache blocks (default: sized from memory)")
+    group.add_argument("--block-size", type=int, help="tokens per KV block")
+    group.add_argument("--kv-cache-memory", type=float, help="KV cache bytes, or a fraction of free memory (<= 1)")
+    group.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    group.add_argument("--kv-cache-dtype", choices=(*KV_CACHE_DTYPE_NAMES, "fp8"),
+                       help="KV cache storage: auto (the model's dtype) or int8/fp8 with per-block scales (2x the "
+                       "tokens of bf16 in the same memory)")
+    group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                       help="disable automatic prefix caching")
+    group.add_argument("--enable-prefix-caching", action="store_true", help="(vLLM's flag; on by default)")
+    group.add_argument("--max-stop-strings", type=int, help="most stop strings per request (default: 64)")
+    group.add_argument("--max-stop-string-chars", type=int, help="longest stop string (default: 512 characters)")
+    group.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                       help="a peft LoRA adapter folder to load under NAME (repeatable)")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="vLLM's spelling of --adapter: NAME=PATH or JSON {\"name\": ..., \"path\": ...}")
+    group.add_argument("--enable-lora", action="store_true", help="(vLLM's flag; adapters always work)")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "PATH", '
+                            '"num_speculative_tokens": 4}\' (bench: only the paged_hf_spec system speculates)')
+
+
+def engine_config(args: argparse.Namespace) -> dict:
+    """Only the flags that were given, as PagedConfig keyword arguments."""
+    config = {}
+    for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len",
+                 "max_stop_strings", "max_stop_string_chars", "kv_cache_dtype"):
+        if getattr(args, name) is not None:
+            config[name] = getattr(args, name)
+    if args.kv_cache_memory is not None:
+        memory = args.kv_cache_memory
+        config["kv_cache_memory"] = memory if memory <= 1 else int(memory)
+    if args.no_prefix_caching:
+        config["enable_prefix_caching"] = False
+    if args.speculative_config is not None:
+        config["speculative"] = asdict(SpeculativeConfig.parse(args.speculative_config))  # checked, JSON-able
+    adapters = list(args.adapter) + list(getattr(args, "lora_modules", []))
+    if adapters:
+        config["adapters"] = dict(_name_equals_path(item) for item in adapters)
+    return config
+
+
+def _name_equals_path(item: str) -> tuple[str, str]:
+    if item.lstrip().startswith("{"):  # vLLM's JSON form of --lora-modules
+        try:
+            spec = json.loads(item)
+            return spec["name"], spec["path"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"--lora-modules expects NAME=PATH or {{\"name\": ..., \"path\": ...}}, got {item!r}") from None
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--adapter expects NAME=PATH, got {item!r}")
+    return name, path

@@ -1,0 +1,1 @@
+"""The transformers face: `wrap`, `PagedModel`, and the drop-in `generate` (beam search included)."""

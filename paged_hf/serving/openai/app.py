@@ -1,0 +1,271 @@
+"""The FastAPI app: `create_app(generator, tokenizer, model_name, settings)`.
+
+A factory (not a module-level app) so tests build it around a tiny model and the CLI around a real one. The
+app starts the engine thread on startup and stops it (aborting what is left) on shutdown; handlers only talk
+to that thread (see engine_loop.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from paged_hf.serving.openai.completions import completion_choices, last_output, merged, prompt_logprob_entries
+from paged_hf.serving.openai.engine_loop import EngineError, EngineLoop
+from paged_hf.serving.openai.errors import ApiError, error_body, error_response, install_error_handlers
+from paged_hf.serving.openai.extra_routes import add_extra_routes
+from paged_hf.serving.openai.lifecycle import AbortingStreamingResponse
+from paged_hf.serving.openai.metrics import ServerMetrics
+from paged_hf.serving.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from paged_hf.serving.openai.serving import (
+    Deltas,
+    Prepared,
+    ServerContext,
+    chat_logprobs,
+    completion_logprobs,
+    outputs,
+    prepare_off_loop,
+    submit,
+    usage,
+)
+from paged_hf.serving.openai.tool_calls import ToolCallStreamer, finish_reason, parse_output, parser_for
+from paged_hf.serving.openai.vllm_metrics import vllm_aliases
+
+
+@dataclass
+class ServerSettings:
+    """Limits that keep one client from exhausting the server (each over-limit request gets a 4xx/503)."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20  # 413 above
+    max_n: int = 16  # 400 above
+    max_tokens_cap: int | None = 4096  # 400 above; also caps the default max_tokens
+    max_queue: int = 8192  # unfinished requests at once; 503 above (vLLM's benchmark sends 1000 at once)
+    tool_call_parser: str = "hermes"  # how tool calls are found in the output: hermes, llama3_json, mistral
+    chat_template: str | None = None  # a Jinja chat template that replaces the tokenizer's
+    sampling_defaults: dict = field(default_factory=dict)  # request field -> default (generation_config.json)
+    cors_origins: tuple[str, ...] = ()  # browsers on these origins may call the API (CORS); "*" for any
+    lora_root: str | None = None  # enables /v1/load_lora_adapter, for folders under this one only
+    engine_threads: int | None = None  # torch threads of the engine thread (engine_loop.reserve_torch_threads)
+
+
+class GuardMiddleware:
+    """API key and body size, in plain ASGI: checked before a handler runs, and without wrapping responses
+    (Starlette's BaseHTTPMiddleware would buffer streams and hide client disconnects)."""
+
+    OPEN_PATHS = ("/health", "/ping")
+
+    def __init__(self, app, settings: ServerSettings, metrics: ServerMetrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        rejection = guard_rejection(self.settings, scope["path"], headers)
+        if rejection is not None:
+            self.metrics.count_error(rejection.status_code)
+            return await rejection(scope, receive, send)
+        limit, received = self.settings.max_body_bytes, 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:  # a chunked body without Content-Length
+                    raise StarletteHTTPException(413, f"the request body is larger than {limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def guard_rejection(settings: ServerSettings, path: str, headers: dict) -> JSONResponse | None:
+    """The answer to a request without the API key (401) or with a body over the limit (413), else None.
+    `headers`: lower-cased names. Also asked by the Ray ingress, which tokenizes only what would pass."""
+    key = settings.api_key
+    if key and path not in GuardMiddleware.OPEN_PATHS:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            return error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                  "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    length = headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+        return error_response(413, f"the request body is larger than {settings.max_body_bytes} bytes",
+                              "request_too_large")
+    return None
+
+
+def create_app(generator, tokenizer, model_name: str | list[str], settings: ServerSettings | None = None) -> FastAPI:
+    """`model_name`: the base model's served name, or several (all accepted, the first reported by default)."""
+    settings = settings or ServerSettings()
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    metrics = ServerMetrics()
+    engine = EngineLoop(generator, metrics, settings.max_queue, settings.engine_threads)
+    # a request must also fit the whole KV cache: default max_tokens never asks for more than that holds
+    max_model_len = min(generator.max_model_len, generator.block_pool.num_blocks * generator.config.block_size)
+    ctx = ServerContext(engine, tokenizer, names[0], settings, max_model_len, metrics, tuple(names))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="paged_hf", lifespan=lifespan)
+    app.state.ctx = ctx
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    if settings.cors_origins:  # outside the guard: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    install_error_handlers(app, metrics.count_error)
+    _add_routes(app, ctx)
+    add_extra_routes(app, ctx)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics_route():
+        text = ctx.metrics.render(ctx.engine.stats, ctx.engine.num_in_flight)
+        return PlainTextResponse(text + vllm_aliases(text, ctx.model_name), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        cards = [ModelCard(id=name, root=ctx.model_name) for name in ctx.served_names]
+        cards += [ModelCard(id=name, root=name, parent=ctx.model_name) for name in ctx.engine.adapter_names]
+        return ModelList(data=cards)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http_request: Request):
+        return await _serve(ctx, body, http_request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request):
+        return await _serve(ctx, body, http_request, chat=True)
+
+
+async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):
+    prepared = await prepare_off_loop(ctx, body, chat, time.monotonic())
+    streams = await submit(ctx, prepared, reserved=True)  # bad input fails here, before any streamed byte
+    sources = [outputs(ctx, http_request, stream, prepared.stream) for stream in streams]
+    if prepared.stream:
+        events = (_chat_events(ctx, prepared, sources[0]) if chat else
+                  _completion_events(ctx, prepared, merged(sources)))
+        return AbortingStreamingResponse(_sse(events), ctx.engine, [stream.request_id for stream in streams],
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        finals = await asyncio.gather(*(last_output(source) for source in sources))
+    except EngineError as exc:
+        raise ApiError(500, str(exc), "engine_error") from None
+    if any(final is None for final in finals):  # the client went away; nobody reads this
+        raise ApiError(499, "client disconnected", "client_disconnected")
+    if chat:
+        return _chat_response(ctx, prepared, finals[0])
+    return CompletionResponse(id=prepared.request_id, model=prepared.model,
+                              choices=completion_choices(ctx, prepared, finals), usage=usage(prepared, *finals))
+
+
+def _chat_response(ctx: ServerContext, prepared: Prepared, output) -> ChatCompletionResponse:
+    k = prepared.params.logprobs
+    parser = parser_for(ctx.settings.tool_call_parser)
+    choices = []
+    for c in output.outputs:
+        content, calls = parse_output(prepared.tools, parser, ctx.tokenizer, c)
+        choices.append(ChatChoice(
+            index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None),
+            finish_reason=finish_reason(c, calls), stop_reason=c.stop_reason,
+            logprobs=None if k is None else chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], k)))
+    return ChatCompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices,
+                                  usage=usage(prepared, output),
+                                  prompt_logprobs=prompt_logprob_entries(ctx.tokenizer, output.prompt_logprobs))
+
+
+async def _sse(events):
+    """Server-sent events: one `data: {json}` per chunk, an error event if the engine fails, then [DONE]."""
+    try:
+        async for chunk in events:
+            yield f"data: {chunk.model_dump_json()}\n\n"
+    except EngineError as exc:
+        yield f"data: {json.dumps(error_body(500, str(exc), 'engine_error'))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _completion_events(ctx: ServerContext, prepared: Prepared, source):
+    """source: (prompt index, output) pairs of every prompt (completions.merged); choice i * n + j."""
+    n, k = prepared.params.n, prepared.params.logprobs
+    deltas = [Deltas() for _ in prepared.prompts]
+    offsets: dict[int, int] = {}  # text_offset of each sequence's next token: its tokens' texts so far, as unstreamed
+    last = {}
+    async for i, output in source:
+        last[i] = output
+        choices = []
+        for c, text, token_ids, entries in deltas[i].new_pieces(output):
+            index, logprobs = i * n + c.index, None
+            if k is not None:
+                logprobs = completion_logprobs(ctx.tokenizer, token_ids, entries, k, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(token) for token in logprobs.tokens)
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
+        if choices:
+            yield CompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices)
+    if prepared.include_usage and last:
+        yield CompletionResponse(id=prepared.request_id, model=prepared.model, choices=[],
+                                 usage=usage(prepared, *last.values()))
+
+
+async def _chat_events(ctx: ServerContext, prepared: Prepared, source):
+    deltas, k = Deltas(), prepared.params.logprobs
+
+    def chunk(choices, **extra):
+        return ChatCompletionChunk(id=prepared.request_id, model=prepared.model, choices=choices, **extra)
+
+    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                 for i in range(prepared.params.n)])
+    tools = None
+    if prepared.tools.kind != "none":
+        tools = ToolCallStreamer(prepared.tools, parser_for(ctx.settings.tool_call_parser), ctx.tokenizer)
+    output = None
+    async for output in source:
+        choices = []
+        for c, text, token_ids, entries in deltas.new_pieces(output):
+            logprobs = None if k is None else chat_logprobs(ctx.tokenizer, token_ids, entries, k)
+            delta, finish = ChatDelta(content=text), c.finish_reason
+            if tools is not None:
+                content, calls, finish = tools.delta(c, text)
+                delta = ChatDelta(content=content, tool_calls=calls)
+            choices.append(ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                           stop_reason=c.stop_reason))
+        if choices:
+            yield chunk(choices)
+    if prepared.include_usage and output is not None:
+        yield chunk([], usage=usage(prepared, output))

@@ -1,0 +1,85 @@
+"""Runs the HF model once per step on the packed row, with the `PagedCache` holding the step's metadata."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from paged_hf.config import PagedConfig
+from paged_hf.core.scheduler import SchedulerOutput
+from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
+from paged_hf.kernels import select_kernel
+from paged_hf.kernels.quant import storage_dtype
+from paged_hf.worker.model_info import ModelInfo
+from paged_hf.worker.packed_linears import PackedLinears
+from paged_hf.worker.paged_cache import PagedCache
+from paged_hf.worker.step_inputs import StepInputs, build_step_inputs
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, config: PagedConfig):
+        register()
+        self.model = model
+        self.info = info
+        self.block_size = config.block_size
+        kv_dtype = storage_dtype(config.kv_cache_dtype, info.dtype)
+        self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim, kv_dtype)
+        self.cache = PagedCache(num_blocks, config.block_size, info.num_kv_heads, info.head_dim, info.dtype,
+                                info.layer_devices, self.kernel, kv_dtype)
+        self.logits_device = info.logits_device  # seeded requests' generators live there
+        self.attention_switch = _AttentionSwitch(model, ATTENTION_NAME)
+        self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
+        self.packed_linears = PackedLinears(model) if config.pack_linear_weights else contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
+        """-> logits [num_kept, vocab_size] (the sampled requests' rows, and prompt-logprob rows), the step's inputs."""
+        self.cache.copy_blocks([src for src, _ in out.block_copies], [dst for _, dst in out.block_copies])
+        request_slots = None
+        if self.lora is not None:  # the adapters of this step go to device slots (swapped in if needed)
+            request_slots = self.lora.assign_slots([s.request.lora for s in out.scheduled])
+        inputs = build_step_inputs(out, self.block_size, request_slots)
+        device = self.info.input_device
+        kwargs = dict(
+            input_ids=inputs.input_ids.to(device)[None],  # [1, num_tokens]
+            position_ids=inputs.positions.to(device)[None],
+            attention_mask=STEP_MASK_SENTINEL,
+            cache=self.cache,
+            paged_cache=self.cache,
+            use_cache=True,
+        )
+        if self.info.accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = inputs.logits_indices.to(device)
+        self.cache.begin_step(inputs.attention)
+        try:
+            with self.attention_switch, self.packed_linears, self._lora_step(inputs.adapter_slots):
+                logits = self.model(**kwargs).logits[0]  # [num_kept, vocab_size]
+        finally:
+            self.cache.end_step()
+        if not self.info.accepts_logits_to_keep:
+            logits = logits[inputs.logits_indices.to(logits.device)]
+        return logits.to(self.logits_device), inputs  # a hook may hand them back elsewhere (io_same_device)
+
+    def _lora_step(self, adapter_slots: torch.Tensor | None):
+        """Per-token LoRA routing for this forward only (a no-op without adapter tokens)."""
+        return self.lora.step(adapter_slots) if self.lora is not None else contextlib.nullcontext()
+
+
+class _AttentionSwitch:
+    """Switches the model to the paged attention function for one forward, and back: outside our steps the
+    user's model keeps its own attention implementation (a plain forward is untouched)."""
+
+    def __init__(self, model: torch.nn.Module, name: str):
+        configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+        self.configs = list({id(c): c for c in configs}.values())
+        self.name = name
+
+    def __enter__(self):
+        self.previous = [c._attn_implementation for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation = self.name
+
+    def __exit__(self, *exc):
+        for c, previous in zip(self.configs, self.previous):
+            c._attn_implementation = previous
