@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_hf.kernels.base import write_kv_by_slots
+from paged_hf.utils import cdiv
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -43,7 +44,7 @@ def build_csr(metadata, device: torch.device | str = "cpu") -> CSR:
     block_size = metadata.block_size
     kv_indptr, kv_indices, last_page_len = [0], [], []
     for table, context_len in zip(metadata.block_tables, metadata.context_lens):
-        num_pages = -(-context_len // block_size)
+        num_pages = cdiv(context_len, block_size)
         kv_indices.extend(table[:num_pages])
         kv_indptr.append(len(kv_indices))
         last_page_len.append(context_len - (num_pages - 1) * block_size)

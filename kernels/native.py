@@ -23,6 +23,7 @@ import torch
 from transformers.utils import logging
 
 from paged_hf.kernels.quant import KV_CACHE_DTYPES
+from paged_hf.utils import cache_root
 
 logger = logging.get_logger(__name__)
 
@@ -63,8 +64,6 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    from paged_hf.loader.default_model import cache_root  # noqa: PLC0415 (engine module; keeps kernels import-light)
-
     return cache_root() / "kernels"
 
 

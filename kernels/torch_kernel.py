@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from paged_hf.kernels.base import write_kv_by_slots
 from paged_hf.kernels.quant import KVScales, as_bytes, dequantize
+from paged_hf.utils import cdiv
 
 MAX_DECODE_PADDING = 1.25  # a decode group's padded K/V may be at most this much larger than its real K/V
 
@@ -68,7 +69,7 @@ class TorchKernel:
         starts = metadata.query_start_loc
         queries = []
         for i, context_len in enumerate(metadata.context_lens):
-            table = metadata.block_tables[i][: -(-context_len // block_size)]
+            table = metadata.block_tables[i][: cdiv(context_len, block_size)]
             queries.append(Query(starts[i], starts[i + 1] - starts[i], context_len, table))
         return self.plan_queries(metadata.slot_mapping.to(device), queries, device)
 

@@ -1,13 +1,11 @@
 """paged_hf: serve any HuggingFace causal LM like vLLM does, without leaving transformers."""
 
 from paged_hf.config import PagedConfig
-from paged_hf.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from paged_hf.engine.generator import ContinuousBatchGenerator
 from paged_hf.hf.paged_model import PagedModel, wrap
 from paged_hf.llm import LLM
-from paged_hf.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from paged_hf.sample.structured_output import StructuredOutputsParams
-from paged_hf.sampling_params import SamplingParams
+from paged_hf.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestMetrics, RequestOutput
+from paged_hf.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from paged_hf.worker.paged_cache import PagedCache
 
 __all__ = [

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended (vLLM's names). A str: it compares, formats and serializes as its value."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens or max_model_len
+    ABORT = "abort"  # aborted by the caller, or failed alone
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -10,7 +22,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
+    finish_reason: FinishReason | None = None  # None while running
     logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS/length
 
@@ -32,3 +44,23 @@ class RequestOutput:
     error: str | None = None  # this request failed inside the engine (finished, finish_reason "abort"); others ran on
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned hypothesis. `tokens` holds the prompt too (as vLLM's); `score` is HF's sequences_scores."""
+
+    tokens: list[int]
+    output_token_ids: list[int]
+    cum_logprob: float
+    score: float
+    finish_reason: FinishReason  # STOP (EOS or a stop token, included in the tokens) or LENGTH
+    text: str | None = None
+    beam_indices: list[int] = field(default_factory=list, repr=False)  # per token, the beam row it extended
+
+
+@dataclass
+class BeamSearchOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]  # best first

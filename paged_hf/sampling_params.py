@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import math
+import json
 from dataclasses import dataclass, field
+
+from paged_hf.utils import field_checker, is_int, is_number
 
 #: a temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would overflow
 GREEDY_TEMPERATURE = 1e-5
+#: the kinds of constraint a request's structured_outputs may name (exactly one)
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
-from paged_hf.sample.structured_output import StructuredOutputsParams
+_check = field_checker("SamplingParams")
+_check_structured = field_checker("structured_outputs")
+_check_beam = field_checker("BeamSearchParams")
 
 
 @dataclass
@@ -46,13 +52,13 @@ class SamplingParams:
             self.stop = [self.stop]
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an int >= 1")
         _check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", self.min_new_tokens, "an int in [0, max_new_tokens]")
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        _check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k, "an int >= -1 (0 or -1 = off)")
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
-        _check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
-        _check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
         _check(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "a list of non-empty strings")
@@ -64,7 +70,7 @@ class SamplingParams:
         _check(self.structured_outputs is None or self.min_new_tokens == 0, "min_new_tokens", self.min_new_tokens,
                "0 with structured_outputs (the grammar decides where the output ends)")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs", self.logprobs, "an int >= 0 or None")
-        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0), "prompt_logprobs", self.prompt_logprobs, "an int >= 0 or None")
+        _check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0), "prompt_logprobs", self.prompt_logprobs, "an int >= 0 or None")
         _check_token_constraints(self)
 
     @property
@@ -96,27 +102,105 @@ def check_stop_limits(stop: list[str] | None, max_stop_strings: int, max_stop_st
 
 def _check_token_constraints(params: SamplingParams) -> None:
     bias = params.logit_bias
-    _check(bias is None or (isinstance(bias, dict) and all(_is_int(t) and t >= 0 and _is_number(v) for t, v in bias.items())),
+    _check(bias is None or (isinstance(bias, dict) and all(is_int(t) and t >= 0 and is_number(v) for t, v in bias.items())),
            "logit_bias", bias, "a dict {token_id: bias}")
     allowed = params.allowed_token_ids
-    _check(allowed is None or (isinstance(allowed, (list, tuple)) and allowed and all(_is_int(t) and t >= 0 for t in allowed)),
+    _check(allowed is None or (isinstance(allowed, (list, tuple)) and allowed and all(is_int(t) and t >= 0 for t in allowed)),
            "allowed_token_ids", allowed, "a non-empty list of token ids")
     bad = params.bad_words
     _check(bad is None or (isinstance(bad, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in bad)),
            "bad_words", bad, "a list of non-empty strings")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+@dataclass
+class StructuredOutputsParams:
+    """The constraint of one request (vLLM's `StructuredOutputsParams`): exactly one field of STRUCTURED_OUTPUT_KINDS.
+
+    `json`: a JSON schema (dict or JSON text). `json_object`: any JSON object. `regex`: a regular expression
+    the whole output matches. `choice`: the output is one of these strings. `grammar`: an EBNF grammar
+    (GBNF, with a `root` rule). `disable_any_whitespace` (default True, vLLM's default is False): JSON is
+    written compactly, with no free whitespace between tokens; small models otherwise tend to emit
+    whitespace until max_tokens.
+    """
+
+    json: str | dict | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {list(STRUCTURED_OUTPUT_KINDS)}, got {chosen or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        _check_structured(self.json is None or isinstance(self.json, dict), "json", self.json, "a JSON schema object")
+        _check_structured(self.json_object in (None, True, False), "json_object", self.json_object, "a bool")
+        _check_structured(self.regex is None or (isinstance(self.regex, str) and self.regex), "regex", self.regex,
+               "a non-empty string")
+        _check_structured(self.choice is None or (isinstance(self.choice, (list, tuple)) and self.choice
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "choice", self.choice, "a non-empty list of non-empty strings")
+        _check_structured(self.grammar is None or (isinstance(self.grammar, str) and self.grammar), "grammar", self.grammar,
+               "a non-empty string")
+        _check_structured(isinstance(self.disable_any_whitespace, bool), "disable_any_whitespace",
+               self.disable_any_whitespace, "a bool")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple:
+        """What the compiled grammar depends on (the cache key)."""
+        value = getattr(self, self.kind)
+        text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
+        return self.kind, text, self.disable_any_whitespace
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+@dataclass
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams` names plus HF's beam-search settings (same meanings as HF's `generate`).
 
+    `length_penalty`: a hypothesis scores sum(logprobs) / num_generated_tokens ** length_penalty.
+    `early_stopping`: True stops once beam_width hypotheses are finished; False stops when the heuristic says
+    no running beam can beat them; "never" only when that is certain (HF's three values).
+    `num_return_sequences`: how many of the best hypotheses come back (default: beam_width).
+    """
 
-def _check(ok: bool, name: str, value, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+    beam_width: int
+    max_tokens: int = 16
+    min_tokens: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_beam(is_int(self.beam_width) and self.beam_width >= 1, "beam_width", self.beam_width, "an int >= 1")
+        _check_beam(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
+        _check_beam(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               "an int in [0, max_tokens]")
+        _check_beam(is_number(self.length_penalty), "length_penalty", self.length_penalty, "a number")
+        _check_beam(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
+               self.early_stopping, 'True, False or "never"')
+        if self.num_return_sequences is None:
+            self.num_return_sequences = self.beam_width
+        _check_beam(is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= self.beam_width,
+               "num_return_sequences", self.num_return_sequences, "an int in [1, beam_width]")
+        _check_beam(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+        _check_beam(self.stop_token_ids is None or all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "a list of token ids")
+        _check_beam(is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               self.repetition_penalty, "> 0")
 
 
 _dataclass_init = SamplingParams.__init__  # the dataclass's own __init__ (a class-body __init__ would replace it)

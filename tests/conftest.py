@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -117,3 +118,24 @@ def loaded(converted):
     model, tokenizer = dm.load_model(str(path))
     print(f"\n[default_model] reload of the converted checkpoint took {time.perf_counter() - start:.2f} s")
     return model, tokenizer
+
+
+LORA_CONFIGS = {  # different ranks, alphas, targets; one rsLoRA
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all": dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
+    "down": dict(r=16, lora_alpha=4, target_modules=["o_proj", "down_proj"]),
+}
+
+
+def make_adapter(base, folder, seed: int, **config):
+    """-> the PeftModel (the oracle) after saving it to `folder`."""
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 - at import time it fails inside pytest's collection
+
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(**config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.3)
+    peft_model.save_pretrained(str(folder))
+    return peft_model.eval()

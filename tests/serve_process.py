@@ -13,9 +13,8 @@ import time
 
 import httpx
 import torch
-
 from conftest import tiny_model
-from test_server import tiny_tokenizer
+from tiny_server import tiny_tokenizer
 
 MODEL = "tiny"
 

@@ -10,7 +10,7 @@ import paged_hf
 from paged_hf import SamplingParams
 
 pytest.importorskip("fastapi")
-from test_server import tiny_tokenizer  # noqa: E402
+from tiny_server import tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

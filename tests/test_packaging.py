@@ -21,7 +21,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +97,7 @@ def test_every_subpackage_imports_from_the_fresh_venv(installed):
 
 
 def test_paged_hf_serve_from_the_wheel_answers_a_request(installed, tmp_path):
-    from test_server import free_port, tiny_tokenizer  # noqa: PLC0415
+    from tiny_server import free_port, tiny_tokenizer  # noqa: PLC0415
 
     venv, _, _ = installed
     model_dir = tmp_path / "tiny-llama"

@@ -15,7 +15,14 @@ import torch
 
 from paged_hf.beam.scoring import BeamScorer, Hypothesis
 from paged_hf.core.request import Request
-from paged_hf.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged_hf.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+)
 
 
 class Lockstep:
@@ -89,7 +96,7 @@ class BeamGroup:
             self.done_round = self.scorer.num_generated
         if self.scorer.done if self.lockstep is None else self.lockstep.should_stop(self):
             for request in self.children:
-                scheduler.finish(request, "stop")
+                scheduler.finish(request, FinishReason.STOP)
             self.ended = True
             self.finish_time = time.monotonic()
             return
@@ -119,7 +126,7 @@ class BeamGroup:
             picks.setdefault(self.rows[parent_row], []).append((row, token))
         for request in self.children:
             if request not in picks:
-                scheduler.finish(request, "stop")  # pruned: its blocks go back before the forks take any
+                scheduler.finish(request, FinishReason.STOP)  # pruned: its blocks go back before the forks take any
         rows: list[Request | None] = [None] * len(moves)
         for parent, chosen in picks.items():
             children = [_extended(parent, token) for _, token in chosen[1:]]
@@ -140,7 +147,7 @@ class BeamGroup:
             outputs = [CompletionOutput(i, list(h.token_ids), self._text(h.token_ids), h.finish_reason)
                        for i, h in enumerate(self.hypotheses())]
         elif self.finished:  # aborted
-            outputs = [CompletionOutput(i, list(tokens), self._text(tokens), "abort")
+            outputs = [CompletionOutput(i, list(tokens), self._text(tokens), FinishReason.ABORT)
                        for i, (tokens, _) in enumerate(self.scorer.running)]
         else:
             outputs = []
@@ -148,8 +155,6 @@ class BeamGroup:
                              RequestMetrics(self.arrival_time, finish_time=self.finish_time))
 
     def beam_output(self):
-        from paged_hf.engine.beam_search import BeamSearchOutput, BeamSearchSequence  # noqa: PLC0415
-
         sequences = [BeamSearchSequence(self.prompt_token_ids + h.token_ids, list(h.token_ids), h.cum_logprob, h.score,
                                         h.finish_reason, self._text(h.token_ids), list(h.beam_indices))
                      for h in self.hypotheses()]

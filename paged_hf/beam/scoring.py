@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_hf.outputs import FinishReason
+
 NEG = -1.0e9  # HF's "impossible" score: large but finite, so topk still orders what it pads
 
 
@@ -24,7 +26,7 @@ class Hypothesis:
     beam_indices: list[int]  # per generated token, the row of the beam it extended (HF's beam_indices)
     cum_logprob: float  # sum of the (processed) log-probs of its tokens
     score: float  # cum_logprob / len(token_ids) ** length_penalty: HF's sequences_scores
-    finish_reason: str  # "stop" (a stop token) or "length"
+    finish_reason: FinishReason  # STOP (a stop token) or LENGTH
 
 
 class BeamScorer:
@@ -93,7 +95,7 @@ class BeamScorer:
                 continue
             j = m - self.num_beams
             token_ids, beam_indices = candidates[j]
-            reason = "stop" if tokens[j] in stop_ids else "length"
+            reason = FinishReason.STOP if tokens[j] in stop_ids else FinishReason.LENGTH
             finished.append(Hypothesis(token_ids, beam_indices, cum[j], score, reason))
         self.finished = finished
 

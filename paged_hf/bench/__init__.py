@@ -14,7 +14,7 @@ from paged_hf.bench.systems import DEFAULT_SYSTEMS, SYSTEM_NAMES, SystemRun, run
 from paged_hf.bench.vllm_system import default_vllm_python, run_vllm
 from paged_hf.bench.workloads import WORKLOAD_NAMES, Workload, build_workload
 from paged_hf.config import PagedConfig
-from paged_hf.core.kv_cache_manager import cdiv
+from paged_hf.utils import cdiv
 
 __all__ = ["DEFAULT_SYSTEMS", "SYSTEM_NAMES", "WORKLOAD_NAMES", "Workload", "build_workload", "run_bench"]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from paged_hf.bench.systems import SystemRun, _stderr_fd, warmup_ids
 from paged_hf.bench.workloads import Workload
+from paged_hf.utils import cdiv
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 #: where `make bench-vllm` puts vLLM's venv, relative to the working directory
@@ -58,7 +59,7 @@ def kv_cache_bytes(model: str, workload: Workload, dtype: str, block_size: int =
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
-    blocks = sum(-(-(len(r.prompt_token_ids) + r.max_new_tokens) // block_size) for r in workload.requests) + 4
+    blocks = sum(cdiv(len(r.prompt_token_ids) + r.max_new_tokens, block_size) for r in workload.requests) + 4
     return blocks * block_size * per_token
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from paged_hf.utils import is_int
+
 METHODS = ("ngram", "draft_model")
 #: measured on a 2-core CPU with the default model (docs/speculative_decoding.md): a step's cost stays
 #: near flat up to ~32 tokens, so drafts are spread over the running requests within this many tokens
@@ -103,5 +105,5 @@ class SpeculativeConfig:
 
 
 def _check_int(name: str, value) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if not (is_int(value) and value >= 1):
         raise ValueError(f"speculative config {name} must be an int >= 1, got {value!r}")

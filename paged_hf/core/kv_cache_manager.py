@@ -13,6 +13,7 @@ from array import array
 
 from paged_hf.core.block_pool import Block, BlockPool
 from paged_hf.core.request import Request
+from paged_hf.utils import cdiv
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int], extra_keys: bytes = b"") -> bytes:
@@ -40,10 +41,6 @@ def request_cache_key(request: Request) -> bytes:
     if request.cache_salt is not None:
         parts.append(b"salt:" + request.cache_salt.encode())
     return b"".join(len(part).to_bytes(4, "little") + part for part in parts)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

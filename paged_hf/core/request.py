@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paged_hf.outputs import FinishReason
 from paged_hf.sampling_params import SamplingParams
 
 
@@ -61,7 +62,7 @@ class Request:
     fork_parent: "Request | None" = field(default=None, repr=False)  # set while waiting in a parent's pending_forks
     reserved_seats: int = 0  # a beam search's first sequence: seats for the beams it will fork
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
@@ -81,6 +82,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still missing some prompt logprobs: such a request computes its whole prompt (no prefix-cache read)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def fork_point(self) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
 from paged_hf.core.request import Request, RequestStatus
-from paged_hf.sample.prompt_logprobs import wants_prompt_logprobs
+from paged_hf.outputs import FinishReason
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Scheduler:
             if adapters is not None and not self._adapter_fits(request, adapters):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits = ([] if wants_prompt_logprobs(request) else
+            hits = ([] if request.wants_prompt_logprobs else
                     kv_cache_manager.find_cached_prefix(request, request_cache_key(request)))
             num_cached = len(hits) * kv_cache_manager.block_size
             num_new = min(request.num_tokens_to_compute - num_cached, budget)
@@ -236,7 +236,7 @@ class Scheduler:
         if request.pending_forks and request.num_computed_tokens == request.fork_point:
             self._fork(request)
 
-    def finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (stop, length, abort) wherever it is, and free its blocks at once. Siblings still
         waiting for their fork end first (an abort goes through the children last to first); a parent
         never stops on its own before its fork, which comes before its first token."""

@@ -1,4 +1,4 @@
-"""Beam search on the paged cache: `BeamSearchParams`, its outputs, and the engine calls that run it.
+"""Beam search on the paged cache: the engine calls that run it (its params and outputs are faces).
 
 A beam search is one user request whose live beams are ordinary engine sequences (`Request`s sharing its
 request_id), scheduled in the same steps as every other request. Each round, once every live beam has its
@@ -11,87 +11,15 @@ parallel sampling draws n independent sequences, beam search keeps the k most li
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from paged_hf.beam.group import BeamGroup, Lockstep
-from paged_hf.core.kv_cache_manager import cdiv
 from paged_hf.core.request import Request
 from paged_hf.engine.request_checks import per_prompt
-from paged_hf.sampling_params import SamplingParams
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's `BeamSearchParams` names plus HF's beam-search settings (same meanings as HF's `generate`).
-
-    `length_penalty`: a hypothesis scores sum(logprobs) / num_generated_tokens ** length_penalty.
-    `early_stopping`: True stops once beam_width hypotheses are finished; False stops when the heuristic says
-    no running beam can beat them; "never" only when that is certain (HF's three values).
-    `num_return_sequences`: how many of the best hypotheses come back (default: beam_width).
-    """
-
-    beam_width: int
-    max_tokens: int = 16
-    min_tokens: int = 0
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    num_return_sequences: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        _check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width", self.beam_width, "an int >= 1")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-               "an int in [0, max_tokens]")
-        _check(_is_number(self.length_penalty), "length_penalty", self.length_penalty, "a number")
-        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
-               self.early_stopping, 'True, False or "never"')
-        if self.num_return_sequences is None:
-            self.num_return_sequences = self.beam_width
-        _check(_is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= self.beam_width,
-               "num_return_sequences", self.num_return_sequences, "an int in [1, beam_width]")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
-        _check(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", self.stop_token_ids, "a list of token ids")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               self.repetition_penalty, "> 0")
-
-
-@dataclass
-class BeamSearchSequence:
-    """One returned hypothesis. `tokens` holds the prompt too (as vLLM's); `score` is HF's sequences_scores."""
-
-    tokens: list[int]
-    output_token_ids: list[int]
-    cum_logprob: float
-    score: float
-    finish_reason: str  # "stop" (EOS or a stop token, included in the tokens) or "length"
-    text: str | None = None
-    beam_indices: list[int] = field(default_factory=list, repr=False)  # per token, the beam row it extended
-
-
-@dataclass
-class BeamSearchOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    sequences: list[BeamSearchSequence]  # best first
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
-
-
-def _check(ok: bool, name: str, value, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"BeamSearchParams.{name} must be {expected}, got {value!r}")
+from paged_hf.outputs import BeamSearchOutput
+from paged_hf.sampling_params import BeamSearchParams, SamplingParams
+from paged_hf.utils import cdiv
 
 
 # --- the engine calls (ContinuousBatchGenerator.add_beam_request / beam_search delegate here) -----------------

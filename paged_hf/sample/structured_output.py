@@ -20,70 +20,13 @@ import functools
 import json
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+from paged_hf.sampling_params import StructuredOutputsParams
+
 _INSTALL_HINT = "structured outputs need xgrammar: pip install 'paged-hf[structured]' (or pip install xgrammar)"
-
-
-@dataclass
-class StructuredOutputsParams:
-    """The constraint of one request (vLLM's `StructuredOutputsParams`): exactly one field of KINDS.
-
-    `json`: a JSON schema (dict or JSON text). `json_object`: any JSON object. `regex`: a regular expression
-    the whole output matches. `choice`: the output is one of these strings. `grammar`: an EBNF grammar
-    (GBNF, with a `root` rule). `disable_any_whitespace` (default True, vLLM's default is False): JSON is
-    written compactly, with no free whitespace between tokens; small models otherwise tend to emit
-    whitespace until max_tokens.
-    """
-
-    json: str | dict | None = None
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    disable_any_whitespace: bool = True
-
-    def __post_init__(self) -> None:
-        chosen = [name for name in KINDS if getattr(self, name) not in (None, False)]
-        if len(chosen) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {list(KINDS)}, got {chosen or 'none'}")
-        if isinstance(self.json, str):
-            try:
-                self.json = json.loads(self.json)
-            except ValueError as exc:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-        _check(self.json is None or isinstance(self.json, dict), "json", self.json, "a JSON schema object")
-        _check(self.json_object in (None, True, False), "json_object", self.json_object, "a bool")
-        _check(self.regex is None or (isinstance(self.regex, str) and self.regex), "regex", self.regex,
-               "a non-empty string")
-        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and self.choice
-                                       and all(isinstance(c, str) and c for c in self.choice)),
-               "choice", self.choice, "a non-empty list of non-empty strings")
-        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar), "grammar", self.grammar,
-               "a non-empty string")
-        _check(isinstance(self.disable_any_whitespace, bool), "disable_any_whitespace",
-               self.disable_any_whitespace, "a bool")
-        if self.choice is not None:
-            self.choice = list(self.choice)
-
-    @property
-    def kind(self) -> str:
-        return next(name for name in KINDS if getattr(self, name) not in (None, False))
-
-    def key(self) -> tuple:
-        """What the compiled grammar depends on (the cache key)."""
-        value = getattr(self, self.kind)
-        text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
-        return self.kind, text, self.disable_any_whitespace
-
-
-def _check(ok: bool, name: str, value, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"structured_outputs.{name} must be {expected}, got {value!r}")
 
 
 def _xgrammar():

@@ -7,8 +7,8 @@ from collections import defaultdict
 import torch
 
 from paged_hf.config import PagedConfig
-from paged_hf.core.kv_cache_manager import cdiv
 from paged_hf.kernels.quant import is_quantized, storage_dtype
+from paged_hf.utils import cdiv
 from paged_hf.worker.distributed import min_over_ranks
 from paged_hf.worker.model_info import ModelInfo, free_memory_bytes
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from paged_hf.sample.structured_output import StructuredOutputsParams
+from paged_hf.sampling_params import StructuredOutputsParams
 from paged_hf.serving.openai.errors import ApiError
 
 

@@ -12,9 +12,13 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("peft")
 
-from conftest import assert_no_leak, hf_greedy, tiny_model  # noqa: E402
-from test_lora import make_adapter  # noqa: E402
-from test_server import serving, tiny_tokenizer  # noqa: E402
+from conftest import (  # noqa: E402
+    assert_no_leak,
+    hf_greedy,
+    make_adapter,  # noqa: E402
+    tiny_model,
+)
+from tiny_server import serving, tiny_tokenizer  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402

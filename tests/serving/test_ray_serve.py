@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 pytest.importorskip("ray", reason="the test extra installs ray[serve]")
+from conftest import make_adapter  # noqa: E402
 from ray import serve  # noqa: E402
 from serve_process import MODEL, free_port, save_tiny_model  # noqa: E402
-from test_lora import make_adapter  # noqa: E402
-from test_server import WORDS  # noqa: E402
+from tiny_server import WORDS  # noqa: E402
 
 from paged_hf.entrypoints.cli import build_parser  # noqa: E402
 from paged_hf.entrypoints.cli_args import resolve_model_args  # noqa: E402

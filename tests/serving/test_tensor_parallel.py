@@ -19,7 +19,7 @@ def test_two_ranks_match_single_process_hf_and_never_diverge(tmp_path):
     expected = [hf_greedy(model, p, 6) for p in prompts]
     out_file = tmp_path / "out.json"
     torchrun = Path(sys.executable).with_name("torchrun")
-    script = Path(__file__).parent / "scripts" / "tp_worker.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tp_worker.py"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path / "model"),
                json.dumps(prompts), str(out_file)]

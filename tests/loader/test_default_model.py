@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from paged_hf.loader import default_model as dm
+from paged_hf.utils import CACHE_ENV_VAR
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention stores the KV cache in blocks"
 
@@ -48,9 +49,9 @@ def test_is_default_model():
 
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
-    monkeypatch.setenv(dm.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
     assert dm.default_cache_dir() == tmp_path / dm.DEFAULT_MODEL
-    monkeypatch.delenv(dm.CACHE_ENV_VAR)
+    monkeypatch.delenv(CACHE_ENV_VAR)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert dm.default_cache_dir() == tmp_path / "xdg" / "paged_hf" / dm.DEFAULT_MODEL
 
@@ -100,7 +101,7 @@ def test_complete_checkpoint_is_returned_without_loading(monkeypatch, tmp_path):
 
     monkeypatch.setattr(dm, "load_gguf_model", boom)
     assert dm.ensure_default_checkpoint(cache_dir=target) == target
-    monkeypatch.setenv(dm.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
     assert dm.ensure_default_checkpoint() == target
 
 
@@ -203,14 +204,14 @@ def test_second_ensure_is_fast_and_does_not_reload(converted, monkeypatch):
     assert again == path
     assert elapsed < 1.0, elapsed
     # Through the environment variable too (it names the cache root).
-    monkeypatch.setenv(dm.CACHE_ENV_VAR, str(path.parent))
+    monkeypatch.setenv(CACHE_ENV_VAR, str(path.parent))
     assert dm.ensure_default_checkpoint() == path
 
 
 @pytest.mark.slow
 def test_load_model_default_name_uses_cache(converted, monkeypatch):
     path = converted[0]
-    monkeypatch.setenv(dm.CACHE_ENV_VAR, str(path.parent))
+    monkeypatch.setenv(CACHE_ENV_VAR, str(path.parent))
     monkeypatch.setattr(dm, "load_gguf_model", lambda *a, **k: pytest.fail("must not convert again"))
     start = time.perf_counter()
     model, tokenizer = dm.load_model(dm.DEFAULT_MODEL)

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 from serve_process import MODEL, ServerProcess, save_tiny_model
-from test_server import serving
+from tiny_server import serving
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import paged_hf

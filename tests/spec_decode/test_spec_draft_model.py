@@ -216,7 +216,8 @@ def test_config_errors():
 
 
 def test_adapter_requests_are_refused_base_requests_served(tmp_path):
-    from test_lora import CONFIGS, make_adapter
+    from conftest import LORA_CONFIGS as CONFIGS
+    from conftest import make_adapter
 
     base = tiny_model("llama")
     make_adapter(base, tmp_path / "qv", seed=1, **CONFIGS["qv"])
@@ -231,8 +232,9 @@ def test_adapter_requests_are_refused_base_requests_served(tmp_path):
 
 
 def test_server_refuses_an_adapter_request_with_400(tmp_path):
-    from test_lora import CONFIGS, make_adapter
-    from test_server import MODEL, serving, tiny_tokenizer
+    from conftest import LORA_CONFIGS as CONFIGS
+    from conftest import make_adapter
+    from tiny_server import MODEL, serving, tiny_tokenizer
 
     from paged_hf.serving.openai import ServerSettings, create_app
 
@@ -278,7 +280,7 @@ def test_make_draft_model_example_cuts_the_first_layers():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "make_draft_model.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "make_draft_model.py"
     module_spec = importlib.util.spec_from_file_location("make_draft_model", path)
     example = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(example)
@@ -313,7 +315,7 @@ def test_serve_takes_a_draft_model_folder(tmp_path, monkeypatch, capsys):
     """`paged-hf serve --speculative-config '{"method": "draft_model", "model": PATH}'`; a draft of another
     vocabulary stops the start with its error."""
     pytest.importorskip("uvicorn")
-    from test_server import tiny_tokenizer
+    from tiny_server import tiny_tokenizer
 
     from paged_hf.entrypoints import cli
     from paged_hf.loader import default_model

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import FAMILIES, assert_no_leak, hf_greedy, random_prompts, tiny_model
 
 import paged_hf

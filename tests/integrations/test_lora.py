@@ -12,30 +12,13 @@ import json
 
 import pytest
 import torch
-from conftest import assert_no_leak, hf_greedy, random_prompts, tiny_model
-from peft import LoraConfig, get_peft_model
+from conftest import LORA_CONFIGS as CONFIGS
+from conftest import assert_no_leak, hf_greedy, make_adapter, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import PagedConfig, SamplingParams
 
-CONFIGS = {  # different ranks, alphas, targets; one rsLoRA
-    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all": dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
-    "down": dict(r=16, lora_alpha=4, target_modules=["o_proj", "down_proj"]),
-}
 MAX_NEW = 8
-
-
-def make_adapter(base, folder, seed: int, **config):
-    """-> the PeftModel (the oracle) after saving it to `folder`."""
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(**config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.3)
-    peft_model.save_pretrained(str(folder))
-    return peft_model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 openai = pytest.importorskip("openai")
 
 from conftest import assert_no_leak, real_tokenizer, tiny_model_for  # noqa: E402
-from test_server import serving  # noqa: E402
+from tiny_server import serving  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402

@@ -16,7 +16,7 @@ from paged_hf.loader import default_model  # noqa: E402
 @pytest.fixture
 def served(monkeypatch):
     """Runs `paged-hf serve` on the tiny model up to the server's run(); returns what it would have served."""
-    from test_server import tiny_tokenizer  # noqa: PLC0415
+    from tiny_server import tiny_tokenizer  # noqa: PLC0415
 
     monkeypatch.setattr(default_model, "load_model",
                         lambda name, dtype, device: (tiny_model("llama", dtype=torch.float32), tiny_tokenizer()))

@@ -215,7 +215,8 @@ def test_sampled_distribution_matches_the_model():
 # --- LoRA, stop strings, the real model --------------------------------------------------------------------
 
 def test_lora_requests_speculate_with_their_adapter(tmp_path):
-    from test_lora import CONFIGS, make_adapter
+    from conftest import LORA_CONFIGS as CONFIGS
+    from conftest import make_adapter
 
     base = tiny_model("llama")
     oracle = make_adapter(base, tmp_path / "qv", seed=1, **CONFIGS["qv"])

@@ -11,7 +11,7 @@ import torch
 uvicorn = pytest.importorskip("uvicorn")
 
 from conftest import tiny_model  # noqa: E402
-from test_server import serving, tiny_tokenizer  # noqa: E402
+from tiny_server import serving, tiny_tokenizer  # noqa: E402
 
 from paged_hf.entrypoints import cli
 from paged_hf.entrypoints.cli_args import engine_config  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("lm_eval")
 
-from test_server import serving  # noqa: E402
+from tiny_server import serving  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402

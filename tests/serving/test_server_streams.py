@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from test_server import API_KEY, MODEL, client, server  # noqa: E402,F401 - the module's server fixtures
+from test_server import client, server  # noqa: E402,F401 - the module's server fixtures
+from tiny_server import API_KEY, MODEL  # noqa: E402,F401 - the module's server fixtures
 
 STOPS = [["e t"], ["th", "zz"], ["ou"], ["an", "ime"], ["s "], None]
 

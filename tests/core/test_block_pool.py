@@ -13,8 +13,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from paged_hf import SamplingParams
 from paged_hf.core.block_pool import Block, BlockPool, FreeBlockQueue
-from paged_hf.core.kv_cache_manager import KVCacheManager, cdiv, hash_block
+from paged_hf.core.kv_cache_manager import KVCacheManager, hash_block
 from paged_hf.core.request import Request
+from paged_hf.utils import cdiv
 
 NUM_BLOCKS = 10
 BLOCK_SIZE = 3

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from serve_process import MODEL, ServerProcess, save_tiny_model  # noqa: E402
-from test_server import WORDS  # noqa: E402
+from tiny_server import WORDS  # noqa: E402
 
 LONG = 450  # tokens: a few seconds of the tiny model
 
@@ -153,7 +153,7 @@ def test_an_exception_of_one_request_fails_only_that_request(monkeypatch):
     """A request whose text cannot be decoded gets a 500 (or an error event), the requests beside it run on."""
     import torch
     from conftest import assert_no_leak, tiny_model
-    from test_server import serving, tiny_tokenizer
+    from tiny_server import serving, tiny_tokenizer
 
     import paged_hf
     from paged_hf.engine.detokenizer import IncrementalDetokenizer

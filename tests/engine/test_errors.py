@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import VOCAB, assert_no_leak, hf_greedy, random_prompts
 
 import paged_hf
@@ -127,7 +126,7 @@ def test_abort_of_a_waiting_request_and_unknown_id(generator):
 
 
 def test_stop_lists_are_bounded_by_the_config(llama):
-    from test_server import tiny_tokenizer  # noqa: PLC0415
+    from tiny_server import tiny_tokenizer  # noqa: PLC0415
 
     config = PagedConfig(num_blocks=16, block_size=4, max_stop_strings=3, max_stop_string_chars=5)
     generator = paged_hf.ContinuousBatchGenerator(llama, config, tiny_tokenizer())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from conftest import random_prompts, tiny_model
-from test_server import WORDS, tiny_tokenizer
+from tiny_server import WORDS, tiny_tokenizer
 
 import paged_hf
 from paged_hf import SamplingParams

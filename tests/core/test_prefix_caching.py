@@ -3,8 +3,6 @@ generate), hits that really happen, n children that share their prompt's blocks,
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import transformers

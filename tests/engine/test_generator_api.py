@@ -47,7 +47,7 @@ def test_a_request_id_can_be_reused_after_abort(generator, llama):
 
 @pytest.mark.parametrize("as_text", [False, True])
 def test_a_single_prompt_is_one_request(llama, as_text):
-    from test_server import tiny_tokenizer  # noqa: PLC0415
+    from tiny_server import tiny_tokenizer  # noqa: PLC0415
 
     tokenizer = tiny_tokenizer()
     generator = paged_hf.ContinuousBatchGenerator(llama, PagedConfig(num_blocks=32, block_size=4), tokenizer)

@@ -14,7 +14,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from conftest import assert_no_leak, tiny_model  # noqa: E402
-from test_server import serving, tiny_tokenizer  # noqa: E402
+from tiny_server import serving, tiny_tokenizer  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
@@ -88,7 +88,7 @@ def complete(server, **body) -> dict:
 def test_every_vllm_field_is_honoured_refused_or_ignored(model, vllm_fields, refused):
     honoured = set(model.model_fields) - set(refused)
     assert set(vllm_fields) <= honoured | set(refused) | IGNORED
-    with open(Path(__file__).parent.parent / "docs" / "serving.md") as fh:
+    with open(Path(__file__).resolve().parents[2] / "docs" / "serving.md") as fh:
         docs = fh.read()
     assert all(f"`{name}`" in docs for name in vllm_fields), [n for n in vllm_fields if f"`{n}`" not in docs]
 
