@@ -25,7 +25,7 @@ from paged_hf.outputs import (
 )
 
 
-class Lockstep:
+class BeamCohort:
     """Beam searches that stop together, like the prompts of one HF `generate` batch: HF runs every prompt
     until all are done (a done prompt's hypotheses no longer change, but its running beams go on), and its
     `output_scores` hold one entry per round of that longest run."""
@@ -44,7 +44,7 @@ class Lockstep:
 
 class BeamGroup:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params, first: Request, stop_ids: list[int],
-                 tokenizer=None, lockstep: Lockstep | None = None, record: bool = False):
+                 tokenizer=None, cohort: BeamCohort | None = None, record: bool = False):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -54,9 +54,9 @@ class BeamGroup:
                                  len(self.stop_ids))
         self.rows: list[Request] = [first] * params.beam_width  # row i: the sequence that holds beam i
         self.pending: dict[Request, torch.Tensor] = {}  # this round's next-token logits, per live sequence
-        self.lockstep = lockstep
-        if lockstep is not None:
-            lockstep.groups.append(self)
+        self.cohort = cohort
+        if cohort is not None:
+            cohort.groups.append(self)
         self.done_round: int | None = None  # the round after which the hypotheses were final
         self.ended = False  # the search is over (not aborted)
         self.record = record  # keep each round's logits and log-probs (HF's output_logits / output_scores)
@@ -94,7 +94,7 @@ class BeamGroup:
         moves = self.scorer.step(log_probs, self.stop_ids)
         if self.scorer.done and self.done_round is None:
             self.done_round = self.scorer.num_generated
-        if self.scorer.done if self.lockstep is None else self.lockstep.should_stop(self):
+        if self.scorer.done if self.cohort is None else self.cohort.should_stop(self):
             for request in self.children:
                 scheduler.finish(request, FinishReason.STOP)
             self.ended = True

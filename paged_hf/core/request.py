@@ -5,11 +5,39 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from paged_hf.outputs import FinishReason
 from paged_hf.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_hf.integrations.peft import LoRAAdapter
+
+
+class SequenceGrammar(Protocol):
+    """What is called on a sequence's structured-output state (sample.structured_output's GrammarState; a
+    protocol because that layer sits above core)."""
+
+    rejected_token: int | None  # a generated token the grammar forbids (the stop check fails the request)
+
+    def accept(self, token_id: int) -> bool: ...
+
+    @property
+    def is_terminated(self) -> bool: ...
+
+
+class SequenceDetokenizer(Protocol):
+    """What is called on a sequence's detokenizer (engine.detokenizer's IncrementalDetokenizer; a protocol
+    because the engine sits above core)."""
+
+    token_ids: list[int]  # the tokens read so far
+    stop_string: str | None  # the stop string that was hit
+
+    def update(self, new_token_ids: list[int]) -> bool: ...
+
+    def visible_text(self, finished: bool) -> str: ...
 
 
 class RequestStatus(enum.Enum):
@@ -37,17 +65,17 @@ class Request:
     sampling_params: SamplingParams
     adapter: str | None = None
     adapter_version: int | None = None  # which load of `adapter` (a re-load under the same name is a new one)
-    lora: object | None = field(default=None, repr=False)  # the adapter's weights (integrations.peft.LoRAAdapter)
+    lora: LoRAAdapter | None = field(default=None, repr=False)  # the adapter's weights
     cache_salt: str | None = None  # mixed into the block hashes: cached blocks are shared only with equal salts
-    generator: torch.Generator | None = None
-    grammar: object | None = field(default=None, repr=False)  # structured outputs: a GrammarState, own per child
+    rng: torch.Generator | None = None  # a seeded request's own random stream (sample.sampler.make_rng)
+    grammar: SequenceGrammar | None = field(default=None, repr=False)  # structured outputs: own per child
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] | None = None
-    detokenizer: object | None = field(default=None, repr=False)  # IncrementalDetokenizer, with a tokenizer
+    detokenizer: SequenceDetokenizer | None = field(default=None, repr=False)  # with a tokenizer
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # sampling_params.bad_words, tokenized
     # {position: {token_id: logprob}} of prompt tokens 1.. (child 0 only; filled while its prompt is computed)

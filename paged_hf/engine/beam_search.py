@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from paged_hf.beam.group import BeamGroup, Lockstep
+from paged_hf.beam.group import BeamCohort, BeamGroup
 from paged_hf.core.request import Request
+from paged_hf.core.scheduler import Scheduler
 from paged_hf.engine.request_checks import per_prompt
 from paged_hf.outputs import BeamSearchOutput
 from paged_hf.sampling_params import BeamSearchParams, SamplingParams
@@ -24,25 +25,22 @@ from paged_hf.utils import cdiv
 
 # --- the engine calls (ContinuousBatchGenerator.add_beam_request / beam_search delegate here) -----------------
 def add_beam_request(generator, prompt, params: BeamSearchParams, adapter: str | None = None,
-                     request_id: str | None = None, lockstep: Lockstep | None = None, record: bool = False) -> str:
+                     request_id: str | None = None, cohort: BeamCohort | None = None, record: bool = False) -> str:
     """Validate and queue one beam search; its first beam computes the prompt, the others fork from it.
-    `lockstep` and `record` serve the drop-in's `output_scores` (HF runs a batch until every prompt is done
+    `cohort` and `record` serve the drop-in's `output_scores` (HF runs a batch until every prompt is done
     and keeps every round's scores)."""
-    prompt_ids = generator._prompt_token_ids(prompt)
+    prompt_ids = generator.prompt_token_ids(prompt)
     internal = check_beam_request(generator, prompt_ids, params)
-    lora = generator._adapter(adapter)
-    request_id = str(next(generator._ids)) if request_id is None else str(request_id)
-    if request_id in generator.groups:
-        raise ValueError(f"request_id {request_id!r} is already in use")
+    lora = generator.resolve_adapter(adapter)
+    request_id = generator.new_request_id(request_id)
     first = Request(request_id, 0, list(prompt_ids), internal, adapter, lora=lora,
                     adapter_version=None if lora is None else lora.version)
     first.reserved_seats = params.beam_width - 1  # the beams it forks after the prompt have seats waiting
     stop_ids = list(params.stop_token_ids or ())
     if not params.ignore_eos:
         stop_ids += [t for t in generator.info.eos_token_ids if t not in stop_ids]
-    group = BeamGroup(request_id, prompt_ids, params, first, stop_ids, generator.tokenizer, lockstep, record)
-    generator.groups[request_id] = group
-    generator.scheduler.add(first)
+    group = BeamGroup(request_id, prompt_ids, params, first, stop_ids, generator.tokenizer, cohort, record)
+    generator.enqueue(group, first)
     return request_id
 
 
@@ -54,7 +52,7 @@ def check_beam_request(generator, prompt_ids: list[int], params: BeamSearchParam
         raise ValueError(f"beam_width={params.beam_width} is more than max_num_seqs={generator.config.max_num_seqs} "
                          "(every beam runs as one sequence)")
     internal = SamplingParams(max_new_tokens=params.max_tokens, temperature=0, ignore_eos=True)
-    generator._check_fits(prompt_ids, internal)
+    generator.check_fits(prompt_ids, internal)
     _check_beams_fit(generator, len(prompt_ids), params)
     return internal
 
@@ -83,7 +81,7 @@ def beam_search(generator, prompts: Sequence, params, adapters=None, use_tqdm: b
 
 
 def run_beam_searches(generator, prompts: list, params: list[BeamSearchParams], adapters: list, use_tqdm: bool = False,
-                      lockstep: Lockstep | None = None, record: bool = False) -> list[BeamGroup]:
+                      cohort: BeamCohort | None = None, record: bool = False) -> list[BeamGroup]:
     """Submit one beam search per prompt and step the engine until all ended; -> their groups. Their outputs
     are this call's, not step()'s; on any error (or interrupt) they are aborted."""
     from tqdm.auto import tqdm  # noqa: PLC0415
@@ -91,23 +89,23 @@ def run_beam_searches(generator, prompts: list, params: list[BeamSearchParams], 
     groups: list[BeamGroup] = []
     try:
         for prompt, p, adapter in zip(prompts, params, adapters):
-            groups.append(generator.groups[add_beam_request(generator, prompt, p, adapter, None, lockstep, record)])
-            generator._claimed.add(groups[-1])
+            groups.append(generator.groups[add_beam_request(generator, prompt, p, adapter, None, cohort, record)])
+            generator.claim(groups[-1])
         with tqdm(total=len(groups), desc="paged_hf beam search", unit="req", disable=not use_tqdm) as bar:
             while not all(group.finished for group in groups):
                 num_done = sum(group.finished for group in groups)
-                generator._step_for_call()
+                generator.step_for_call()
                 bar.update(sum(group.finished for group in groups) - num_done)
         return groups
     finally:
         for group in groups:
-            generator._release(group)
+            generator.release(group)
 
 
-def route_beam_rows(generator, requests: list[Request], logits):
+def route_beam_rows(groups: dict, scheduler: Scheduler, requests: list[Request], logits: torch.Tensor):
     """Hand this step's logits rows of beam sequences to their searches (each decides its round once all its
-    beams are in) -> (the other requests, their logits rows, the beam searches that ended this step)."""
-    groups = generator.groups
+    beams are in) -> (the other requests, their logits rows, the beam searches that ended this step).
+    `groups`: the engine's unfinished requests by id."""
     beam_rows = [i for i, r in enumerate(requests) if isinstance(groups.get(r.request_id), BeamGroup)]
     if not beam_rows:
         return requests, logits, []
@@ -118,7 +116,7 @@ def route_beam_rows(generator, requests: list[Request], logits):
         touched[group] = None
     for group in touched:
         if group.ready:
-            group.decide(generator.scheduler)
+            group.decide(scheduler)
     beam_set = set(beam_rows)
     others = [i for i in range(len(requests)) if i not in beam_set]
     rest = logits[torch.tensor(others, dtype=torch.long, device=logits.device)]  # [num_others, vocab_size]

@@ -6,16 +6,17 @@ is closed, leaves its `with` block or is dropped; a `break` out of `for tokens i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from paged_hf.engine.generator import ContinuousBatchGenerator
-    from paged_hf.engine.request_group import RequestGroup
+from paged_hf.engine.request_group import RequestGroup
 
 
 class TokenStream:
-    def __init__(self, generator: ContinuousBatchGenerator, group: RequestGroup):
-        self._generator = generator
+    def __init__(self, group: RequestGroup, step: Callable[[], object], release: Callable[[RequestGroup], None]):
+        """`step` runs one engine step, `release` ends the request: the generator's `step_for_call` and `release`
+        (callables, so that the stream needs nothing else of the engine)."""
+        self._step_engine = step
+        self._release_group = release
         self._group: RequestGroup | None = group
         self._num_seen = 0
 
@@ -30,7 +31,7 @@ class TokenStream:
         tokens = group.children[0].output_token_ids
         try:
             while len(tokens) <= self._num_seen and not group.finished:
-                self._generator._step_for_call()
+                self._step_engine()
         except BaseException:
             self.close()
             raise
@@ -44,7 +45,7 @@ class TokenStream:
         """End the request now if it is still running (idempotent)."""
         group, self._group = self._group, None
         if group is not None:
-            self._generator._release(group)
+            self._release_group(group)
 
     def __enter__(self) -> TokenStream:
         return self

@@ -12,7 +12,7 @@ import torch
 from transformers.generation import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
-from paged_hf.beam.group import BeamGroup, Lockstep
+from paged_hf.beam.group import BeamCohort, BeamGroup
 from paged_hf.engine.beam_search import run_beam_searches
 from paged_hf.sampling_params import BeamSearchParams, SamplingParams
 
@@ -35,13 +35,13 @@ def generate_beams(generator, call):
     """Run the call's beam searches on the engine -> HF's `sequences` tensor or GenerateBeamDecoderOnlyOutput."""
     config = call.config
     record = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
-    lockstep = Lockstep() if record else None  # per-round outputs: every prompt runs as long as HF's batch
+    cohort = BeamCohort() if record else None  # per-round outputs: every prompt runs as long as HF's batch
     groups = run_beam_searches(generator, call.prompts, [call.beam] * len(call.prompts), [None] * len(call.prompts),
-                               lockstep=lockstep, record=record)
+                               cohort=cohort, record=record)
     sequences, beam_indices, scores = _rows(call, groups)
     if not config.return_dict_in_generate:
         return sequences
-    num_rounds = lockstep.num_rounds if lockstep is not None else 0
+    num_rounds = cohort.num_rounds if cohort is not None else 0
     device = call.input_ids.device
 
     def per_round(name):

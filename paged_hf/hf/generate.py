@@ -93,7 +93,7 @@ def _translate(paged_model, args: tuple, kwargs: dict) -> _Call:
         prompts = [row[row_mask].tolist() for row, row_mask in zip(input_ids.cpu(), mask)]
         generator = paged_model.generator
         for prompt in prompts:  # the engine's own limits (vocabulary, max_model_len, cache size): HF has none
-            generator._check_fits(generator._prompt_token_ids(prompt), params)
+            generator.check_fits(generator.prompt_token_ids(prompt), params)
             if beam is not None:
                 check_beam_request(generator, prompt, beam)
     except _Fallback:

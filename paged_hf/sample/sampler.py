@@ -4,7 +4,7 @@ vLLM's token constraints come first (allowed_token_ids, bad_words, logit_bias: t
 the processors in HF generate's order (min_new_tokens, repetition penalty, then temperature, top-k,
 top-p, min-p), so greedy decoding matches HF's `generate` token for token. Sampling uses the exponential
 race (argmax of probs / q, q ~ Exp(1)) rather than `torch.multinomial`: a seeded row then draws q from
-its own generator, so its tokens never depend on which other requests share the batch.
+its own rng (a torch.Generator), so its tokens never depend on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far (before this step's token)
-    generator: torch.Generator | None  # set for seeded requests; None = the global RNG
+    rng: torch.Generator | None  # set for seeded requests; None = the global RNG
     grammar: GrammarState | None = None  # structured outputs: only the tokens it allows may be drawn
     bad_words_token_ids: list[list[int]] | None = None  # the request's bad_words, tokenized at submission
 
@@ -41,21 +41,21 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
-def make_generator(seed: int, index: int, device) -> torch.Generator:
-    """The generator of child `index` of a request with `seed`: a stream that depends on (seed, index) only.
+def make_rng(seed: int, index: int, device) -> torch.Generator:
+    """The rng of child `index` of a request with `seed`: a stream that depends on (seed, index) only.
 
     SplitMix64 spreads (seed, index) over 64 bits, so children of one seed differ, any int seed works
-    (negative or huge), and seeds that only differ above bit 32 still differ on CPU (whose generator
+    (negative or huge), and seeds that only differ above bit 32 still differ on CPU (whose torch.Generator
     keeps only the low 32 bits of its seed).
     """
     z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
-    z ^= z >> 32  # fold the high half into the low 32 bits the CPU generator keeps
-    generator = torch.Generator(device=device)
-    generator.manual_seed(z)
-    return generator
+    z ^= z >> 32  # fold the high half into the low 32 bits a CPU torch.Generator keeps
+    rng = torch.Generator(device=device)
+    rng.manual_seed(z)
+    return rng
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
@@ -235,18 +235,18 @@ def _probabilities(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 
 
 def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """One token per row from `probs` [num_rows, vocab_size]; seeded rows from their own generator."""
+    """One token per row from `probs` [num_rows, vocab_size]; seeded rows from their own rng."""
     # Exponential race: argmax(probs / q) with q ~ Exp(1) is a draw from probs (no need to renormalize).
     q = torch.empty_like(probs)  # [num_rows, vocab_size]
-    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    seeded = [i for i, row in enumerate(rows) if row.rng is not None]
     if not seeded:
         q.exponential_()
     else:
-        unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+        unseeded = [i for i, row in enumerate(rows) if row.rng is None]
         if unseeded:
             q[torch.tensor(unseeded, device=q.device)] = torch.empty_like(q[: len(unseeded)]).exponential_()
         for i in seeded:  # each seeded row from its own stream only: same tokens whatever the batch
-            q[i].exponential_(generator=rows[i].generator)  # a contiguous row: the same draws as a fresh tensor
+            q[i].exponential_(generator=rows[i].rng)  # a contiguous row: the same draws as a fresh tensor
     q.clamp_min_(torch.finfo(q.dtype).tiny)  # never 0 / 0
     return (probs / q).argmax(dim=-1)
 

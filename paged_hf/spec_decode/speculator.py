@@ -12,7 +12,7 @@ Sampled requests: the sampler draws row j by the exponential race argmax(p_j / e
 row, so target token j is an exact sample of p_j given the tokens before it. Keeping targets while they
 match a deterministic draft d is Leviathan et al.'s rejection sampling for a one-hot draft distribution:
 d is accepted with probability p(d), and on rejection the token is distributed as p without d,
-renormalized (the residual max(0, p - q)). A seeded request's generator is then rewound to just after the
+renormalized (the residual max(0, p - q)). A seeded request's rng is then rewound to just after the
 rows it kept, so its tokens are the same as without speculation, draft by draft.
 """
 
@@ -90,7 +90,7 @@ class Speculator:
                 index.append(offset + j)
             offset += len(drafts)
         stacked = torch.cat([logits, spec_logits])[torch.tensor(index, device=logits.device)]  # [num_rows, vocab]
-        rewind = {id(r): r.generator.get_state() for r in requests if _draws_seeded(r)}
+        rewind = {id(r): r.rng.get_state() for r in requests if _draws_seeded(r)}
         out = sampler(stacked, all_rows)
         token_ids = broadcast_tokens(out.token_ids, logits.device)
         emitted, row = [], 0
@@ -104,7 +104,7 @@ class Speculator:
             if drafts:
                 self.stats.record(len(drafts), num_accepted)
                 if id(request) in rewind and num_accepted < len(drafts):  # all kept: the sampler drew just those
-                    _rewind(request.generator, rewind[id(request)], num_accepted + 1, stacked)
+                    _rewind(request.rng, rewind[id(request)], num_accepted + 1, stacked)
             row += len(drafts) + 1
         return emitted
 
@@ -121,14 +121,14 @@ class Speculator:
 
 
 def _draws_seeded(request) -> bool:
-    return bool(request.spec_token_ids) and request.generator is not None and not request.sampling_params.greedy
+    return bool(request.spec_token_ids) and request.rng is not None and not request.sampling_params.greedy
 
 
-def _rewind(generator: torch.Generator, state: torch.Tensor, num_rows: int, like: torch.Tensor) -> None:
-    """Put the generator where the sampler would have left it after `num_rows` rows (the sampler draws a
+def _rewind(rng: torch.Generator, state: torch.Tensor, num_rows: int, like: torch.Tensor) -> None:
+    """Put the rng where the sampler would have left it after `num_rows` rows (the sampler draws a
     vocab-sized row of exponentials per row, in the dtype it samples in)."""
-    generator.set_state(state)
+    rng.set_state(state)
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    row = torch.empty(like.shape[-1], dtype=dtype, device=generator.device)
+    row = torch.empty(like.shape[-1], dtype=dtype, device=rng.device)
     for _ in range(num_rows):
-        row.exponential_(generator=generator)
+        row.exponential_(generator=rng)

@@ -78,7 +78,7 @@ def test_padded_batch_with_eos_matches_hf(model, paged, width, nrs, length_penal
 @pytest.mark.parametrize("outputs", [{}, {"output_scores": True}, {"output_logits": True, "output_scores": True}])
 def test_return_dict_matches_hf(model, paged, outputs):
     """sequences, sequences_scores, beam_indices and the per-round scores/logits (HF's batch runs until every
-    prompt is done; so does the engine's lockstep)."""
+    prompt is done; so does the engine's BeamCohort)."""
     ids, mask = left_padded(PROMPTS)
     eos = eos_in_beams(model, ids, mask, 3)
     kwargs = dict(attention_mask=mask, num_beams=3, num_return_sequences=2, max_new_tokens=10, eos_token_id=eos,

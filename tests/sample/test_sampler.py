@@ -22,15 +22,15 @@ from paged_hf.sample.sampler import (
     SamplingRow,
     _apply_presence_frequency,
     _probabilities,
-    make_generator,
+    make_rng,
 )
 from paged_hf.sampling_params import SamplingParams
 
 EOS = 3
 
 
-def row(params: SamplingParams | None = None, prompt=(0, 1), output=(), generator=None) -> SamplingRow:
-    return SamplingRow(params or SamplingParams(), list(prompt), list(output), generator)
+def row(params: SamplingParams | None = None, prompt=(0, 1), output=(), rng=None) -> SamplingRow:
+    return SamplingRow(params or SamplingParams(), list(prompt), list(output), rng)
 
 
 def greedy(**fields) -> SamplingParams:
@@ -157,8 +157,8 @@ def test_frequencies_match_the_target_distribution(fields):
 
 def test_a_seeded_stream_samples_the_right_distribution():
     logits = torch.tensor([[1.0, 0.5, 2.0, -1.0, 0.0, 1.5, -0.5, 0.8]])
-    sampler, generator = Sampler([]), make_generator(7, 0, "cpu")
-    rows = [row(SamplingParams(temperature=0.7), generator=generator)]
+    sampler, rng = Sampler([]), make_rng(7, 0, "cpu")
+    rows = [row(SamplingParams(temperature=0.7), rng=rng)]
     tokens = [sampler(logits, rows).token_ids[0] for _ in range(4000)]
     freq = torch.bincount(torch.tensor(tokens), minlength=8) / len(tokens)
     assert (freq - (logits[0] / 0.7).softmax(-1)).abs().max() < 0.035
@@ -204,13 +204,13 @@ def test_top_k_keeps_exactly_the_top_k_and_top_p_the_nucleus():
 
 def _seeded_run(position: int, num_rows: int, num_steps: int = 5) -> list[int]:
     """The tokens of the seeded row (seed 1234) at `position` among random rows, over a few steps."""
-    target = make_generator(1234, 0, "cpu")
-    others = [make_generator(99 + i, 0, "cpu") if i % 3 == 0 else None for i in range(num_rows)]
+    target = make_rng(1234, 0, "cpu")
+    others = [make_rng(99 + i, 0, "cpu") if i % 3 == 0 else None for i in range(num_rows)]
     sampler, tokens = Sampler([]), []
     for step in range(num_steps):
         logits = torch.randn(num_rows, 100)  # the neighbours' logits change between runs
         logits[position] = torch.linspace(-2, 2, 100) + step * 0.1
-        rows = [row(SamplingParams(temperature=1.3), generator=target if i == position else others[i])
+        rows = [row(SamplingParams(temperature=1.3), rng=target if i == position else others[i])
                 for i in range(num_rows)]
         tokens.append(sampler(logits, rows).token_ids[position])
     return tokens
@@ -223,9 +223,9 @@ def test_seeded_row_gives_the_same_tokens_whatever_the_batch():
         assert _seeded_run(position, num_rows) == alone
 
 
-def test_make_generator_streams_differ_by_index_and_reproduce():
+def test_make_rng_streams_differ_by_index_and_reproduce():
     def draws(seed, index):
-        return torch.rand(8, generator=make_generator(seed, index, "cpu"))
+        return torch.rand(8, generator=make_rng(seed, index, "cpu"))
 
     assert torch.equal(draws(5, 0), draws(5, 0)) and torch.equal(draws(5, 3), draws(5, 3))
     children = [draws(5, i) for i in range(6)]

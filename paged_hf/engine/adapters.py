@@ -1,0 +1,26 @@
+"""LoRA serving for the engine: the adapters of a wrapped PeftModel, and the manager made with the first adapter."""
+
+from __future__ import annotations
+
+import torch
+
+from paged_hf.config import PagedConfig
+from paged_hf.worker.model_runner import ModelRunner
+
+
+def split_peft_model(model: torch.nn.Module):
+    """-> (the PeftModel or None, the model the engine runs): a PeftModel's adapters are served by name, and
+    its base model (with peft's layers bypassed in every step) runs underneath."""
+    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        return model, model.get_base_model()
+    return None, model
+
+
+def lora_manager(runner: ModelRunner, config: PagedConfig):
+    """The runner's LoRAManager, created with the first adapter (peft is imported only for LoRA); with no
+    adapter loaded it only costs a check per step."""
+    if runner.lora is None:
+        from paged_hf.integrations.lora import LoRAManager  # noqa: PLC0415
+
+        runner.lora = LoRAManager(runner.model, config.max_loras, config.max_lora_rank)
+    return runner.lora

@@ -1,0 +1,84 @@
+"""`RequestBuilder`: a checked prompt and its sampling fields -> the `RequestGroup` of its n sequences.
+
+Nothing is queued here, so a ValueError leaves the engine as it was. n > 1: n sequences (children); only
+child 0 is queued, the others wait in its `pending_forks` and fork from it once it computed the prompt
+(sharing its KV blocks), so the prompt is computed once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from paged_hf.config import PagedConfig
+from paged_hf.core.request import Request
+from paged_hf.engine.detokenizer import IncrementalDetokenizer
+from paged_hf.engine.request_group import RequestGroup
+from paged_hf.sample.sampler import make_rng
+from paged_hf.sample.structured_output import GrammarCompiler, grammar_compiler
+from paged_hf.sample.token_constraints import bad_words_token_ids
+from paged_hf.sampling_params import SamplingParams, check_stop_limits
+
+if TYPE_CHECKING:
+    from paged_hf.integrations.peft import LoRAAdapter
+
+
+class RequestBuilder:
+    def __init__(self, config: PagedConfig, tokenizer, vocab_size: int, eos_token_ids: list[int],
+                 device: torch.device):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device  # where the logits come out: seeded requests' rngs live there
+        self.grammar_compiler: GrammarCompiler | None = None  # made with the first structured-output request
+
+    def sampling_params(self, sampling_params: SamplingParams | None, cache_salt: str | None) -> SamplingParams:
+        """The request's params (the defaults for None); ValueError for what the engine cannot serve."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        check_stop_limits(params.stop, self.config.max_stop_strings, self.config.max_stop_string_chars)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
+        return params
+
+    def group(self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
+              lora: LoRAAdapter | None, cache_salt: str | None) -> RequestGroup:
+        """The request's children, child 0 first (the one to queue); ValueError for an invalid grammar spec."""
+        grammar = self._compile_grammar(params)
+        children = [self._child(request_id, i, prompt_ids, params, adapter, lora, cache_salt, grammar)
+                    for i in range(params.n)]
+        parent, *siblings = children
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
+        for child in children:
+            child.bad_words_token_ids = bad_words
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = {}
+        parent.pending_forks = siblings
+        for child in siblings:
+            child.fork_parent = parent
+        return RequestGroup(request_id, prompt_ids, children)
+
+    def _child(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+               adapter: str | None, lora: LoRAAdapter | None, cache_salt: str | None, grammar) -> Request:
+        return Request(request_id, index, list(prompt_ids), params, adapter, cache_salt=cache_salt, lora=lora,
+                       adapter_version=None if lora is None else lora.version,
+                       rng=make_rng(params.seed, index, self.device) if params.seed is not None else None,
+                       detokenizer=None if self.tokenizer is None else
+                       IncrementalDetokenizer(self.tokenizer, params.stop, params.min_new_tokens,
+                                              params.skip_special_tokens, params.include_stop_str_in_output),
+                       grammar=None if grammar is None else self.grammar_compiler.matcher(grammar))  # own per child
+
+    def _compile_grammar(self, params: SamplingParams):
+        """The request's compiled grammar (cached per spec), or None; ValueError for an invalid spec."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer: pass tokenizer= to wrap()")
+            self.grammar_compiler = grammar_compiler(self.tokenizer, self.vocab_size, tuple(self.eos_token_ids))
+        return self.grammar_compiler.compile(params.structured_outputs)
