@@ -13,13 +13,13 @@ import torch
 def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
     """The compute device of each attention layer (modules with a `layer_idx`), in layer order."""
     modules = dict(model.named_modules())
-    fallback = _execution_device(modules, "") or next(p.device for p in model.parameters())
+    fallback = execution_device(modules, "") or next(p.device for p in model.parameters())
     devices: dict[int, torch.device] = {}
     for name, module in modules.items():
         layer_idx = getattr(module, "layer_idx", None)
         if not isinstance(layer_idx, int) or layer_idx in devices:
             continue
-        device = _execution_device(modules, name)
+        device = execution_device(modules, name)
         if device is None:
             param = next(module.parameters(), None)
             device = param.device if param is not None and param.device.type != "meta" else None
@@ -32,16 +32,16 @@ def module_device(model: torch.nn.Module, module: torch.nn.Module) -> torch.devi
     offloaded module's weights sit on meta), else the device of its weights, else the model's."""
     modules = dict(model.named_modules())
     name = next((n for n, m in modules.items() if m is module), None)
-    device = _execution_device(modules, name) if name is not None else None
+    device = execution_device(modules, name) if name is not None else None
     if device is not None:
         return device
     param = next((p for p in module.parameters() if p.device.type != "meta"), None)
     if param is not None:
         return param.device
-    return _execution_device(modules, "") or next(p.device for p in model.parameters())
+    return execution_device(modules, "") or next(p.device for p in model.parameters())
 
 
-def _execution_device(modules: dict[str, torch.nn.Module], name: str) -> torch.device | None:
+def execution_device(modules: dict[str, torch.nn.Module], name: str) -> torch.device | None:
     """The execution device of the nearest accelerate hook on `name` or its parents, if any."""
     parts = name.split(".") if name else []
     for depth in range(len(parts), -1, -1):

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from paged_hf.integrations.accelerate import _execution_device
+from paged_hf.integrations.accelerate import execution_device
 from paged_hf.integrations.peft import LoRAAdapter, adapters_from_peft_model, is_peft_lora_layer, read_adapter
 
 
@@ -163,7 +163,7 @@ class LoRAManager:
         parent = modules[parent_path]
         module = parent._modules[attribute]
         base = module.base_layer if is_peft_lora_layer(module) else module
-        device = _execution_device(modules, module_path) or base.weight.device
+        device = execution_device(modules, module_path) or base.weight.device
         self.wrappers[module_path] = LoRALinear(base, self.context, self.max_loras, device)
         self._sites[module_path] = (parent, attribute)
 

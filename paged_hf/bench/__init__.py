@@ -10,10 +10,16 @@ from __future__ import annotations
 import sys
 import time
 
+import torch
+from transformers import AutoTokenizer
+
+from paged_hf.bench import machine
+from paged_hf.bench import report as reporting
 from paged_hf.bench.systems import DEFAULT_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
 from paged_hf.bench.vllm_system import default_vllm_python, run_vllm
 from paged_hf.bench.workloads import WORKLOAD_NAMES, Workload, build_workload
 from paged_hf.config import PagedConfig
+from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
 from paged_hf.utils import cdiv
 
 __all__ = ["DEFAULT_SYSTEMS", "SYSTEM_NAMES", "WORKLOAD_NAMES", "Workload", "build_workload", "run_bench"]
@@ -53,7 +59,7 @@ class _OtherLoad:
 
     @staticmethod
     def _sample():
-        try:
+        try:  # optional: psutil is the bench extra's; resource is Unix-only
             import resource  # noqa: PLC0415
 
             import psutil  # noqa: PLC0415
@@ -79,19 +85,11 @@ def _log(message: str) -> None:
 
 
 def _load_tokenizer(model: str | None):
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
-
     return AutoTokenizer.from_pretrained(ensure_default_checkpoint() if is_default_model(model) else model)
 
 
 def _measure_limit(model: str | None, workload: Workload, device: str, dtype: str) -> dict | None:
     """The limit in the dtype the systems ran: its matmul rates, and its weight bytes for the bandwidth floor."""
-    import torch  # noqa: PLC0415
-
-    from paged_hf.bench import machine  # noqa: PLC0415
-
     try:
         shape = machine.model_shape(model, getattr(torch, dtype).itemsize)
         return machine.limit(shape, workload, machine.measure(shape, device, dtype=dtype))
@@ -103,8 +101,6 @@ def _measure_limit(model: str | None, workload: Workload, device: str, dtype: st
 def run_bench(args) -> int:
     """Run the benchmark described by the parsed ``paged-hf bench`` arguments; 0 if every system ran (or was
     skipped on purpose), 1 if any failed."""
-    from paged_hf.bench import report as reporting  # noqa: PLC0415
-
     tokenizer = _load_tokenizer(args.model)
     workload = build_workload(args.workload, tokenizer, args.seed, args.requests, args.max_new_tokens_scale)
     systems = parse_systems(args.systems, args.workload)
@@ -127,8 +123,6 @@ def run_bench(args) -> int:
         status = runs[system].skipped or runs[system].error or f"{runs[system].wall_s:.1f} s timed"
         _log(f"{system}: {status} ({time.perf_counter() - start:.1f} s with start-up)")
     if args.threads:
-        import torch  # noqa: PLC0415
-
         torch.set_num_threads(args.threads)
     limit = None if args.no_machine_limit else _measure_limit(args.model, workload, args.device, args.dtype)
     settings = {"model": args.model or "SmolLM2-135M-Instruct (default)", "device": args.device, "dtype": args.dtype,

@@ -21,7 +21,12 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from paged_hf.bench.workloads import Workload
+from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
+from paged_hf.worker.packed_linears import PackedLinear, packable_dtypes
 
 
 @dataclass
@@ -42,11 +47,6 @@ class ModelShape:
 
 def model_shape(model_name: str | None, dtype_bytes: int = 4) -> ModelShape:
     """The model's layer shapes, read off a meta-device instance (no weights loaded, no memory used)."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
-
-    from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
-
     source = ensure_default_checkpoint() if is_default_model(model_name) else model_name
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
@@ -66,8 +66,6 @@ def model_shape(model_name: str | None, dtype_bytes: int = 4) -> ModelShape:
 
 
 def _synchronize(device) -> None:
-    import torch  # noqa: PLC0415
-
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
 
@@ -90,10 +88,6 @@ def matmul_flops(m: int, k: int, n: int, device="cpu", min_seconds: float = 0.5,
     """Measured FLOP/s of a [m, k] x [k, n] matmul in `dtype` (bf16 runs 2-3x fp32 on CPUs with AVX-512 BF16):
     the faster of `torch.mm` and, on CPU, oneDNN's matmul on a packed weight (what paged_hf's linears run;
     on AMD CPUs MKL's float32 GEMM runs AVX2 kernels at under half of it)."""
-    import torch  # noqa: PLC0415
-
-    from paged_hf.worker.packed_linears import PackedLinear, packable_dtypes  # noqa: PLC0415
-
     a = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
     b = torch.randn(k, n, device=device, dtype=a.dtype)
     out = torch.empty(m, n, device=device, dtype=a.dtype)
@@ -113,8 +107,6 @@ def matmul_flops(m: int, k: int, n: int, device="cpu", min_seconds: float = 0.5,
 
 def copy_bandwidth(num_bytes: int = 256 << 20, device="cpu", min_seconds: float = 0.5) -> float:
     """Measured bytes/s of a large tensor copy, counting the bytes read and the bytes written."""
-    import torch  # noqa: PLC0415
-
     src = torch.ones(num_bytes // 4, device=device)
     dst = torch.empty_like(src)
     elapsed, iterations = _time_op(lambda: dst.copy_(src), device, min_seconds)
@@ -123,8 +115,6 @@ def copy_bandwidth(num_bytes: int = 256 << 20, device="cpu", min_seconds: float 
 
 def measure(shape: ModelShape, device="cpu", rows: int = 256, min_seconds: float = 0.5, dtype: str = "float32") -> dict:
     """The machine's rates at the model's shapes, in `dtype`."""
-    import torch  # noqa: PLC0415
-
     hidden, inter = shape.hidden_size, shape.intermediate_size
     return {
         "device": str(device),

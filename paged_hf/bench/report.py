@@ -237,10 +237,10 @@ def _json_default(value):
 
 def write_plot(report: dict, out_dir: str) -> str | None:
     """A bar plot of useful tok/s per system (the machine's ceiling as a dashed line), for docs/benchmarks.md."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib  # noqa: PLC0415 - optional dependency (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after the backend is chosen
 
     measured = [(n, m["tokens_per_s"]) for n, m in report["systems"].items() if "tokens_per_s" in m]
     if not measured:

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,8 +22,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer
+
+import paged_hf
 from paged_hf.bench.loadgen import run_load, summarize
 from paged_hf.bench.vllm_system import default_vllm_python
+from paged_hf.loader import default_model
+from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
 
 SERVED_NAME = "bench-model"
 
@@ -101,8 +108,6 @@ def stop_server(process) -> None:
 
 
 def _free_port() -> int:
-    import socket  # noqa: PLC0415
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -149,13 +154,8 @@ def offline_system(args, prompts, workdir: Path) -> dict:
 
 
 def _offline_main(spec_path: str) -> None:
-    import torch  # noqa: PLC0415
-
-    import paged_hf  # noqa: PLC0415
-    from paged_hf.loader.default_model import load_model  # noqa: PLC0415
-
     spec = json.loads(Path(spec_path).read_text())
-    model, tokenizer = load_model(spec["model"], getattr(torch, spec["dtype"]), spec["device"])
+    model, tokenizer = default_model.load_model(spec["model"], getattr(torch, spec["dtype"]), spec["device"])
     generator = paged_hf.wrap(model, tokenizer, **spec["engine_config"]).generator
     params = paged_hf.SamplingParams(max_new_tokens=spec["output_len"], temperature=0.0, ignore_eos=True)
     generator.generate([spec["prompts"][0]], paged_hf.SamplingParams(max_new_tokens=2), use_tqdm=False)  # warm-up
@@ -169,10 +169,6 @@ def _offline_main(spec_path: str) -> None:
 
 def run_serve_bench(args) -> int:
     """Every system on the same prompts, one after the other; prints the table (and writes JSON to --out)."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
-
     model_path = str(ensure_default_checkpoint()) if is_default_model(args.model) else args.model
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = random_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)

@@ -20,7 +20,13 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
+import torch
+from transformers import StoppingCriteriaList
+
+import paged_hf
+from paged_hf import BeamSearchParams, SamplingParams
 from paged_hf.bench.workloads import Workload
+from paged_hf.loader import default_model
 
 #: paged_hf with a quantized KV cache (PagedConfig.kv_cache_dtype): `paged_hf_kv_<dtype>`
 KV_SYSTEMS = {"paged_hf_kv_int8": "int8", "paged_hf_kv_fp8_e4m3": "fp8_e4m3", "paged_hf_kv_fp8_e5m2": "fp8_e5m2"}
@@ -78,9 +84,6 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
                  enforce_schemas=True, name: str | None = None) -> SystemRun:
     """paged_hf through its public API: wrap() once, then one generator.generate() call for the whole workload.
     `name` one of KV_SYSTEMS: with that kv_cache_dtype; "paged_hf_spec": with speculative decoding."""
-    import paged_hf  # noqa: PLC0415
-    from paged_hf import SamplingParams  # noqa: PLC0415
-
     name = name or ("paged_hf_noschema" if not enforce_schemas else "paged_hf" if enable_prefix_caching else
                     "paged_hf_noprefix")
     config = dict(engine_config, enable_prefix_caching=enable_prefix_caching and engine_config.get(
@@ -133,8 +136,6 @@ def spec_decode_delta(before: dict, after: dict) -> dict:
 
 def _run_paged_beams(generator, workload: Workload, name: str, config: dict) -> SystemRun:
     """The beam workload through `generator.beam_search` (one call, every prompt's beams batched together)."""
-    from paged_hf import BeamSearchParams  # noqa: PLC0415
-
     params = [BeamSearchParams(beam_width=workload.num_beams, max_tokens=r.max_new_tokens, ignore_eos=True,
                                num_return_sequences=1) for r in workload.requests]
     start = time.perf_counter()
@@ -162,8 +163,6 @@ def _lora_unavailable(config: dict, names: set[str], check_engine: bool) -> str 
     if missing:
         return (f"skipped: the lora workload needs LoRA adapters {', '.join(missing)} (pass --adapter NAME=PATH "
                 "for each) and an engine with LoRA support")
-    import paged_hf  # noqa: PLC0415
-
     if check_engine and not hasattr(paged_hf.ContinuousBatchGenerator, "load_adapter"):
         return "skipped: this paged_hf engine has no LoRA support yet (ContinuousBatchGenerator.load_adapter)"
     return None
@@ -177,8 +176,6 @@ class _StepClock:
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores, **kwargs):
-        import torch  # noqa: PLC0415
-
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -187,9 +184,6 @@ def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, c
               num_beams: int = 1):
     """HF generate on one left-padded batch, greedy, EOS neither stopping nor masked (as paged_hf's ignore_eos).
     ``adapter_names``: peft's mixed-adapter batch, one name per row. Returns the generated ids [batch, n]."""
-    import torch  # noqa: PLC0415
-    from transformers import StoppingCriteriaList  # noqa: PLC0415
-
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
@@ -206,7 +200,7 @@ def _hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, c
 def with_peft_adapters(model, adapters: dict[str, str]):
     """The model as a peft ``PeftModel`` holding every adapter: peft's own way to batch several adapters
     (``generate(..., adapter_names=[one per row])``, ``"__base__"`` for the base model)."""
-    from peft import PeftModel  # noqa: PLC0415
+    from peft import PeftModel  # noqa: PLC0415 - deliberately lazy: ~0.2 s to import, for the lora workload only
 
     (first, path), *rest = adapters.items()
     peft_model = PeftModel.from_pretrained(model, path, adapter_name=first)
@@ -245,6 +239,7 @@ def run_hf_static(model, tokenizer, workload: Workload, batch_size: int, name: s
 def run_hf_cb(model, tokenizer, workload: Workload, name: str = "hf_cb") -> SystemRun:
     """transformers' own continuous batching: its manager takes each request with its own max_new_tokens
     (``add_request(..., max_new_tokens=...)``; ``generate_batch`` only takes one for all) and eos_token_id=-1."""
+    # transformers' newest API, for the hf_cb systems only: a transformers without it still runs every other command
     from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: PLC0415
 
     cb_config = dict(HF_CB_CONFIGS[name])
@@ -315,12 +310,12 @@ def run_system(system: str, model, tokenizer, workload: Workload, engine_config:
 def peak_rss_bytes() -> int | None:
     """This process's peak resident set size (the kernel's high-water mark; psutil's current RSS as a fallback)."""
     try:
-        import resource  # noqa: PLC0415
+        import resource  # noqa: PLC0415 - Unix-only
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
     except ImportError:  # pragma: no cover - Windows
-        import psutil  # noqa: PLC0415
+        import psutil  # noqa: PLC0415 - optional (the bench extra), Windows' fallback only
 
         return psutil.Process().memory_info().rss
 
@@ -331,14 +326,10 @@ def worker_main(spec_path: str) -> int:
         spec = json.load(fh)
     system = spec["system"]
     try:
-        import torch  # noqa: PLC0415
-
-        from paged_hf.loader.default_model import load_model  # noqa: PLC0415
-
         if spec.get("threads"):
             torch.set_num_threads(spec["threads"])
-        model, tokenizer = load_model(spec["model"], getattr(torch, spec.get("dtype", "float32")),
-                                      spec.get("device", "cpu"))
+        model, tokenizer = default_model.load_model(spec["model"], getattr(torch, spec.get("dtype", "float32")),
+                                                    spec.get("device", "cpu"))
         run = run_system(system, model, tokenizer, Workload.from_json(spec["workload"]), spec["engine_config"])
         run.num_threads = torch.get_num_threads()
         if torch.cuda.is_available() and str(spec.get("device", "cpu")).startswith("cuda"):
@@ -352,7 +343,7 @@ def worker_main(spec_path: str) -> int:
     return 0
 
 
-def _stderr_fd():
+def stderr_fd():
     """Our stderr's descriptor, so a worker's chatter never mixes into the table on stdout (None if it has none)."""
     try:
         return sys.stderr.fileno()
@@ -374,7 +365,7 @@ def run_in_subprocess(system: str, workload: Workload, model: str | None, engine
             json.dump(spec, fh)
         command = [sys.executable, "-m", "paged_hf", "bench", "--_worker", spec_path]
         try:
-            proc = subprocess.run(command, stdout=_stderr_fd(), timeout=timeout_s, check=False)
+            proc = subprocess.run(command, stdout=stderr_fd(), timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             return SystemRun(system, error=f"timed out after {timeout_s} s")
         if not os.path.exists(result_path):

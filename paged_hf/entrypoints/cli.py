@@ -12,131 +12,34 @@ Without --model every command uses the default model (SmolLM2-135M-Instruct, see
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from dataclasses import replace
 
+from paged_hf.bench import run_bench
+from paged_hf.bench.serve import run_serve_bench
+from paged_hf.bench.systems import SYSTEM_NAMES, worker_main
+from paged_hf.bench.workloads import WORKLOAD_NAMES
 from paged_hf.entrypoints.cli_args import add_engine_args, add_model_args, engine_config, resolve_model_args
+from paged_hf.entrypoints.eval_ppl import add_parser as add_eval_ppl_parser
 from paged_hf.entrypoints.generate_command import cmd_generate
-
-#: The environment variable that holds the server's API key when --api-key is not given.
-API_KEY_ENV_VAR = "PAGED_HF_API_KEY"
+from paged_hf.serving.assembly import API_KEY_ENV_VAR, build_app, load_engine, make_server
+from paged_hf.serving.scaling import serve_scaled
 
 # --- serve and bench ------------------------------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model, start the engine and serve the OpenAI API until interrupted (tensor parallel under
     torchrun or with --tensor-parallel-size; several replicas on Ray Serve with --replicas)."""
-    from paged_hf.serving.scaling import serve_scaled  # noqa: PLC0415
-
+    args.engine_config = engine_config(args)  # read by the server's assembly, on every rank and replica
     scaled = serve_scaled(args)
     if scaled is not None:
         return scaled
-    from paged_hf.serving.openai.engine_loop import reserve_torch_threads  # noqa: PLC0415
+    from paged_hf.serving.openai.engine_loop import reserve_torch_threads  # noqa: PLC0415 - optional: fastapi
 
     engine_threads = reserve_torch_threads()  # before any torch work on this thread
     model, tokenizer, generator = load_engine(args)
     app = build_app(args, model, tokenizer, generator, engine_threads)
     make_server(args, app).run()
     return 0
-
-
-def load_engine(args: argparse.Namespace, **load_kwargs) -> tuple:
-    """(model, tokenizer, generator) as the serve flags ask; `load_kwargs` go to `load_model` (tp_plan)."""
-    import torch  # noqa: PLC0415
-
-    import paged_hf  # noqa: PLC0415
-    from paged_hf.loader.default_model import load_model  # noqa: PLC0415
-
-    try:
-        import paged_hf.serving.openai  # noqa: F401, PLC0415 - fastapi, uvicorn
-    except ImportError as exc:
-        raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
-    config = engine_config(args)
-    config.update({name: getattr(args, name) for name in ("max_loras", "max_lora_rank") if getattr(args, name)})
-    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device, **load_kwargs)
-    generator = paged_hf.wrap(model, tokenizer, **config).generator
-    check_adapters_loaded(generator, config.get("adapters", {}))
-    return model, tokenizer, generator
-
-
-def build_app(args: argparse.Namespace, model, tokenizer, generator, engine_threads: int | None = None):
-    """The OpenAI app around `generator`, as the serve flags ask; `engine_threads`: torch's threads for the
-    engine thread."""
-    from paged_hf.loader.default_model import DEFAULT_MODEL  # noqa: PLC0415
-    from paged_hf.serving.openai import create_app  # noqa: PLC0415
-
-    settings = replace(serve_settings(args, model), engine_threads=engine_threads)
-    names = args.served_model_name or [default_served_name(args.model or DEFAULT_MODEL)]
-    app = create_app(generator, tokenizer, names, settings)
-    print(f"paged-hf serve: {names[0]} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "
-          f"blocks, max_model_len {app.state.ctx.max_model_len})", file=sys.stderr)
-    return app
-
-
-def make_server(args: argparse.Namespace, app):
-    """uvicorn's server for `app`, draining on SIGTERM."""
-    import uvicorn  # noqa: PLC0415
-
-    from paged_hf.serving.openai.lifecycle import DrainingServer  # noqa: PLC0415
-
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    return DrainingServer(config, app.state.ctx.engine, args.shutdown_grace)
-
-
-def default_served_name(model: str) -> str:
-    """A local folder is served under its own name: /v1/models and error messages never show the server's
-    file system. A hub id is served as it is."""
-    if os.path.exists(model):
-        return os.path.basename(os.path.normpath(os.path.abspath(model)))
-    return model
-
-
-def serve_settings(args: argparse.Namespace, model):
-    """ServerSettings from the flags: the API key also from $PAGED_HF_API_KEY, sampling defaults from the
-    checkpoint's generation_config.json unless --generation-config vllm."""
-    from paged_hf.serving.openai import ServerSettings  # noqa: PLC0415
-    from paged_hf.serving.openai.sampling_defaults import generation_config_defaults  # noqa: PLC0415
-
-    defaults = generation_config_defaults(model) if args.generation_config == "auto" else {}
-    return ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
-                          max_body_bytes=args.max_body_bytes, max_n=args.max_n,
-                          max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
-                          chat_template=read_chat_template(args.chat_template), sampling_defaults=defaults,
-                          cors_origins=tuple(_origins(args.allowed_origins)), tool_call_parser=args.tool_call_parser,
-                          lora_root=args.lora_root)
-
-
-def read_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file holding a Jinja template, or the template itself (as vLLM)."""
-    if value is None or not os.path.isfile(value):
-        if value is not None and not any(mark in value for mark in ("{{", "{%")):
-            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
-        return value
-    with open(value) as fh:
-        return fh.read()
-
-
-def _origins(values: list[str]) -> list[str]:
-    """--allowed-origins a b, or vLLM's JSON list '["a", "b"]'."""
-    origins = []
-    for value in values:
-        origins += json.loads(value) if value.lstrip().startswith("[") else [value]
-    return origins
-
-
-def check_adapters_loaded(generator, adapters: dict) -> None:
-    """--adapter must end up served: an engine that did not load a name (no LoRA support, or a changed
-    engine) fails at startup, not at the first request for that adapter."""
-    if not adapters:
-        return
-    names = getattr(generator, "adapter_names", None)
-    served = set(names()) if callable(names) else set()
-    missing = sorted(set(adapters) - served)
-    if missing:
-        raise ValueError(f"--adapter {', '.join(missing)}: the engine did not load it (served adapters: "
-                         f"{sorted(served)}); serve without that --adapter or fix its folder")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -166,23 +69,32 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "may finish before they are aborted (default: 5; a second SIGTERM exits at once)")
     parser.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
-    from paged_hf.serving.scaling import add_scaling_args  # noqa: PLC0415
-
     add_scaling_args(parser)
+
+
+def add_scaling_args(parser: argparse.ArgumentParser) -> None:
+    """`paged-hf serve` beyond one process (paged_hf.serving.scaling)."""
+    group = parser.add_argument_group("scaling out (docs/scaling.md)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="shard the model over N ranks (transformers' tp_plan='auto'); without torchrun it "
+                       "launches N local ranks under torchrun itself (gloo on CPU, NCCL on GPUs)")
+    group.add_argument("--replicas", type=int, default=0, metavar="N",
+                       help="N engine replicas behind one endpoint on Ray Serve (needs the 'ray' extra)")
+    group.add_argument("--routing", default="prefix", choices=("prefix", "round_robin"),
+                       help="with --replicas: send a request where its prompt's first blocks (and its LoRA "
+                       "adapter) already are (prefix, default), or to each replica in turn (round_robin)")
+    group.add_argument("--ray-address", default=None, help="with --replicas: a running Ray cluster (default: "
+                       "start a local one)")
+    group.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="with --replicas: Ray CPUs per replica")
+    group.add_argument("--num-gpus-per-replica", type=float, default=0.0, help="with --replicas: Ray GPUs per replica")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args._worker:
-        from paged_hf.bench.systems import worker_main  # noqa: PLC0415
-
         return worker_main(args._worker)
     args.engine_config = engine_config(args)
     if args.serve:
-        from paged_hf.bench.serve import run_serve_bench  # noqa: PLC0415
-
         return run_serve_bench(args)
-    from paged_hf.bench import run_bench  # noqa: PLC0415
-
     return run_bench(args)
 
 
@@ -199,9 +111,6 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from paged_hf.bench.systems import SYSTEM_NAMES  # noqa: PLC0415
-    from paged_hf.bench.workloads import WORKLOAD_NAMES  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(prog="paged-hf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,8 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
-
-    from paged_hf.entrypoints.eval_ppl import add_parser as add_eval_ppl_parser  # noqa: PLC0415
 
     add_eval_ppl_parser(sub)
     return parser

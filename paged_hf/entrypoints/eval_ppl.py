@@ -12,13 +12,19 @@ from __future__ import annotations
 import gc
 import importlib
 import inspect
+import json
 import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from paged_hf.config import PagedConfig
+from paged_hf.engine.generator import ContinuousBatchGenerator
 from paged_hf.entrypoints.cli_args import add_engine_args, add_model_args, engine_config
+from paged_hf.loader import default_model
+from paged_hf.sampling_params import SamplingParams
+from paged_hf.utils import cdiv
 
 #: The built-in corpus: the docstrings of these standard-library modules (and their classes and functions), in
 #: this order. They change a little between Python versions: compare numbers from one interpreter.
@@ -71,8 +77,6 @@ def windows(num_tokens: int, context_len: int, stride: int) -> list[Window]:
 
 def engine_nll(generator, ids: list[int], spans: list[Window]) -> tuple[float, int]:
     """(sum of -log p, tokens scored) from the engine's prompt logprobs, every window in one generate call."""
-    from paged_hf.sampling_params import SamplingParams  # noqa: PLC0415
-
     params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
     outputs = generator.generate([ids[w.begin:w.end] for w in spans], params, use_tqdm=False)
     total, count = 0.0, 0
@@ -106,9 +110,6 @@ def perplexity(nll: tuple[float, int]) -> float:
 
 def engine_perplexity(model, ids: list[int], context_len: int, stride: int, **config) -> float:
     """Perplexity through a fresh engine with PagedConfig `config` (kv_cache_dtype among them)."""
-    from paged_hf.config import PagedConfig  # noqa: PLC0415
-    from paged_hf.engine.generator import ContinuousBatchGenerator  # noqa: PLC0415
-
     config.setdefault("max_model_len", context_len + 1)
     generator = ContinuousBatchGenerator(model, PagedConfig(**config))
     try:
@@ -137,11 +138,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_eval_ppl(args) -> int:
-    import json  # noqa: PLC0415
-
-    from paged_hf.loader.default_model import load_model  # noqa: PLC0415
-    from paged_hf.utils import cdiv  # noqa: PLC0415
-
     config = engine_config(args)
     default_kv_dtype = config.pop("kv_cache_dtype", "auto")  # each evaluation sets its own
     kv_dtypes = [d.strip() for d in (args.kv_cache_dtypes or default_kv_dtype).split(",")]
@@ -150,7 +146,7 @@ def cmd_eval_ppl(args) -> int:
     else:
         with open(args.text, encoding="utf-8") as fh:
             text = fh.read()
-    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
+    model, tokenizer = default_model.load_model(args.model, getattr(torch, args.dtype), args.device)
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:args.max_tokens]
     spans = windows(len(ids), args.context_len, args.stride)  # checks the numbers before any engine starts
     if not (config.get("num_blocks") or config.get("kv_cache_memory")):  # room for 16 windows at once

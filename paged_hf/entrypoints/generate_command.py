@@ -7,7 +7,11 @@ import json
 import sys
 from dataclasses import fields
 
+import torch
+
+import paged_hf
 from paged_hf.entrypoints.cli_args import engine_config
+from paged_hf.loader import default_model
 from paged_hf.sampling_params import SamplingParams
 
 #: Fields a JSONL line may set (eos_token_ids is internal, not part of the public contract).
@@ -59,11 +63,6 @@ def output_record(request_id, output) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Offline batch: every line of the input file is one request; all run together, outputs in input order."""
-    import torch  # noqa: PLC0415
-
-    import paged_hf  # noqa: PLC0415
-    from paged_hf.loader.default_model import load_model  # noqa: PLC0415
-
     defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature))
                 if v is not None}
     with open(args.input) as fh:
@@ -72,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.input} holds no requests")
 
     config = engine_config(args)
-    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), args.device)
+    model, tokenizer = default_model.load_model(args.model, getattr(torch, args.dtype), args.device)
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     outputs = generator.generate([to_prompt(r[1], tokenizer) for r in requests], [r[2] for r in requests],
                                  adapters=[r[3] for r in requests], use_tqdm=not args.quiet)

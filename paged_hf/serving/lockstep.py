@@ -45,10 +45,13 @@ def control_group(timeout_s: float = FOLLOWER_TIMEOUT_S):
 
 
 class LockstepGenerator:
-    """Rank 0's generator for the server: mutating calls are mirrored on every rank; the rest passes through."""
+    """Rank 0's generator for the server: mutating calls are mirrored on every rank; the rest passes through.
+
+    `on_failure(exc)`, public and settable after construction (the server it ends is built around this
+    generator): called once, from the thread that saw another rank fail."""
 
     def __init__(self, generator, group, on_failure=None, heartbeat_s: float = HEARTBEAT_S):
-        self._generator, self._group, self._on_failure = generator, group, on_failure
+        self._generator, self._group, self.on_failure = generator, group, on_failure
         self._pending: list[tuple] = []  # commands applied here, not yet sent (engine thread only)
         self._send_lock = threading.Lock()  # the engine thread and the heartbeat share the group
         self._last_send = time.monotonic()
@@ -119,8 +122,8 @@ class LockstepGenerator:
             return
         self.failure = exc
         logger.error("tensor parallelism failed: %s", exc)
-        if self._on_failure is not None:
-            self._on_failure(exc)
+        if self.on_failure is not None:
+            self.on_failure(exc)
 
     def _beat(self) -> None:
         while not self._closed.wait(self._heartbeat_s / 2):

@@ -1,4 +1,5 @@
-"""`paged-hf serve` beyond one process: the flags, and which way a command goes (see docs/scaling.md).
+"""`paged-hf serve` beyond one process: which way a command goes (see docs/scaling.md; the flags are the command
+line's, paged_hf.entrypoints.cli.add_scaling_args).
 
     paged-hf serve --tensor-parallel-size 2 ...     # relaunches itself under torchrun (one node)
     torchrun --nproc-per-node 2 -m paged_hf serve ...  # the same; torchrun's flags for several nodes
@@ -10,21 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 
-
-def add_scaling_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("scaling out (docs/scaling.md)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                       help="shard the model over N ranks (transformers' tp_plan='auto'); without torchrun it "
-                       "launches N local ranks under torchrun itself (gloo on CPU, NCCL on GPUs)")
-    group.add_argument("--replicas", type=int, default=0, metavar="N",
-                       help="N engine replicas behind one endpoint on Ray Serve (needs the 'ray' extra)")
-    group.add_argument("--routing", default="prefix", choices=("prefix", "round_robin"),
-                       help="with --replicas: send a request where its prompt's first blocks (and its LoRA "
-                       "adapter) already are (prefix, default), or to each replica in turn (round_robin)")
-    group.add_argument("--ray-address", default=None, help="with --replicas: a running Ray cluster (default: "
-                       "start a local one)")
-    group.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="with --replicas: Ray CPUs per replica")
-    group.add_argument("--num-gpus-per-replica", type=float, default=0.0, help="with --replicas: Ray GPUs per replica")
+from paged_hf.serving.ray.launch import serve_replicas
+from paged_hf.serving.tensor_parallel import serve_tensor_parallel
 
 
 def under_torchrun() -> bool:
@@ -40,11 +28,7 @@ def serve_scaled(args: argparse.Namespace) -> int | None:
     if args.tensor_parallel_size > 1 or under_torchrun():
         if args.replicas:
             raise ValueError("--replicas with tensor parallelism is not supported: give one or the other")
-        from paged_hf.serving.tensor_parallel import serve_tensor_parallel  # noqa: PLC0415
-
         return serve_tensor_parallel(args)
     if args.replicas:
-        from paged_hf.serving.ray.launch import serve_replicas  # noqa: PLC0415
-
         return serve_replicas(args)
     return None

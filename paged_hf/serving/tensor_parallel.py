@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from paged_hf.serving.assembly import build_app, load_engine, make_server
 from paged_hf.serving.lockstep import LockstepGenerator, RankFailure, control_group, follow
 
 #: timeout of the model's own collectives (loading a large model's shards may take long on a slow rank)
@@ -35,8 +36,7 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
                          f"{world_size} ranks")
     _init_process_group(args.device)
     group = control_group()
-    from paged_hf.entrypoints.cli import build_app, load_engine, make_server  # noqa: PLC0415
-    from paged_hf.serving.openai.engine_loop import reserve_torch_threads  # noqa: PLC0415
+    from paged_hf.serving.openai.engine_loop import reserve_torch_threads  # noqa: PLC0415 - optional: fastapi
 
     rank = dist.get_rank()
     # rank 0 steps on its engine thread (as `paged-hf serve`), the other ranks on their main thread
@@ -52,7 +52,7 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
         return 0
     lockstep = LockstepGenerator(generator, group)
     server = make_server(args, build_app(args, model, tokenizer, lockstep, engine_threads))
-    lockstep._on_failure = lambda exc: _end_server(server, exc)
+    lockstep.on_failure = lambda exc: _end_server(server, exc)  # the server is built around lockstep
     print(f"paged-hf serve: tensor parallel over {world_size} ranks ({dist.get_backend()})", file=sys.stderr)
     server.run()
     lockstep.close()

@@ -11,6 +11,7 @@ from conftest import tiny_model  # noqa: E402
 
 from paged_hf.entrypoints import cli
 from paged_hf.loader import default_model  # noqa: E402
+from paged_hf.serving import assembly  # noqa: E402
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def test_a_model_folder_is_served_under_its_name_not_its_path(served, tmp_path):
     folder.mkdir(parents=True)
     assert cli.main(["serve", "--model", f"{folder}/", "--num-blocks", "8"]) == 0
     assert served["app"].state.ctx.model_name == "my-llama"
-    assert cli.default_served_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert assembly.default_served_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_the_banner_reports_the_max_model_len_the_kv_cache_holds(served, capsys):

@@ -22,7 +22,7 @@ from serve_process import MODEL, free_port, save_tiny_model  # noqa: E402
 from tiny_server import WORDS  # noqa: E402
 
 from paged_hf.entrypoints.cli import build_parser  # noqa: E402
-from paged_hf.entrypoints.cli_args import resolve_model_args  # noqa: E402
+from paged_hf.entrypoints.cli_args import engine_config, resolve_model_args  # noqa: E402
 from paged_hf.serving.ray.ingress import REPLICA_HEADER  # noqa: E402
 from paged_hf.serving.ray.launch import build_application, start_local_ray, start_serve, stop_ray  # noqa: E402
 
@@ -53,6 +53,7 @@ def run_app(url: str, folder: str, root, routing: str) -> None:
                                       "--lora-root", str(root), "--replicas", "2", "--routing", routing,
                                       "--num-cpus-per-replica", "1"])
     resolve_model_args(args)
+    args.engine_config = engine_config(args)  # as `paged-hf serve` sets it
     serve.run(build_application(args), name="paged_hf", route_prefix="/")
     deadline = time.monotonic() + 300  # the HTTP proxy may still be starting on a busy machine
     while True:

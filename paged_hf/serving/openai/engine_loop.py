@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
 from transformers.utils import logging
 
 from paged_hf.serving.openai.metrics import ServerMetrics
@@ -37,8 +38,6 @@ def reserve_torch_threads() -> int:
     them: measured, `generate()` in a second thread ran 218 tok/s on 0.94 cores with 35k voluntary context
     switches, in the main thread 379 tok/s on 1.8 cores with 2; with the main thread on one thread, the second
     thread ran 380 tok/s on 1.8 cores."""
-    import torch  # noqa: PLC0415
-
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     return num_threads
@@ -207,8 +206,6 @@ class EngineLoop:
         """Until stopped. Whatever goes wrong inside one iteration fails the requests in flight, never the
         thread: a dead engine thread would leave every later request waiting forever."""
         if self.num_threads is not None:
-            import torch  # noqa: PLC0415
-
             torch.set_num_threads(self.num_threads)
         running = True
         while running:

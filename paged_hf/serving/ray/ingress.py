@@ -16,6 +16,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from transformers import AutoTokenizer
 
 from paged_hf.serving.openai.app import ServerSettings, guard_rejection
 from paged_hf.serving.ray.asgi import HttpCall
@@ -39,7 +40,7 @@ async def _relay(stream):
 def _router(deployment_name: str):
     """This process's router of the engine deployment (made with the first request through the handle). Looked
     up at call time: Ray pickles the ingress's routes, so a module global read here could be a stale copy."""
-    from paged_hf.serving.ray.router import ROUTERS  # noqa: PLC0415
+    from paged_hf.serving.ray.router import ROUTERS  # noqa: PLC0415 - the live module's, at call time (see above)
 
     return ROUTERS.get(deployment_name)
 
@@ -56,8 +57,6 @@ class Ingress:
     def __init__(self, engine, deployment_name: str, tokenizer_path: str, served_names: list[str],
                  block_size: int, chat_template: str | None = None, tool_call_parser: str = "hermes",
                  guard: ServerSettings | None = None):
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
         self.engine, self.deployment_name = engine, deployment_name
         self._handle = engine.options(stream=True).handle  # made once: options() builds new handle objects
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)

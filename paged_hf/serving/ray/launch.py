@@ -1,8 +1,11 @@
 """Build the Ray Serve application (an ingress and N engine replicas) and run it.
 
     paged-hf serve --replicas 2 [serve flags]          # starts a local Ray (or joins --ray-address)
-    serve run paged_hf.serving.ray:build_app serve_args="--model PATH --num-blocks 512" replicas=2
+    serve run paged_hf.entrypoints.ray_serve:build_app serve_args="--model PATH --num-blocks 512" replicas=2
     serve run examples/ray_serve.yaml                  # the same as a Ray Serve config file
+
+Ray Serve's application builder (`build_app`, which parses `paged-hf serve` flags) is the command line's:
+paged_hf/entrypoints/ray_serve.py.
 """
 
 from __future__ import annotations
@@ -10,24 +13,25 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import signal
 import sys
 import threading
 
 from paged_hf.config import PagedConfig
+from paged_hf.loader.default_model import DEFAULT_MODEL, ensure_default_checkpoint, is_default_model
+from paged_hf.serving.assembly import API_KEY_ENV_VAR, default_served_name, read_chat_template
 
 #: the deployment that holds the engines (the router registers under this name)
 ENGINE_DEPLOYMENT = "PagedEngine"
 
 
 def build_application(args: argparse.Namespace):
-    """The Ray Serve application for resolved `paged-hf serve` flags (`args.replicas` replicas)."""
-    from ray import serve  # noqa: PLC0415
+    """The Ray Serve application for resolved `paged-hf serve` flags (`args.replicas` replicas; the engine's
+    PagedConfig keyword arguments in `args.engine_config`)."""
+    # optional dependencies, imported only when replicas are asked for: ray (these modules import it), fastapi
+    from ray import serve  # noqa: PLC0415 - optional dependency
     from ray.serve.config import RequestRouterConfig  # noqa: PLC0415
 
-    from paged_hf.entrypoints.cli import API_KEY_ENV_VAR, default_served_name, read_chat_template  # noqa: PLC0415
-    from paged_hf.loader.default_model import DEFAULT_MODEL, ensure_default_checkpoint, is_default_model  # noqa: PLC0415
     from paged_hf.serving.openai import ServerSettings  # noqa: PLC0415
     from paged_hf.serving.ray.ingress import Ingress  # noqa: PLC0415
     from paged_hf.serving.ray.replica import EngineReplica  # noqa: PLC0415
@@ -53,25 +57,11 @@ def build_application(args: argparse.Namespace):
                                        max_body_bytes=args.max_body_bytes))
 
 
-def build_app(config: dict):
-    """Ray Serve's application builder (`serve run paged_hf.serving.ray:build_app ...` or a config file's
-    `import_path`): `serve_args` (the `paged-hf serve` flags, a string or a list), `replicas`, `routing`."""
-    from paged_hf.entrypoints.cli import build_parser  # noqa: PLC0415
-    from paged_hf.entrypoints.cli_args import resolve_model_args  # noqa: PLC0415
-
-    flags = config.get("serve_args", [])
-    flags = shlex.split(flags) if isinstance(flags, str) else [str(flag) for flag in flags]
-    args = build_parser().parse_args(["serve", *flags, "--replicas", str(config.get("replicas", 1)),
-                                      "--routing", str(config.get("routing", "prefix"))])
-    resolve_model_args(args)
-    return build_application(args)
-
-
 def serve_replicas(args: argparse.Namespace) -> int:
     """`paged-hf serve --replicas N`: run the application on Ray Serve until SIGINT/SIGTERM."""
     try:
-        import ray  # noqa: PLC0415
-        from ray import serve  # noqa: PLC0415
+        import ray  # noqa: PLC0415 - optional dependency (the "ray" extra)
+        from ray import serve  # noqa: PLC0415 - optional dependency
     except ImportError as exc:
         raise ValueError(f"--replicas needs Ray Serve (pip install 'paged-hf[ray]'): {exc}") from None
     if args.ray_address:
@@ -92,7 +82,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
 def start_local_ray(num_cpus: int, **init_kwargs) -> None:
     """A small local Ray: only the CPUs the replicas ask for, no dashboard. Ray Serve's controller kills a proxy
     that does not answer its ready check within 5 s: on a busy machine that is too short."""
-    import ray  # noqa: PLC0415
+    import ray  # noqa: PLC0415 - optional dependency (the "ray" extra)
 
     for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
         os.environ.setdefault(name, "300")  # read by Ray's processes, which inherit this environment
@@ -102,8 +92,8 @@ def start_local_ray(num_cpus: int, **init_kwargs) -> None:
 def start_serve(host: str, port: int) -> None:
     """Ray Serve with its HTTP proxy on host:port. serve.start gives up on the proxy after 60 s, which a busy
     machine can take just to start a worker process; the proxy keeps starting, so connect again and go on."""
-    import ray  # noqa: PLC0415
-    from ray import serve  # noqa: PLC0415
+    import ray  # noqa: PLC0415 - optional dependency (the "ray" extra)
+    from ray import serve  # noqa: PLC0415 - optional dependency
 
     try:
         serve.start(http_options={"host": host, "port": port})
@@ -115,8 +105,8 @@ def start_serve(host: str, port: int) -> None:
 def stop_ray(timeout_s: float = 60) -> None:
     """serve.shutdown (the replicas drain), at most `timeout_s` (it may wait on a proxy that never came up),
     then ray.shutdown (a local Ray's processes end with it)."""
-    import ray  # noqa: PLC0415
-    from ray import serve  # noqa: PLC0415
+    import ray  # noqa: PLC0415 - optional dependency (the "ray" extra)
+    from ray import serve  # noqa: PLC0415 - optional dependency
 
     stopper = threading.Thread(target=serve.shutdown, daemon=True)
     stopper.start()

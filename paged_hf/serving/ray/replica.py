@@ -12,14 +12,14 @@ import argparse
 
 from ray import serve
 
+from paged_hf.serving.assembly import build_app, load_engine
+from paged_hf.serving.openai.engine_loop import reserve_torch_threads
 from paged_hf.serving.ray.asgi import HttpCall, call_asgi
 
 
 class EngineReplica:
     def __init__(self, serve_args: dict):
-        from paged_hf.entrypoints.cli import build_app, load_engine  # noqa: PLC0415
-        from paged_hf.serving.openai.engine_loop import reserve_torch_threads  # noqa: PLC0415
-
+        """`serve_args`: the resolved `paged-hf serve` flags (with `engine_config`), as a dict."""
         args = argparse.Namespace(**serve_args)
         engine_threads = reserve_torch_threads()  # the engine thread computes, as in `paged-hf serve`
         model, tokenizer, generator = load_engine(args)

@@ -45,6 +45,7 @@ def routing_hint(path: str, body: bytes, tokenizer, served_names: set[str], bloc
     """The routing hint of an OpenAI request: its prompt read and tokenized exactly as the replica's server
     will (serving.engine_prompt_ids: chat template, tools, template kwargs, truncation), and the adapter its
     `model` names. An empty hint for anything that cannot be read here: the replica answers it as it would."""
+    # optional dependency: the serving.openai package needs fastapi; the hashing above does not (tested without it)
     from paged_hf.serving.openai.protocol import ChatCompletionRequest, CompletionRequest  # noqa: PLC0415
     from paged_hf.serving.openai.serving import engine_prompt_ids  # noqa: PLC0415
 

@@ -1,0 +1,114 @@
+"""`paged-hf serve`'s server assembled from its resolved flags: the engine, the OpenAI app around it and uvicorn's
+server. One assembly for every way of serving: one process (entrypoints/cli.py), tensor-parallel ranks
+(tensor_parallel.py) and Ray Serve replicas (ray/), so that each serves exactly what `paged-hf serve` does.
+
+The flags themselves are the command line's (paged_hf.entrypoints.cli); the engine's PagedConfig keyword arguments
+come parsed in `args.engine_config` (set by the command, as `paged-hf bench` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+import paged_hf
+from paged_hf.loader import default_model
+
+#: The environment variable that holds the server's API key when --api-key is not given.
+API_KEY_ENV_VAR = "PAGED_HF_API_KEY"
+
+
+def load_engine(args: argparse.Namespace, **load_kwargs) -> tuple:
+    """(model, tokenizer, generator) as the serve flags ask; `load_kwargs` go to `load_model` (tp_plan)."""
+    try:  # optional dependencies (fastapi, uvicorn: the 'serve' extra), checked before the model loads
+        from paged_hf.serving import openai  # noqa: F401, PLC0415
+    except ImportError as exc:
+        raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
+    config = dict(args.engine_config)
+    config.update({name: getattr(args, name) for name in ("max_loras", "max_lora_rank") if getattr(args, name)})
+    model, tokenizer = default_model.load_model(args.model, getattr(torch, args.dtype), args.device, **load_kwargs)
+    generator = paged_hf.wrap(model, tokenizer, **config).generator
+    check_adapters_loaded(generator, config.get("adapters", {}))
+    return model, tokenizer, generator
+
+
+def build_app(args: argparse.Namespace, model, tokenizer, generator, engine_threads: int | None = None):
+    """The OpenAI app around `generator`, as the serve flags ask; `engine_threads`: torch's threads for the
+    engine thread."""
+    from paged_hf.serving.openai import create_app  # noqa: PLC0415 - optional dependency: fastapi
+
+    settings = replace(serve_settings(args, model), engine_threads=engine_threads)
+    names = args.served_model_name or [default_served_name(args.model or default_model.DEFAULT_MODEL)]
+    app = create_app(generator, tokenizer, names, settings)
+    print(f"paged-hf serve: {names[0]} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "
+          f"blocks, max_model_len {app.state.ctx.max_model_len})", file=sys.stderr)
+    return app
+
+
+def make_server(args: argparse.Namespace, app):
+    """uvicorn's server for `app`, draining on SIGTERM."""
+    import uvicorn  # noqa: PLC0415 - optional dependency
+
+    from paged_hf.serving.openai.lifecycle import DrainingServer  # noqa: PLC0415 - optional dependency: uvicorn
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    return DrainingServer(config, app.state.ctx.engine, args.shutdown_grace)
+
+
+def default_served_name(model: str) -> str:
+    """A local folder is served under its own name: /v1/models and error messages never show the server's
+    file system. A hub id is served as it is."""
+    if os.path.exists(model):
+        return os.path.basename(os.path.normpath(os.path.abspath(model)))
+    return model
+
+
+def serve_settings(args: argparse.Namespace, model):
+    """ServerSettings from the flags: the API key also from $PAGED_HF_API_KEY, sampling defaults from the
+    checkpoint's generation_config.json unless --generation-config vllm."""
+    from paged_hf.serving.openai import ServerSettings  # noqa: PLC0415 - optional dependency: fastapi
+    from paged_hf.serving.openai.sampling_defaults import generation_config_defaults  # noqa: PLC0415 - as above
+
+    defaults = generation_config_defaults(model) if args.generation_config == "auto" else {}
+    return ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
+                          max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+                          max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
+                          chat_template=read_chat_template(args.chat_template), sampling_defaults=defaults,
+                          cors_origins=tuple(_origins(args.allowed_origins)), tool_call_parser=args.tool_call_parser,
+                          lora_root=args.lora_root)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself (as vLLM)."""
+    if value is None or not os.path.isfile(value):
+        if value is not None and not any(mark in value for mark in ("{{", "{%")):
+            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        return value
+    with open(value) as fh:
+        return fh.read()
+
+
+def _origins(values: list[str]) -> list[str]:
+    """--allowed-origins a b, or vLLM's JSON list '["a", "b"]'."""
+    origins = []
+    for value in values:
+        origins += json.loads(value) if value.lstrip().startswith("[") else [value]
+    return origins
+
+
+def check_adapters_loaded(generator, adapters: dict) -> None:
+    """--adapter must end up served: an engine that did not load a name (no LoRA support, or a changed
+    engine) fails at startup, not at the first request for that adapter."""
+    if not adapters:
+        return
+    names = getattr(generator, "adapter_names", None)
+    served = set(names()) if callable(names) else set()
+    missing = sorted(set(adapters) - served)
+    if missing:
+        raise ValueError(f"--adapter {', '.join(missing)}: the engine did not load it (served adapters: "
+                         f"{sorted(served)}); serve without that --adapter or fix its folder")
