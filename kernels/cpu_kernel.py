@@ -73,11 +73,6 @@ class CpuKernel(TorchKernel):
             if all(libraries.values()):  # None: this CPU has no AVX512-BF16
                 self._prefill_functions = {d: library.paged_prefill_bfloat16 for d, library in libraries.items()}
 
-    @property
-    def serves_prefills(self) -> bool:
-        """Whether prefill chunks run compiled (a bf16 model and cache on a CPU with AVX512-BF16) or in SDPA."""
-        return bool(self._prefill_functions)
-
     @staticmethod
     def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dims: list[int],
                            kv_dtype: torch.dtype | None = None) -> str | None:

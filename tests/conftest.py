@@ -139,3 +139,13 @@ def make_adapter(base, folder, seed: int, **config):
                 param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.3)
     peft_model.save_pretrained(str(folder))
     return peft_model.eval()
+
+
+def plans_compiled_prefills(kernel) -> bool:
+    """Whether the kernel's plan sends a prompt chunk (here 2 tokens, no past) to the compiled prefill kernel;
+    otherwise the chunk runs in SDPA, or (float32/float64 compute) in the decode kernel's rows."""
+    from paged_hf.kernels.torch_kernel import Query  # noqa: PLC0415
+
+    plan = kernel.plan_queries(torch.tensor([0, 1]), [Query(start=0, length=2, context_len=2, block_table=[0])],
+                               torch.device("cpu"))
+    return plan.native_prefills is not None

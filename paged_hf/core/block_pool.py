@@ -65,9 +65,6 @@ class FreeBlockQueue:
             yield block
             block = block.next_free
 
-    def contains(self, block: Block) -> bool:
-        return block.prev_free is not None
-
 
 class BlockPool:
     """Owns every block. A block is either referenced (ref_count > 0) or in the free queue, never both."""

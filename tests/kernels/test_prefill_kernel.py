@@ -1,11 +1,12 @@
 """The compiled bf16 prefill kernel (kernels/csrc/paged_prefill.cpp) against dense float64 attention over the
-same bf16 K/V, the reference the torch kernel meets too (tests/test_kernels.py), on random paged batches that
-mix fresh prompts, chunks with a past and decodes."""
+same bf16 K/V, the reference the torch kernel meets too (tests/kernels/test_kernels.py), on random paged batches
+that mix fresh prompts, chunks with a past and decodes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import plans_compiled_prefills
 from test_kernels import check_against_dense
 
 from paged_hf.kernels import native
@@ -32,7 +33,7 @@ def no_sdpa_prefills(monkeypatch):
 
 def check(shapes, *, num_heads, num_kv_heads, head_dim, block_size=16, window=None, softcap=None, seed=0):
     kernel = CpuKernel(torch.bfloat16, [head_dim])
-    assert kernel.serves_prefills
+    assert plans_compiled_prefills(kernel)
     check_against_dense(kernel, shapes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         block_size=block_size, dtype=torch.bfloat16, window=window, softcap=softcap, seed=seed)
 
@@ -63,12 +64,12 @@ def test_long_prompt_with_window_shorter_than_a_key_block(seed, no_sdpa_prefills
 
 
 def test_other_dtypes_and_head_dims_keep_sdpa():
-    assert CpuKernel(torch.bfloat16, [64]).serves_prefills
-    assert not CpuKernel(torch.bfloat16, [16]).serves_prefills  # head_dim not a multiple of 32
-    assert not CpuKernel(torch.bfloat16, [64, 48]).serves_prefills  # one layer's head_dim does not fit: none
-    assert not CpuKernel(torch.float32, [64]).serves_prefills
-    assert not CpuKernel(torch.float16, [64]).serves_prefills
-    assert not CpuKernel(torch.bfloat16, [64], torch.int8).serves_prefills  # a quantized cache
+    assert plans_compiled_prefills(CpuKernel(torch.bfloat16, [64]))
+    assert not plans_compiled_prefills(CpuKernel(torch.bfloat16, [16]))  # head_dim not a multiple of 32
+    assert not plans_compiled_prefills(CpuKernel(torch.bfloat16, [64, 48]))  # one layer's head_dim does not fit: none
+    assert not plans_compiled_prefills(CpuKernel(torch.float32, [64]))
+    assert not plans_compiled_prefills(CpuKernel(torch.float16, [64]))
+    assert not plans_compiled_prefills(CpuKernel(torch.bfloat16, [64], torch.int8))  # a quantized cache
 
 
 def test_too_many_query_heads_per_kv_head_go_to_sdpa():
