@@ -1,6 +1,8 @@
 """Tensor parallelism: transformers' `tp_plan="auto"` under torchrun, served by the engine on every rank.
 
-    torchrun --standalone --nproc-per-node 2 examples/tensor_parallel.py [--model PATH]
+    torchrun --standalone --nproc-per-node 3 examples/tensor_parallel.py [--model PATH]
+
+The ranks must divide the model's heads: the default model's 9 query and 3 KV heads split over 3 ranks, not 2.
 
 Every rank loads its shard, holds its share of the KV heads in its own cache, and runs the same schedule on
 the same requests; rank 0's sampled tokens are broadcast each step (gloo on CPU, NCCL on GPUs), so the ranks
