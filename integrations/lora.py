@@ -1,10 +1,10 @@
 """Per-token multi-LoRA routing: many adapters, one base model, one packed step.
 
 - `LoRALinear` wraps one targeted nn.Linear with stacked, zero-padded slot buffers
-  A [max_loras, rank_cap, in] and B [max_loras, out, rank_cap]. In a step it computes
-  `y = base(x) + B[slot] @ (A[slot] @ x)` for each token, grouped by slot (one gather, two small matmuls
-  and one `index_add_` per active slot, never a loop over requests). Without routing it is exactly the base
-  Linear, and the base weights are never modified.
+  A [max_loras, rank_cap, in] and B transposed, Bt [max_loras, rank_cap, out]. In a step it computes
+  `y = base(x) + B[slot] @ (A[slot] @ x)` for each token with one call for all adapters (`kernels/lora.py`: the
+  compiled SGMV kernel on CPU, torch ops per slot elsewhere); the tokens are grouped by slot once per step. Without
+  routing it is exactly the base Linear, and the base weights are never modified.
 - `LoRAManager` holds every loaded adapter in CPU memory, copies the ones a step needs into the `max_loras`
   device slots (least recently used slot evicted first) and installs the wrappers around the forward.
 
@@ -24,31 +24,25 @@ import torch
 
 from paged_hf.integrations.accelerate import execution_device
 from paged_hf.integrations.peft import LoRAAdapter, adapters_from_peft_model, is_peft_lora_layer, read_adapter
+from paged_hf.kernels.lora import LoRASegments, apply_lora, lora_segments
 
 
 class LoRARouting:
     """One step's routing: the adapter slot of every token of the packed row (-1 = base model).
 
-    The token groups (one index tensor per slot) are built once per step and per device, and shared by
-    every wrapped layer on that device."""
+    The tokens grouped by slot are built once per step and per device, and shared by every wrapped layer on
+    that device."""
 
     def __init__(self, token_slots: torch.Tensor):
         self.token_slots = token_slots  # [num_tokens] int64 on CPU
         self.num_tokens = token_slots.numel()
-        self._groups: dict[torch.device, list[tuple[int, torch.Tensor | None]]] = {}
+        self._segments: dict[torch.device, LoRASegments] = {}
 
-    def groups(self, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
-        """[(slot, token indices [num_tokens_of_slot] or None when every token of the step uses it)]."""
-        groups = self._groups.get(device)
-        if groups is None:
-            groups = []
-            for slot in torch.unique(self.token_slots).tolist():
-                if slot < 0:
-                    continue
-                index = (self.token_slots == slot).nonzero().flatten()
-                groups.append((slot, None if index.numel() == self.num_tokens else index.to(device)))
-            self._groups[device] = groups
-        return groups
+    def segments(self, device: torch.device) -> LoRASegments:
+        segments = self._segments.get(device)
+        if segments is None:
+            segments = self._segments[device] = lora_segments(self.token_slots, device)
+        return segments
 
 
 class LoRAContext:
@@ -65,10 +59,11 @@ class LoRALinear(torch.nn.Module):
         self.base = base
         self.packed_base = None  # set for each step (LoRAManager.step)
         self.context = context
-        self.ranks = [0] * max_loras  # rank of each slot's adapter at this module (0: the adapter skips it)
+        # rank of each slot's adapter at this module (0: the adapter skips it); read by the kernel, so on CPU
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         dtype = base.weight.dtype
-        self.lora_a = torch.zeros(max_loras, 0, base.in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, base.out_features, 0, dtype=dtype, device=device)
+        self.lora_a = torch.zeros(max_loras, 0, base.in_features, dtype=dtype, device=device)  # [slots, r, in]
+        self.lora_bt = torch.zeros(max_loras, 0, base.out_features, dtype=dtype, device=device)  # [slots, r, out]
 
     def set_slot(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's (A [r, in], B [out, r]) into `slot` (None: this adapter does not touch the module).
@@ -76,12 +71,12 @@ class LoRALinear(torch.nn.Module):
         rank = 0 if pair is None else pair[0].shape[0]
         if rank > self.lora_a.shape[1]:
             self.lora_a = torch.nn.functional.pad(self.lora_a, (0, 0, 0, rank - self.lora_a.shape[1]))
-            self.lora_b = torch.nn.functional.pad(self.lora_b, (0, rank - self.lora_b.shape[2]))
+            self.lora_bt = torch.nn.functional.pad(self.lora_bt, (0, 0, 0, rank - self.lora_bt.shape[1]))
         self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.lora_bt[slot].zero_()
         if pair is not None:
             self.lora_a[slot, :rank].copy_(pair[0])
-            self.lora_b[slot, :, :rank].copy_(pair[1])
+            self.lora_bt[slot, :rank].copy_(pair[1].T)
         self.ranks[slot] = rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,20 +84,10 @@ class LoRALinear(torch.nn.Module):
         routing = self.context.routing
         if routing is None:
             return y
-        x2 = x.reshape(-1, x.shape[-1]).to(self.lora_a.dtype)  # [num_tokens, in] (no copy in the model's dtype)
+        x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
         if x2.shape[0] != routing.num_tokens:
             raise RuntimeError(f"a LoRA layer got {x2.shape[0]} tokens in a step of {routing.num_tokens}")
-        y2 = y.view(-1, y.shape[-1])  # [num_tokens, out], a view: updated in place
-        for slot, index in routing.groups(x.device):
-            rank = self.ranks[slot]
-            if rank == 0:
-                continue
-            a = self.lora_a[slot, :rank]  # [r, in]
-            b = self.lora_b[slot, :, :rank]  # [out, r]
-            if index is None:
-                y2.add_(((x2 @ a.T) @ b.T).to(y2.dtype))
-            else:
-                y2.index_add_(0, index, ((x2.index_select(0, index) @ a.T) @ b.T).to(y2.dtype))  # [tokens_of_slot, out]
+        apply_lora(y.view(-1, y.shape[-1]), x2, self.lora_a, self.lora_bt, self.ranks, routing.segments(x.device))
         return y
 
 

@@ -1,5 +1,5 @@
-"""Builds the compiled kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`) for this machine and loads
-them with ctypes.
+"""Builds the compiled kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `csrc/lora_sgmv.cpp`) for this
+machine and loads them with ctypes.
 
 Why at run time: the kernel is specialized to the model's head_dim and compiled with `-march=native`, so it
 cannot ship prebuilt. A build takes ~2 s with the system C++ compiler and is cached on disk, keyed by the
@@ -30,6 +30,7 @@ logger = logging.get_logger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_decode.cpp"
 PREFILL_SOURCE = CSRC / "paged_prefill.cpp"
+LORA_SOURCE = CSRC / "lora_sgmv.cpp"
 HEADERS = (CSRC / "vec_math.h",)  # included by both sources: part of every build's cache key
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 #: the cache dtypes the kernel reads, by entry-point suffix; bf16/fp16 are computed in float32
@@ -93,19 +94,27 @@ def load_paged_prefill(head_dim: int) -> ctypes.CDLL | None:
     return library
 
 
-def _load(source: Path, head_dim: int) -> ctypes.CDLL:
-    """`source` built for `head_dim` (cached by source, headers, compiler, flags and CPU) and loaded."""
+@functools.lru_cache(maxsize=None)
+def load_lora() -> ctypes.CDLL:
+    """The multi-LoRA (SGMV) library, built on first use; its entry points are typed by `kernels.lora`. Raises
+    NativeBuildError when it cannot be built."""
+    return _load(LORA_SOURCE, None)
+
+
+def _load(source: Path, head_dim: int | None) -> ctypes.CDLL:
+    """`source` built for `head_dim` (None: a kernel without one; cached by source, headers, compiler, flags and
+    CPU) and loaded."""
     compiler = _compiler()
-    flags = (*COMPILE_FLAGS, f"-DPAGED_HF_HEAD_DIM={head_dim}")
+    flags = COMPILE_FLAGS if head_dim is None else (*COMPILE_FLAGS, f"-DPAGED_HF_HEAD_DIM={head_dim}")
     texts = [source.read_text(), *(header.read_text() for header in HEADERS)]
     key = hashlib.sha256(
         "\0".join([*texts, compiler, *flags, _cpu_signature(), platform.machine()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}_d{head_dim}_{key}.so"
+    target = _cache_dir() / f"{source.stem}{'' if head_dim is None else f'_d{head_dim}'}_{key}.so"
     try:
         if not target.exists():
             _build(compiler, flags, source, target)
-            logger.info(f"paged_hf: built the native kernel {source.name} for head_dim {head_dim} ({target})")
+            logger.info(f"paged_hf: built the native kernel {source.name} ({target})")
         return ctypes.CDLL(str(target))
     except OSError as error:  # an unwritable cache, a compiler that cannot start, a library that cannot load
         raise NativeBuildError(f"cannot build or load {target}: {error}") from error
