@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from paged_hf.bench import machine
 from paged_hf.bench import report as reporting
-from paged_hf.bench.systems import DEFAULT_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
+from paged_hf.bench.adapters import random_adapters
+from paged_hf.bench.systems import DEFAULT_SYSTEMS, LORA_SCALE_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
 from paged_hf.bench.vllm_system import default_vllm_python, run_vllm
 from paged_hf.bench.workloads import WORKLOAD_NAMES, Workload, build_workload
 from paged_hf.config import PagedConfig
@@ -25,9 +26,9 @@ from paged_hf.utils import cdiv
 __all__ = ["DEFAULT_SYSTEMS", "SYSTEM_NAMES", "WORKLOAD_NAMES", "Workload", "build_workload", "run_bench"]
 
 
-def parse_systems(value: str | None, workload: str) -> list[str]:
+def parse_systems(value: str | None, workload: str, scaling_adapters: bool = False) -> list[str]:
     if not value:
-        return list(DEFAULT_SYSTEMS[workload])
+        return list(LORA_SCALE_SYSTEMS if scaling_adapters else DEFAULT_SYSTEMS[workload])
     systems = [s.strip() for s in value.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEM_NAMES]
     if unknown:
@@ -46,6 +47,15 @@ def sized_engine_config(engine_config: dict, workload: Workload) -> dict:
     needed = sum(len(r.prompt_token_ids) // block_size + beams * (cdiv(len(r.prompt_token_ids) + r.max_new_tokens,
                  block_size) - len(r.prompt_token_ids) // block_size) for r in workload.requests)
     return dict(engine_config, num_blocks=needed + 4)
+
+
+def _with_random_adapters(args) -> dict:
+    """The engine config, with --adapters N random rank --lora-rank adapters loaded (max_loras N unless given)."""
+    if getattr(args, "adapters", None) is None:
+        return dict(args.engine_config)
+    folders = random_adapters(args.model, args.adapters, args.lora_rank)
+    return dict(args.engine_config, adapters={**args.engine_config.get("adapters", {}), **folders},
+                max_loras=args.max_loras or args.adapters, max_lora_rank=args.lora_rank)
 
 
 class _OtherLoad:
@@ -102,9 +112,11 @@ def run_bench(args) -> int:
     """Run the benchmark described by the parsed ``paged-hf bench`` arguments; 0 if every system ran (or was
     skipped on purpose), 1 if any failed."""
     tokenizer = _load_tokenizer(args.model)
-    workload = build_workload(args.workload, tokenizer, args.seed, args.requests, args.max_new_tokens_scale)
-    systems = parse_systems(args.systems, args.workload)
-    engine_config = sized_engine_config(args.engine_config, workload)
+    num_adapters = getattr(args, "adapters", None)
+    workload = build_workload(args.workload, tokenizer, args.seed, args.requests, args.max_new_tokens_scale,
+                              num_adapters)
+    systems = parse_systems(args.systems, args.workload, scaling_adapters=num_adapters is not None)
+    engine_config = sized_engine_config(_with_random_adapters(args), workload)
     summary = workload.summary()
     _log(f"workload {workload.name}: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt + "
          f"{summary['new_tokens']} new tokens; systems: {', '.join(systems)}")

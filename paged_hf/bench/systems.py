@@ -30,18 +30,21 @@ from paged_hf.loader import default_model
 
 #: paged_hf with a quantized KV cache (PagedConfig.kv_cache_dtype): `paged_hf_kv_<dtype>`
 KV_SYSTEMS = {"paged_hf_kv_int8": "int8", "paged_hf_kv_fp8_e4m3": "fp8_e4m3", "paged_hf_kv_fp8_e5m2": "fp8_e5m2"}
-SYSTEM_NAMES = ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS, "vllm",
+SYSTEM_NAMES = ("paged_hf", "paged_hf_base", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS, "vllm",
                 "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
 #: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
 DEFAULT_SYSTEMS = {
     "mixed": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
     "prefix": ("paged_hf", "paged_hf_noprefix", "vllm", "hf_static_8", "hf_cb"),
     "decode": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_cb"),
-    "lora": ("paged_hf", "hf_static_8"),
+    "lora": ("paged_hf", "hf_static_8"),  # with --adapters N: paged_hf, paged_hf_base (LORA_SCALE_SYSTEMS)
     "structured": ("paged_hf", "paged_hf_noschema"),  # JSON schemas enforced, and the same batch without
     "beam": ("paged_hf", "hf_static_8", "hf_single"),  # HF generate(num_beams=k), 8 prompts a batch or one
     "grounded": ("paged_hf", "paged_hf_spec"),  # the same engine without and with speculative decoding
 }
+#: `bench --workload lora --adapters N`: the adapters' cost, paged_hf beside the same engine on the same requests
+#: with no adapter (paged_hf_base)
+LORA_SCALE_SYSTEMS = ("paged_hf", "paged_hf_base")
 #: paged_hf_spec's speculative config unless --speculative-config gives one (the other paged_hf systems never
 #: speculate, so one invocation compares the same engine with and without)
 DEFAULT_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_min": 1, "prompt_lookup_max": 16}
@@ -83,7 +86,8 @@ def warmup_ids(tokenizer) -> list[int]:
 def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enable_prefix_caching=True,
                  enforce_schemas=True, name: str | None = None) -> SystemRun:
     """paged_hf through its public API: wrap() once, then one generator.generate() call for the whole workload.
-    `name` one of KV_SYSTEMS: with that kv_cache_dtype; "paged_hf_spec": with speculative decoding."""
+    `name` one of KV_SYSTEMS: with that kv_cache_dtype; "paged_hf_spec": with speculative decoding;
+    "paged_hf_base": every request on the base model (the workload's adapters loaded but not used)."""
     name = name or ("paged_hf_noschema" if not enforce_schemas else "paged_hf" if enable_prefix_caching else
                     "paged_hf_noprefix")
     config = dict(engine_config, enable_prefix_caching=enable_prefix_caching and engine_config.get(
@@ -98,7 +102,7 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0, ignore_eos=True,
                              structured_outputs={"json": r.schema} if r.schema and enforce_schemas else None)
               for r in workload.requests]
-    adapters = [r.adapter for r in workload.requests] if workload.needs_adapters else None
+    adapters = [r.adapter for r in workload.requests] if workload.needs_adapters and name != "paged_hf_base" else None
     if workload.num_beams > 1:
         return _run_paged_beams(generator, workload, name, config)
     before = generator.stats()
@@ -291,7 +295,7 @@ def run_system(system: str, model, tokenizer, workload: Workload, engine_config:
     reason = skip_reason(system, workload, engine_config)
     if reason:
         return SystemRun(system, skipped=reason)
-    if system in ("paged_hf", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS):
+    if system in ("paged_hf", "paged_hf_base", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS):
         return run_paged_hf(model, tokenizer, workload, engine_config,
                             enable_prefix_caching=system != "paged_hf_noprefix",
                             enforce_schemas=system != "paged_hf_noschema", name=system)

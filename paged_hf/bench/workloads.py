@@ -210,9 +210,13 @@ def build_decode(tokenizer, seed: int = 0, num_requests: int = 48, new_range=(12
                     seed, requests)
 
 
-def build_lora(tokenizer, seed: int = 0, corpus: list[int] | None = None) -> Workload:
-    """The mixed workload with each request tagged with one of four adapters or the base model (multi-LoRA)."""
+def build_lora(tokenizer, seed: int = 0, corpus: list[int] | None = None, num_adapters: int | None = None) -> Workload:
+    """The mixed workload with each request tagged with one of four adapters or the base model (multi-LoRA); with
+    `num_adapters` N, request i on adapter `lora_{i % N}` (bench --adapters N: every request on an adapter)."""
     mixed = build_mixed(tokenizer, seed, corpus=corpus)
+    if num_adapters is not None:
+        requests = [replace(r, adapter=f"lora_{i % num_adapters}") for i, r in enumerate(mixed.requests)]
+        return Workload("lora", f"the mixed workload, request i on adapter i % {num_adapters}", seed, requests)
     rng = random.Random(seed + 1)
     choices = (*LORA_ADAPTERS, None)
     requests = [replace(r, adapter=rng.choice(choices)) for r in mixed.requests]
@@ -267,12 +271,17 @@ def build_grounded(tokenizer, seed: int = 0, num_requests: int = 64, prompt_rang
 
 
 def build_workload(name: str, tokenizer, seed: int = 0, num_requests: int | None = None,
-                   max_new_tokens_scale: float | None = None) -> Workload:
-    """The named workload, scaled down to its first ``num_requests`` requests if given."""
+                   max_new_tokens_scale: float | None = None, num_adapters: int | None = None) -> Workload:
+    """The named workload, scaled down to its first ``num_requests`` requests if given; `num_adapters`: the lora
+    workload's distinct adapters (bench --adapters)."""
     builders = {"mixed": build_mixed, "prefix": build_prefix, "decode": build_decode, "lora": build_lora,
                 "structured": build_structured, "beam": build_beam, "grounded": build_grounded}
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}")
     if num_requests is not None and num_requests < 1:
         raise ValueError(f"--requests must be >= 1, got {num_requests}")
+    if num_adapters is not None:
+        if name != "lora":
+            raise ValueError(f"--adapters is for --workload lora, not {name!r}")
+        return build_lora(tokenizer, seed, num_adapters=num_adapters).scaled(num_requests, max_new_tokens_scale)
     return builders[name](tokenizer, seed).scaled(num_requests, max_new_tokens_scale)
