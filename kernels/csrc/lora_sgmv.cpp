@@ -152,6 +152,49 @@ inline void shrink_tokens(const T *const *rows, const T *const *arows, int64_t i
   shrink<NT, T, F>(rows, arows, in, dots);
 }
 
+#if defined(__AVX512BF16__)
+// The bf16 expand with AVX512-BF16: y[j][o] += sum over rank pairs of t[j][2p] B[2p][o] + t[j][2p+1] B[2p+1][o],
+// 16 outputs and one pair per vdpbf16ps (rows 2p and 2p+1 interleaved in a register, the pair of t broadcast).
+// The rank vector t is rounded to bf16 here (as a bf16 matmul rounds its output); the sums stay in float.
+template <int NT>
+void expand_bf16(const float (&t)[kTile][kMaxRank], int64_t rank, int64_t rank_cap, const uint16_t *bslot,
+                 int64_t out, uint16_t *const *outs, int count) {
+  const int64_t pairs = (rank + 1) / 2;
+  uint32_t tp[kTile][kMaxRank / 2 + 1];  // (bf16 t[2p], bf16 t[2p + 1]) as one 32-bit lane
+  for (int j = 0; j < NT; ++j)
+    for (int64_t q = 0; q < pairs; ++q) {
+      const uint32_t lo = j < count ? to_bf16(t[j][2 * q]) : 0;
+      const uint32_t hi = j < count && 2 * q + 1 < rank ? to_bf16(t[j][2 * q + 1]) : 0;
+      tp[j][q] = lo | hi << 16;
+    }
+  alignas(64) int16_t order[32];  // lane 2i: row 2p's element i, lane 2i + 1: row 2p + 1's
+  for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(32 + i);
+  const __m512i interleave = _mm512_load_si512(order);
+  const int64_t vec_out = out - out % 16;
+  for (int64_t o = 0; o < vec_out; o += 16) {
+    __m512 acc[NT];
+    for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < pairs; ++q) {
+      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bslot + 2 * q * out + o));
+      const __m256i odd = 2 * q + 1 < rank_cap
+                              ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bslot + (2 * q + 1) * out + o))
+                              : _mm256_setzero_si256();
+      const __m512bh both = (__m512bh)_mm512_permutex2var_epi16(_mm512_castsi256_si512(even), interleave,
+                                                                _mm512_castsi256_si512(odd));
+      for (int j = 0; j < NT; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], both, (__m512bh)_mm512_set1_epi32(static_cast<int>(tp[j][q])));
+    }
+    for (int j = 0; j < count; ++j) addv<uint16_t, float>(outs[j] + o, acc[j]);
+  }
+  for (int64_t o = vec_out; o < out; ++o)
+    for (int j = 0; j < count; ++j) {
+      float sum = 0;
+      for (int64_t r = 0; r < rank; ++r) sum += t[j][r] * load1<uint16_t, float>(bslot + r * out, o);
+      add1<uint16_t, float>(outs[j] + o, sum);
+    }
+}
+#endif
+
 struct Step {
   int64_t in, out, rank_cap, x_stride, y_stride;
   const int64_t *ranks, *order, *seg_slots, *seg_starts;
@@ -183,8 +226,18 @@ void apply_tile(const Step &s, const T *x, T *y, const T *a, const T *bt, int64_
     for (int j = 0; j < count; ++j)
       for (int i = 0; i < kRanks && r0 + i < rank; ++i) t[j][r0 + i] = dots[j][i];
   }
-  const int64_t vec_out = s.out - s.out % L;  // expand: y[j] += sum_r t[j][r] * Bt[slot][r]
   const T *bslot = bt + slot * s.rank_cap * s.out;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (count == 1) {
+      expand_bf16<1>(t, rank, s.rank_cap, bslot, s.out, outs, count);
+    } else {
+      expand_bf16<kTile>(t, rank, s.rank_cap, bslot, s.out, outs, count);
+    }
+    return;
+  }
+#endif
+  const int64_t vec_out = s.out - s.out % L;  // expand: y[j] += sum_r t[j][r] * Bt[slot][r]
   for (int64_t o = 0; o < vec_out; o += L) {
     V acc[kTile] = {};
     for (int64_t r = 0; r < rank; ++r) {
