@@ -39,8 +39,9 @@ def free_port() -> int:
 def start_server(extra_args: list[str], api_key: str, timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
     """`paged-hf serve` on a free local port; returns (process, base URL) once /health answers."""
     port = free_port()
+    # tenants share the server: a message's "<|im_start|>system" must stay text, never a forged system turn
     command = [sys.executable, "-m", "paged_hf", "serve", "--port", str(port), "--api-key", api_key,
-               "--log-level", "warning", *extra_args]
+               "--escape-special-tokens-in-content", "--log-level", "warning", *extra_args]
     process = subprocess.Popen(command, env={**os.environ, "TQDM_DISABLE": "1"})
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

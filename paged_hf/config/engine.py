@@ -33,6 +33,15 @@ class PagedConfig:
     # bounds on a request's stop strings: each one is searched in every new token's text of that request
     max_stop_strings: int = 64
     max_stop_string_chars: int = 512
+    # bounds on a request's grammar (structured outputs), sample.structured_output.GrammarLimits: the spec's
+    # size in bytes and a JSON schema's nesting, the compile's time (seconds; it runs off the engine thread)
+    # and the compiled-grammar cache's bytes
+    max_grammar_bytes: int = 64 << 10
+    max_grammar_depth: int = 64
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_bytes: int = 64 << 20
+    # bounds on a request's token constraints: bad_words entries (each tokenized twice at submission)
+    max_bad_words: int = 1024
     # CPU: run the model's float32/bfloat16 linears on oneDNN-packed copies of their weights during steps
     # (2.3x faster float32 matmuls than MKL's on AMD; costs the weights' memory once more), paged_hf.worker.packed_linears
     pack_linear_weights: bool = True
@@ -50,10 +59,14 @@ class PagedConfig:
         if self.kv_cache_memory is not None and not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory must be bytes or a fraction in (0, 1], got {self.kv_cache_memory!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank", "max_stop_strings",
-                     "max_stop_string_chars"):
+                     "max_stop_string_chars", "max_grammar_bytes", "max_grammar_depth", "grammar_cache_bytes",
+                     "max_bad_words"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        timeout = self.grammar_compile_timeout_s
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+            raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_num_seqs="
                              f"{self.max_num_seqs}: every running request needs one token of each step's budget")

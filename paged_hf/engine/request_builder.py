@@ -3,10 +3,19 @@
 Nothing is queued here, so a ValueError leaves the engine as it was. n > 1: n sequences (children); only
 child 0 is queued, the others wait in its `pending_forks` and fork from it once it computed the prompt
 (sharing its KV blocks), so the prompt is computed once.
+
+`prepare` does a request's slow parts before it is submitted, on the caller's thread or the grammar pool:
+the server calls it off the event loop and the engine thread, so a request whose grammar takes seconds to
+compile, or whose bad_words are many, waits for that alone while the engine steps on; `group` then finds the
+grammar in the compiler's cache and the bad words tokenized. Callers that skip it (the offline `LLM`) pay
+both in `group`, bounded by the same limits.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +25,7 @@ from paged_hf.core.request import Request
 from paged_hf.engine.detokenizer import IncrementalDetokenizer
 from paged_hf.engine.request_group import RequestGroup
 from paged_hf.sample.sampler import make_rng
-from paged_hf.sample.structured_output import GrammarCompiler, grammar_compiler
+from paged_hf.sample.structured_output import GrammarCompiler, GrammarLimits, grammar_compiler
 from paged_hf.sample.token_constraints import bad_words_token_ids
 from paged_hf.sampling_params import SamplingParams, check_stop_limits
 
@@ -33,6 +42,10 @@ class RequestBuilder:
         self.eos_token_ids = eos_token_ids
         self.device = device  # where the logits come out: seeded requests' rngs live there
         self.grammar_compiler: GrammarCompiler | None = None  # made with the first structured-output request
+        self.grammar_limits = GrammarLimits(config.max_grammar_bytes, config.max_grammar_depth,
+                                            config.grammar_compile_timeout_s, config.grammar_cache_bytes)
+        self._lock = threading.Lock()  # `prepare` runs on other threads than `group`
+        self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # tokenized by `prepare`
 
     def sampling_params(self, sampling_params: SamplingParams | None, cache_salt: str | None) -> SamplingParams:
         """The request's params (the defaults for None); ValueError for what the engine cannot serve."""
@@ -42,6 +55,9 @@ class RequestBuilder:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
         check_stop_limits(params.stop, self.config.max_stop_strings, self.config.max_stop_string_chars)
+        if params.bad_words and len(params.bad_words) > self.config.max_bad_words:
+            raise ValueError(f"SamplingParams.bad_words has {len(params.bad_words)} entries; at most max_bad_words="
+                             f"{self.config.max_bad_words} are accepted (a PagedConfig field)")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
         return params
@@ -53,7 +69,7 @@ class RequestBuilder:
         children = [self._child(request_id, i, prompt_ids, params, adapter, lora, cache_salt, grammar)
                     for i in range(params.n)]
         parent, *siblings = children
-        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
+        bad_words = self._bad_words_ids(params.bad_words, pop=True)
         for child in children:
             child.bad_words_token_ids = bad_words
         if params.prompt_logprobs is not None:
@@ -73,12 +89,43 @@ class RequestBuilder:
                                               params.skip_special_tokens, params.include_stop_str_in_output),
                        grammar=None if grammar is None else self.grammar_compiler.matcher(grammar))  # own per child
 
+    def prepare(self, sampling_params: SamplingParams | None) -> Future | None:
+        """Thread-safe: check the params, tokenize their bad_words and start compiling their grammar; -> the
+        compile's future (None without a grammar). ValueError for what `group` would refuse."""
+        params = self.sampling_params(sampling_params, None)
+        self._bad_words_ids(params.bad_words, pop=False)
+        if params.structured_outputs is None:
+            return None
+        return self.compiler().compile_async(params.structured_outputs)
+
+    def compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler (made once, thread-safe); ValueError without a tokenizer."""
+        with self._lock:
+            if self.grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need a tokenizer: pass tokenizer= to wrap()")
+                self.grammar_compiler = grammar_compiler(self.tokenizer, self.vocab_size, tuple(self.eos_token_ids),
+                                                         self.grammar_limits)
+            return self.grammar_compiler
+
+    def _bad_words_ids(self, bad_words: list[str] | None, pop: bool) -> list[list[int]] | None:
+        """The words' token sequences: tokenized by `prepare` (popped by `group`), else now. At most 64 kept."""
+        if not bad_words:
+            return None
+        key = tuple(bad_words)
+        with self._lock:
+            ids = self._bad_words.pop(key, None) if pop else self._bad_words.get(key)
+        if ids is None:
+            ids = bad_words_token_ids(bad_words, self.tokenizer)
+        if not pop:
+            with self._lock:
+                self._bad_words[key] = ids
+                while len(self._bad_words) > 64:
+                    self._bad_words.popitem(last=False)
+        return ids
+
     def _compile_grammar(self, params: SamplingParams):
         """The request's compiled grammar (cached per spec), or None; ValueError for an invalid spec."""
         if params.structured_outputs is None:
             return None
-        if self.grammar_compiler is None:
-            if self.tokenizer is None:
-                raise ValueError("structured outputs need a tokenizer: pass tokenizer= to wrap()")
-            self.grammar_compiler = grammar_compiler(self.tokenizer, self.vocab_size, tuple(self.eos_token_ids))
-        return self.grammar_compiler.compile(params.structured_outputs)
+        return self.compiler().compile(params.structured_outputs)

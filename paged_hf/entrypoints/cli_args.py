@@ -49,6 +49,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action="store_true", help="(vLLM's flag; on by default)")
     group.add_argument("--max-stop-strings", type=int, help="most stop strings per request (default: 64)")
     group.add_argument("--max-stop-string-chars", type=int, help="longest stop string (default: 512 characters)")
+    group.add_argument("--max-grammar-bytes", type=int, help="largest structured-output spec (default: 64 KiB)")
+    group.add_argument("--max-grammar-depth", type=int, help="deepest JSON schema nesting (default: 64)")
+    group.add_argument("--grammar-compile-timeout", type=float, dest="grammar_compile_timeout_s",
+                       help="seconds a grammar may take to compile (default: 10); longer is a 400")
+    group.add_argument("--grammar-cache-bytes", type=int, help="compiled grammars kept (default: 64 MiB)")
+    group.add_argument("--max-bad-words", type=int, help="most bad_words per request (default: 1024)")
     group.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                        help="a peft LoRA adapter folder to load under NAME (repeatable)")
     group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -64,7 +70,8 @@ def engine_config(args: argparse.Namespace) -> dict:
     """Only the flags that were given, as PagedConfig keyword arguments."""
     config = {}
     for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len",
-                 "max_stop_strings", "max_stop_string_chars", "kv_cache_dtype"):
+                 "max_stop_strings", "max_stop_string_chars", "kv_cache_dtype", "max_grammar_bytes",
+                 "max_grammar_depth", "grammar_compile_timeout_s", "grammar_cache_bytes", "max_bad_words"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     if args.kv_cache_memory is not None:

@@ -59,7 +59,8 @@ def fields_server():
     model = tiny_model("llama", dtype=torch.float32)
     generator = paged_hf.wrap(model, tiny_tokenizer(), num_blocks=128, block_size=4, max_num_seqs=16,
                               max_num_batched_tokens=64, max_model_len=256).generator
-    app = create_app(generator, generator.tokenizer, MODEL, ServerSettings(max_n=4, max_tokens_cap=200))
+    app = create_app(generator, generator.tokenizer, MODEL, ServerSettings(max_n=4, max_tokens_cap=200,
+                                                                        trust_request_chat_template=True))
     with serving(app) as url:
         yield url, generator, model
     assert_no_leak(generator)

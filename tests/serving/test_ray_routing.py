@@ -36,8 +36,11 @@ def test_routing_hint_hashes_the_prompt_the_engine_gets():
     chat = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": words}]}],
             "chat_template": template, "chat_template_kwargs": {"extra": True}, "truncate_prompt_tokens": 20}
     expected = tokenizer(f"<system> time <user> {words} ", add_special_tokens=False)["input_ids"][-20:]
-    hint = routing_hint("/v1/chat/completions", json.dumps(chat).encode(), tokenizer, {"tiny"}, 4)
+    hint = routing_hint("/v1/chat/completions", json.dumps(chat).encode(), tokenizer, {"tiny"}, 4,
+                        trust_request_chat_template=True)
     assert hint.block_hashes == prompt_block_hashes(expected, 4) and hint.adapter is None
+    untrusted = routing_hint("/v1/chat/completions", json.dumps(chat).encode(), tokenizer, {"tiny"}, 4)
+    assert untrusted == RoutingHint()  # the replicas refuse it: nothing is rendered here either
     completion = {"model": "a1", "prompt": words, "cache_salt": "s"}
     hint = routing_hint("/v1/completions", json.dumps(completion).encode(), tokenizer, {"tiny"}, 4)
     ids = tokenizer(words)["input_ids"]

@@ -333,7 +333,7 @@ def test_cli_serve_fails_at_startup_for_an_adapter_it_cannot_serve(tiny_load_mod
 def test_stream_sends_each_sequence_finish_once():
     """With n > 1 a finished sequence stays in every later output; its finish goes out once, the others go on."""
     from paged_hf.outputs import CompletionOutput, RequestOutput
-    from paged_hf.serving.openai.serving import Deltas
+    from paged_hf.serving.openai.logprobs import Deltas
 
     deltas = Deltas()
 

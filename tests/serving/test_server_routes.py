@@ -62,6 +62,18 @@ def test_tokenize_detokenize_version_ping(routes_server):
     assert httpx.get(url + "/ping").status_code == 200 and httpx.post(url + "/ping").status_code == 200
 
 
+def test_request_chat_templates_need_the_trust_flag(routes_server):
+    """A chat template is a program: without --trust-request-chat-template a request's own is refused, on the
+    generation routes and /tokenize alike, before anything renders."""
+    messages = [{"role": "user", "content": "the"}]
+    for path, body in (("/tokenize", {"messages": messages}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 2})):
+        response = post(routes_server, path, {**body, "chat_template": "{{ messages[0]['content'] }}"})
+        assert response.status_code == 400 and "--trust-request-chat-template" in response.text, response.text
+        assert response.json()["error"]["param"] == "chat_template"
+        assert post(routes_server, path, body).status_code == 200
+
+
 def test_runtime_lora_load_and_unload(routes_server):
     url, base, oracle, outside = routes_server
     prompt = [1, 7, 40, 10, 22]

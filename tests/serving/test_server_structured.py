@@ -18,8 +18,8 @@ from tiny_server import serving  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
+from paged_hf.serving.openai.chat_template import chat_prompt_ids  # noqa: E402
 from paged_hf.serving.openai.protocol import ChatCompletionRequest  # noqa: E402
-from paged_hf.serving.openai.serving import chat_prompt_ids  # noqa: E402
 from paged_hf.serving.openai.tool_calls import tool_mode  # noqa: E402
 
 

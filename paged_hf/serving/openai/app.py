@@ -8,6 +8,7 @@ to that thread (see engine_loop.py).
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_hf.serving.openai.completions import completion_choices, last_output, merged, prompt_logprob_entries
@@ -24,6 +25,8 @@ from paged_hf.serving.openai.engine_loop import EngineError, EngineLoop
 from paged_hf.serving.openai.errors import ApiError, error_body, error_response, install_error_handlers
 from paged_hf.serving.openai.extra_routes import add_extra_routes
 from paged_hf.serving.openai.lifecycle import AbortingStreamingResponse
+from paged_hf.serving.openai.logprobs import Deltas, chat_logprobs, completion_logprobs
+from paged_hf.serving.openai.memory import freeze_startup_objects
 from paged_hf.serving.openai.metrics import ServerMetrics
 from paged_hf.serving.openai.protocol import (
     ChatChoice,
@@ -39,17 +42,7 @@ from paged_hf.serving.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from paged_hf.serving.openai.serving import (
-    Deltas,
-    Prepared,
-    ServerContext,
-    chat_logprobs,
-    completion_logprobs,
-    outputs,
-    prepare_off_loop,
-    submit,
-    usage,
-)
+from paged_hf.serving.openai.serving import Prepared, ServerContext, outputs, prepare_off_loop, submit, usage
 from paged_hf.serving.openai.tool_calls import ToolCallStreamer, finish_reason, parse_output, parser_for
 from paged_hf.serving.openai.vllm_metrics import vllm_aliases
 
@@ -69,6 +62,11 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()  # browsers on these origins may call the API (CORS); "*" for any
     lora_root: str | None = None  # enables /v1/load_lora_adapter, for folders under this one only
     engine_threads: int | None = None  # torch threads of the engine thread (engine_loop.reserve_torch_threads)
+    trust_request_chat_template: bool = False  # else a request's chat_template is a 400 (a template is a program)
+    escape_special_tokens: bool = False  # special tokens in chat content are tokenized as text (chat_template.py)
+    chat_template_timeout_s: float = 2.0  # a render that runs longer is a 400
+    max_rendered_chat_chars: int = 16 << 20  # a longer rendered chat is a 400
+    max_logprob_entries: int = 200_000  # prompt logprobs: prompt tokens x (logprobs + 1) x n; 400 above
 
 
 class GuardMiddleware:
@@ -130,11 +128,13 @@ def create_app(generator, tokenizer, model_name: str | list[str], settings: Serv
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        freeze_startup_objects()
         engine.start()
         try:
             yield
         finally:
             engine.stop()
+            gc.unfreeze()  # the process goes on (a test, an embedding program): collect as usual again
 
     app = FastAPI(title="paged_hf", lifespan=lifespan)
     app.state.ctx = ctx
@@ -174,7 +174,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 
 async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):
-    prepared = await prepare_off_loop(ctx, body, chat, time.monotonic())
+    prepared = await prepare_off_loop(ctx, body, chat, time.monotonic(), http_request)
     streams = await submit(ctx, prepared, reserved=True)  # bad input fails here, before any streamed byte
     sources = [outputs(ctx, http_request, stream, prepared.stream) for stream in streams]
     if prepared.stream:
@@ -189,10 +189,18 @@ async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):
         raise ApiError(500, str(exc), "engine_error") from None
     if any(final is None for final in finals):  # the client went away; nobody reads this
         raise ApiError(499, "client disconnected", "client_disconnected")
+    return await asyncio.to_thread(_json_answer, ctx, prepared, finals, chat)
+
+
+def _json_answer(ctx: ServerContext, prepared: Prepared, finals: list, chat: bool) -> Response:
+    """The whole answer, built and serialized in a worker thread: with logprobs it decodes every token and can
+    be megabytes of JSON, which on the event loop would stall every stream and /health."""
     if chat:
-        return _chat_response(ctx, prepared, finals[0])
-    return CompletionResponse(id=prepared.request_id, model=prepared.model,
-                              choices=completion_choices(ctx, prepared, finals), usage=usage(prepared, *finals))
+        answer = _chat_response(ctx, prepared, finals[0])
+    else:
+        answer = CompletionResponse(id=prepared.request_id, model=prepared.model,
+                                    choices=completion_choices(ctx, prepared, finals), usage=usage(prepared, *finals))
+    return Response(answer.model_dump_json(), media_type="application/json")
 
 
 def _chat_response(ctx: ServerContext, prepared: Prepared, output) -> ChatCompletionResponse:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from paged_hf.serving.openai.logprobs import completion_logprobs, token_text
 from paged_hf.serving.openai.protocol import CompletionChoice, CompletionLogprobs, PromptLogprob
-from paged_hf.serving.openai.serving import Prepared, completion_logprobs, token_text
+from paged_hf.serving.openai.serving import Prepared
 
 
 def completion_choices(ctx, prepared: Prepared, finals: list) -> list[CompletionChoice]:
@@ -21,6 +22,9 @@ def completion_choices(ctx, prepared: Prepared, finals: list) -> list[Completion
     choices = []
     for i, output in enumerate(finals):
         prompt_entries = prompt_logprob_entries(ctx.tokenizer, output.prompt_logprobs)
+        echo_prompt = None  # the prompt's part of echo's logprobs: decoded once, shared by the n choices
+        if prepared.echo and k is not None:
+            echo_prompt = _echo_logprobs(ctx.tokenizer, output, k)
         for c in output.outputs:
             token_ids, entries, text = c.token_ids, c.logprobs or [], c.text or ""
             if prepared.echo_only:
@@ -29,7 +33,7 @@ def completion_choices(ctx, prepared: Prepared, finals: list) -> list[Completion
             if prepared.echo:
                 prompt_text = echo_text(ctx.tokenizer, prepared, i)
                 if k is not None:
-                    logprobs = _echo_logprobs(ctx.tokenizer, output, token_ids, entries, k)
+                    logprobs = _joined(echo_prompt, completion_logprobs(ctx.tokenizer, token_ids, entries, k, 0))
                 text = prompt_text + text
             elif k is not None:
                 logprobs = completion_logprobs(ctx.tokenizer, token_ids, entries, k, 0)
@@ -49,14 +53,23 @@ def echo_text(tokenizer, prepared: Prepared, index: int) -> str:
     return tokenizer.decode(ids) if tokenizer is not None else ""
 
 
-def _echo_logprobs(tokenizer, output, token_ids, entries, k: int) -> CompletionLogprobs:
-    """Prompt tokens, then generated ones, in one list: OpenAI's shape for echo with logprobs."""
+def _echo_logprobs(tokenizer, output, k: int) -> CompletionLogprobs:
+    """The prompt tokens' part of echo's logprobs (nothing predicts the first: null)."""
     prompt_ids = output.prompt_token_ids
     prompt_entries = [entry or {} for entry in output.prompt_logprobs or [None] * len(prompt_ids)]
-    result = completion_logprobs(tokenizer, prompt_ids + list(token_ids), prompt_entries + list(entries), k, 0)
+    result = completion_logprobs(tokenizer, prompt_ids, prompt_entries, k, 0)
     result.token_logprobs[0] = None
     result.top_logprobs[0] = None
     return result
+
+
+def _joined(prompt: CompletionLogprobs, generated: CompletionLogprobs) -> CompletionLogprobs:
+    """Prompt tokens, then generated ones, in one list: OpenAI's shape for echo with logprobs."""
+    end = (prompt.text_offset[-1] + len(prompt.tokens[-1])) if prompt.tokens else 0
+    return CompletionLogprobs(tokens=prompt.tokens + generated.tokens,
+                              token_logprobs=prompt.token_logprobs + generated.token_logprobs,
+                              top_logprobs=prompt.top_logprobs + generated.top_logprobs,
+                              text_offset=prompt.text_offset + [end + offset for offset in generated.text_offset])
 
 
 def prompt_logprob_entries(tokenizer, entries) -> list[dict[int, PromptLogprob] | None] | None:

@@ -8,17 +8,21 @@ itself would read any folder the server process can. Loading runs on the engine 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import threading
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import paged_hf
+from paged_hf.serving.openai.chat_template import chat_prompt_ids
 from paged_hf.serving.openai.errors import ApiError
 from paged_hf.serving.openai.protocol import ChatMessage, OpenAIRequest
-from paged_hf.serving.openai.serving import ServerContext, chat_prompt_ids, prompt_ids
+from paged_hf.serving.openai.serving import ServerContext, prompt_ids, until_disconnected
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -65,19 +69,13 @@ def add_extra_routes(app: FastAPI, ctx: ServerContext) -> None:
         return {"version": paged_hf.__version__}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        return _tokenize(ctx, body)
+    async def tokenize(body: TokenizeRequest, http_request: Request):
+        cancel = threading.Event()
+        return await until_disconnected(asyncio.to_thread(_tokenize, ctx, body, cancel), http_request, cancel)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        ctx.resolve_model(body.model)
-        tokenizer = _tokenizer(ctx)
-        vocab_size = ctx.engine.generator.info.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "invalid_tokens",
-                           "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+    async def detokenize(body: DetokenizeRequest, http_request: Request):
+        return await until_disconnected(asyncio.to_thread(_detokenize, ctx, body), http_request, threading.Event())
 
     if ctx.settings.lora_root is not None:
         _add_lora_routes(app, ctx)
@@ -89,7 +87,20 @@ def _tokenizer(ctx: ServerContext):
     return ctx.tokenizer
 
 
-def _tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict:
+def _detokenize(ctx: ServerContext, body: DetokenizeRequest) -> Response:
+    ctx.resolve_model(body.model)
+    tokenizer = _tokenizer(ctx)
+    vocab_size = ctx.engine.generator.info.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "invalid_tokens",
+                       "tokens")
+    return Response(json.dumps({"prompt": tokenizer.decode(body.tokens)}), media_type="application/json")
+
+
+def _tokenize(ctx: ServerContext, body: TokenizeRequest, cancel: threading.Event) -> Response:
+    """In a worker thread (a 4 MB prompt takes seconds to tokenize; a chat template is a program), the answer
+    serialized there too."""
     ctx.resolve_model(body.model)
     tokenizer = _tokenizer(ctx)
     if (body.prompt is None) == (body.messages is None):
@@ -97,14 +108,15 @@ def _tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict:
     if body.messages is not None:
         if not body.messages:
             raise ApiError(400, "messages is empty", "invalid_request", "messages")
-        ids = chat_prompt_ids(body, tokenizer, chat_template=ctx.settings.chat_template)
+        ids = chat_prompt_ids(body, tokenizer, chat_template=ctx.settings.chat_template, policy=ctx.template_policy,
+                              cancel=cancel)
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = prompt_ids(body.prompt, tokenizer, add_special)
     result = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
     if body.return_token_strs:
         result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-    return result
+    return Response(json.dumps(result), media_type="application/json")
 
 
 def resolve_lora_path(root: str, path: str) -> str:

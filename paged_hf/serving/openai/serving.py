@@ -8,24 +8,20 @@ the vocabulary) is the last line of defence and is a 400 too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from paged_hf.sampling_params import SamplingParams
+from paged_hf.serving.openai.chat_template import TemplatePolicy, chat_prompt_ids
 from paged_hf.serving.openai.engine_loop import EngineError, QueueFullError, RequestStream
 from paged_hf.serving.openai.errors import ApiError
-from paged_hf.serving.openai.protocol import (
-    ChatCompletionRequest,
-    ChatLogprobs,
-    CompletionLogprobs,
-    CompletionRequest,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-)
+from paged_hf.serving.openai.memory import trim_if_large
+from paged_hf.serving.openai.protocol import CompletionRequest, Usage
 from paged_hf.serving.openai.structured import structured_outputs
-from paged_hf.serving.openai.tool_calls import ToolMode, parser_for, template_messages, tool_mode
+from paged_hf.serving.openai.tool_calls import ToolMode, tool_mode
 
 #: How often a request waiting for tokens checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -70,6 +66,12 @@ class ServerContext:
     metrics: object  # ServerMetrics
     served_names: tuple[str, ...] = ()  # every name of the base model (--served-model-name a b ...)
 
+    @property
+    def template_policy(self) -> TemplatePolicy:
+        s = self.settings
+        return TemplatePolicy(s.trust_request_chat_template, s.escape_special_tokens, s.chat_template_timeout_s,
+                              s.max_rendered_chat_chars)
+
     def resolve_model(self, name: str | None) -> str | None:
         """Model name -> adapter (None = the base model). Adapters are served under their own names."""
         if name is None or name == self.model_name or name in self.served_names:
@@ -95,34 +97,10 @@ def prompt_ids(prompt: str | list[int], tokenizer, add_special_tokens: bool) -> 
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: send token ids", "invalid_prompt", "prompt")
-        return list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        trim_if_large(len(prompt))  # in a worker thread: its arena would keep the tokenizer's peak
+        return ids
     return list(prompt)
-
-
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer, tools: ToolMode | None = None,
-                    tool_call_parser: str = "hermes", chat_template: str | None = None) -> list[int]:
-    """The chat template (the request's, the server's --chat-template, or the tokenizer's), rendered with the
-    request's options and tools, then tokenized (special tokens added only if asked: the template holds them)."""
-    template = request.chat_template or chat_template or getattr(tokenizer, "chat_template", None)
-    if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
-        raise ApiError(400, "this model has no chat template: use /v1/completions", "no_chat_template", "messages")
-    if request.add_generation_prompt and request.continue_final_message:
-        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
-                       "invalid_request", "continue_final_message")
-    try:
-        messages = [{**message.model_dump(exclude_none=True), "content": message.text()}
-                    for message in request.messages]
-        messages, extra = template_messages(messages, tools or ToolMode(), parser_for(tool_call_parser), template)
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message, tokenize=False,
-            **extra, **(request.chat_template_kwargs or {}))
-    except ApiError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a template error is about these messages: the client's
-        raise ApiError(400, f"the chat messages do not fit the chat template: {exc}", "invalid_messages",
-                       "messages") from None
-    return prompt_ids(text, tokenizer, bool(request.add_special_tokens))
 
 
 def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
@@ -218,13 +196,15 @@ def _max_tokens(requested: int | None, num_prompt_tokens: int, ctx: ServerContex
 
 
 def engine_prompt_ids(request, tokenizer, chat: bool, max_model_len: int, chat_template: str | None = None,
-                      tool_call_parser: str = "hermes", tools: ToolMode | None = None) -> tuple[list, list[list[int]]]:
+                      tool_call_parser: str = "hermes", tools: ToolMode | None = None,
+                      policy: TemplatePolicy | None = None, cancel: threading.Event | None = None
+                      ) -> tuple[list, list[list[int]]]:
     """-> (the request's prompts as sent, the token ids the engine gets for each: chat template with the
     request's options and tools, special tokens, truncate_prompt_tokens). The server and the Ray ingress's
     prefix-aware routing both use this, so that the routing hashes exactly what the engine will cache."""
     if chat:
         tools = tools if tools is not None else tool_mode(request)
-        prompts = [chat_prompt_ids(request, tokenizer, tools, tool_call_parser, chat_template)]
+        prompts = [chat_prompt_ids(request, tokenizer, tools, tool_call_parser, chat_template, policy, cancel)]
     else:
         prompts = completion_prompts(request, tokenizer)
     add_special = request.add_special_tokens if request.add_special_tokens is not None else not chat
@@ -233,7 +213,8 @@ def engine_prompt_ids(request, tokenizer, chat: bool, max_model_len: int, chat_t
     return prompts, ids
 
 
-def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float) -> Prepared:
+def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float,
+            cancel: threading.Event | None = None) -> Prepared:
     adapter = ctx.resolve_model(request.model)
     tools = tool_mode(request) if chat else ToolMode()
     if not chat:
@@ -242,10 +223,11 @@ def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float) -> Pre
         if request.max_tokens == 0 and not request.echo:
             raise ApiError(400, "max_tokens=0 needs echo=true", "invalid_max_tokens", "max_tokens")
     prompts, ids = engine_prompt_ids(request, ctx.tokenizer, chat, ctx.max_model_len, ctx.settings.chat_template,
-                                     ctx.settings.tool_call_parser, tools)
+                                     ctx.settings.tool_call_parser, tools, ctx.template_policy, cancel)
     if any(not p for p in ids):
         raise ApiError(400, "the prompt is empty", "invalid_prompt", "messages" if chat else "prompt")
     params = sampling_params(request, max(len(p) for p in ids), ctx, chat, tools)
+    check_logprob_entries(params, ids, ctx.settings.max_logprob_entries)
     prefix = "chatcmpl" if chat else "cmpl"
     options = request.stream_options
     echo = not chat and request.echo
@@ -256,19 +238,74 @@ def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float) -> Pre
                     prompt_texts=texts, tools=tools)
 
 
-async def prepare_off_loop(ctx: ServerContext, request, chat: bool, arrival_time: float) -> Prepared:
+async def prepare_off_loop(ctx: ServerContext, request, chat: bool, arrival_time: float,
+                           http_request=None) -> Prepared:
     """`prepare` in a worker thread, after the request took its --max-queue slot: tokenizing a large prompt or
     rendering a chat template takes seconds, and on the event loop it would stall every stream and /health.
+    Then `ready` (grammar, bad_words). A client that leaves meanwhile stops the render and frees the slot.
     The slot is given back if the request turns out bad; else `submit(..., reserved=True)` uses it."""
     try:
         ctx.engine.reserve()
     except QueueFullError as exc:
         raise ApiError(503, str(exc), "server_overloaded") from None
+    cancel = threading.Event()
     try:
-        return await asyncio.to_thread(prepare, request, ctx, chat, arrival_time)
-    except BaseException:
+        prepared = await until_disconnected(asyncio.to_thread(prepare, request, ctx, chat, arrival_time, cancel),
+                                             http_request, cancel)
+        await until_disconnected(ready(ctx, prepared), http_request, cancel)
+        return prepared
+    except BaseException as exc:
         ctx.engine.release()
+        if isinstance(exc, ApiError) and exc.status_code == 499:  # left before it was queued: an abort
+            ctx.metrics.count_finished("abort", 0, getattr(request, "n", 1))
         raise
+
+
+async def until_disconnected(work, http_request, cancel: threading.Event):
+    """`work`'s result; if the client leaves first, `cancel` is set (a render stops at its next line) and the
+    answer is a 499 once the work ended."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if http_request is not None and await http_request.is_disconnected():
+            cancel.set()
+            with contextlib.suppress(Exception):
+                await task
+            raise ApiError(499, "client disconnected", "client_disconnected")
+
+
+async def ready(ctx: ServerContext, prepared: Prepared) -> None:
+    """Do the request's slow engine-side work before it is queued, off the engine thread: its bad_words
+    tokenized (in a worker thread) and its grammar compiled (on the compiler's pool, within its time limit).
+    The engine then finds both ready. A 400 for a grammar that is too large, too slow or invalid."""
+    builder = getattr(ctx.engine.generator, "request_builder", None)
+    if builder is None:  # e.g. a tensor-parallel engine: the engine does it all at submission
+        return
+    try:
+        future = await asyncio.to_thread(builder.prepare, prepared.params)
+        if future is None:
+            return
+        waiter = asyncio.wrap_future(future)
+        done, _ = await asyncio.wait({waiter}, timeout=builder.grammar_limits.compile_timeout_s)
+        if not done:  # the compile goes on in its pool thread (it cannot be stopped); its result is dropped
+            raise builder.compiler().timed_out(prepared.params.structured_outputs)
+        waiter.result()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "invalid_request", "structured_outputs") from None
+
+
+def check_logprob_entries(params: SamplingParams, ids: list[list[int]], limit: int) -> None:
+    """Prompt logprobs are sent with each of the n choices: positions x (k + 1) x n entries, one JSON object
+    each (~100 bytes). 400 above `limit` (--max-logprob-entries)."""
+    if params.prompt_logprobs is None:
+        return
+    entries = sum(len(p) for p in ids) * (params.prompt_logprobs + 1) * params.n
+    if entries > limit:
+        raise ApiError(400, f"prompt logprobs would return {entries} entries (prompt tokens x (logprobs + 1) x n); "
+                       f"at most {limit} are accepted (--max-logprob-entries)", "too_many_logprobs",
+                       "prompt_logprobs")
 
 
 async def submit(ctx: ServerContext, prepared: Prepared, reserved: bool = False) -> list[RequestStream]:
@@ -327,71 +364,3 @@ def usage(prepared: Prepared, *outputs) -> Usage:
     num_generated = 0 if prepared.echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt = sum(len(ids) for ids in prepared.prompts)
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated)
-
-
-# --- incremental text and logprobs ----------------------------------------------------------------------------
-
-@dataclass
-class Deltas:
-    """What each sequence has already sent, so a stream sends only what is new.
-
-    The engine's text only ever grows while a sequence runs (its detokenizer holds back what a stop string or
-    half a multi-byte character could still change), so the new text is simply what follows the text sent.
-    """
-
-    text_sent: dict = field(default_factory=dict)  # index -> characters sent
-    tokens_sent: dict = field(default_factory=dict)
-    finish_sent: set = field(default_factory=set)  # indexes whose finish_reason went out (n > 1 finish apart)
-
-    def text(self, completion) -> str:
-        text, sent = completion.text or "", self.text_sent.get(completion.index, 0)
-        self.text_sent[completion.index] = max(sent, len(text))
-        return text[sent:]
-
-    def tokens(self, completion) -> tuple[list[int], list]:
-        start = self.tokens_sent.get(completion.index, 0)
-        self.tokens_sent[completion.index] = len(completion.token_ids)
-        return completion.token_ids[start:], (completion.logprobs or [])[start:]
-
-    def new_pieces(self, output):
-        """(completion, new text, new token ids, their logprob entries) of each sequence with something new
-        to send: text, tokens, or its finish (sent once, though the output keeps listing finished sequences)."""
-        for c in output.outputs:
-            text = self.text(c)
-            token_ids, entries = self.tokens(c)
-            finishing = c.finish_reason is not None and c.index not in self.finish_sent
-            if finishing:
-                self.finish_sent.add(c.index)
-            if text or token_ids or finishing:
-                yield c, text, token_ids, entries
-
-
-def token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-
-
-def _top(entry: dict, k: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda item: -item[1])[:k]
-
-
-def chat_logprobs(tokenizer, token_ids: list[int], entries: list, k: int) -> ChatLogprobs:
-    content = []
-    for token_id, entry in zip(token_ids, entries):
-        text = token_text(tokenizer, token_id)
-        top = [TopLogprob(token=piece, logprob=lp, bytes=list(piece.encode()))
-               for piece, lp in ((token_text(tokenizer, t), lp) for t, lp in _top(entry, k))]
-        content.append(TokenLogprob(token=text, logprob=entry.get(token_id, float("-inf")), bytes=list(text.encode()),
-                                    top_logprobs=top))
-    return ChatLogprobs(content=content)
-
-
-def completion_logprobs(tokenizer, token_ids: list[int], entries: list, k: int, offset: int) -> CompletionLogprobs:
-    result = CompletionLogprobs()
-    for token_id, entry in zip(token_ids, entries):
-        text = token_text(tokenizer, token_id)
-        result.tokens.append(text)
-        result.token_logprobs.append(entry.get(token_id))
-        result.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in _top(entry, k)} if k else None)
-        result.text_offset.append(offset)
-        offset += len(text)
-    return result

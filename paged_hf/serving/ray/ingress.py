@@ -62,7 +62,7 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.served_names, self.block_size, self.chat_template = set(served_names), block_size, chat_template
         self.tool_call_parser = tool_call_parser
-        self.guard = guard or ServerSettings()  # the replicas' API key and body limit
+        self.guard = guard or ServerSettings()  # the replicas' API key, body limit and template trust
 
     # --- forwarding ---------------------------------------------------------------------------------
     async def forward(self, request: Request, hint: RoutingHint | None = None) -> Response:
@@ -102,7 +102,7 @@ class Ingress:
 
     def hint_for(self, path: str, body: bytes) -> RoutingHint:
         return routing_hint(path, body, self.tokenizer, self.served_names, self.block_size, self.chat_template,
-                            self.tool_call_parser)
+                            self.tool_call_parser, self.guard.trust_request_chat_template)
 
     def note_adapter(self, replica: str, adapter: str, loaded: bool) -> None:
         router = _router(self.deployment_name)

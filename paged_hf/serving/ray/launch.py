@@ -54,7 +54,8 @@ def build_application(args: argparse.Namespace):
     return ingress.bind(engines.bind(serve_args), ENGINE_DEPLOYMENT, tokenizer_path, names, block_size,
                         read_chat_template(args.chat_template), args.tool_call_parser,
                         ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
-                                       max_body_bytes=args.max_body_bytes))
+                                       max_body_bytes=args.max_body_bytes,
+                                       trust_request_chat_template=args.trust_request_chat_template))
 
 
 def serve_replicas(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from ray import serve
 
 from paged_hf.serving.assembly import build_app, load_engine
 from paged_hf.serving.openai.engine_loop import reserve_torch_threads
+from paged_hf.serving.openai.memory import freeze_startup_objects
 from paged_hf.serving.ray.asgi import HttpCall, call_asgi
 
 
@@ -26,7 +27,8 @@ class EngineReplica:
         self.generator = generator
         self.app = build_app(args, model, tokenizer, generator, engine_threads)
         self.engine = self.app.state.ctx.engine
-        self.engine.start()  # what the app's lifespan does behind uvicorn
+        freeze_startup_objects()  # what the app's lifespan does behind uvicorn
+        self.engine.start()
         self.name = serve.get_replica_context().replica_id.unique_id
 
     async def handle(self, call: HttpCall, routing=None):

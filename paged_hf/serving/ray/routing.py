@@ -41,11 +41,15 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, adapter: str | No
 
 
 def routing_hint(path: str, body: bytes, tokenizer, served_names: set[str], block_size: int,
-                 chat_template: str | None = None, tool_call_parser: str = "hermes") -> RoutingHint:
+                 chat_template: str | None = None, tool_call_parser: str = "hermes",
+                 trust_request_chat_template: bool = False) -> RoutingHint:
     """The routing hint of an OpenAI request: its prompt read and tokenized exactly as the replica's server
     will (serving.engine_prompt_ids: chat template, tools, template kwargs, truncation), and the adapter its
-    `model` names. An empty hint for anything that cannot be read here: the replica answers it as it would."""
+    `model` names. An empty hint for anything that cannot be read here: the replica answers it as it would. A
+    request's own chat template is rendered only where the replicas trust them (--trust-request-chat-template),
+    within the replicas' render time limit."""
     # optional dependency: the serving.openai package needs fastapi; the hashing above does not (tested without it)
+    from paged_hf.serving.openai.chat_template import TemplatePolicy  # noqa: PLC0415
     from paged_hf.serving.openai.protocol import ChatCompletionRequest, CompletionRequest  # noqa: PLC0415
     from paged_hf.serving.openai.serving import engine_prompt_ids  # noqa: PLC0415
 
@@ -53,7 +57,8 @@ def routing_hint(path: str, body: bytes, tokenizer, served_names: set[str], bloc
         chat = path.endswith("/chat/completions")
         request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(json.loads(body or b"{}"))
         # the context length is the replica's to check: a prompt past it is refused whatever its route
-        _, ids = engine_prompt_ids(request, tokenizer, chat, 1 << 62, chat_template, tool_call_parser)
+        _, ids = engine_prompt_ids(request, tokenizer, chat, 1 << 62, chat_template, tool_call_parser,
+                                   policy=TemplatePolicy(trust_request_chat_template=trust_request_chat_template))
     except Exception:  # noqa: BLE001 - bad input is the replica's to answer, with its own error
         return RoutingHint()
     adapter = request.model if isinstance(request.model, str) and request.model not in served_names else None

@@ -1,0 +1,39 @@
+"""Giving freed memory back to the system after a large piece of work in a worker thread.
+
+glibc's malloc gives each thread its own arena and keeps what is freed there for reuse: tokenizing a 3.9 MB
+prompt in a worker thread left the server 320 MB larger after the request ended (measured; `malloc_trim(0)`
+brought it back to +20 MB). So work over `LARGE_CHARS` trims the arenas when it is done (a few ms). Elsewhere
+than glibc this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import gc
+
+#: Inputs at least this long (characters) are followed by a trim.
+LARGE_CHARS = 1 << 20
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return getattr(libc, "malloc_trim", None)
+
+
+def trim_if_large(num_chars: int) -> None:
+    """Give the freed heap back to the system after work on `num_chars` characters, if that was large."""
+    trim = _malloc_trim() if num_chars >= LARGE_CHARS else None
+    if trim is not None:
+        trim(0)
+
+
+def freeze_startup_objects() -> None:
+    """Move everything made before serving (the model, the tokenizer, the engine) out of the garbage collector's
+    reach, as vLLM's server does: a full collection walks every tracked object, and with ~1M of them it paused
+    every stream for 0.3-0.5 s (measured) when a large request's allocations set one off."""
+    gc.collect()
+    gc.freeze()
