@@ -28,6 +28,7 @@ namespace {
 constexpr int kTile = 4;        // tokens that share each load of A and B
 constexpr int kRanks = 4;       // rows of A that share each load of x (kTile x kRanks accumulators in registers)
 constexpr int kMaxRank = 128;   // the rank vector of a tile lives on the stack
+constexpr int64_t kSerialWork = 1 << 17;  // multiply-adds below which one thread is faster than two
 
 template <typename F>
 struct Vec {
@@ -200,6 +201,44 @@ struct Step {
   const int64_t *ranks, *order, *seg_slots, *seg_starts;
 };
 
+// y[j] += sum_r t[j][r] * Bt[slot][r] for NT tokens: kChunks output vectors per rank row, so each broadcast of
+// t[j][r] serves kChunks multiplies (a broadcast is a load: one per multiply made the expand load-bound)
+template <int NT, typename T, typename F>
+void expand(const F (&t)[kTile][kMaxRank], int64_t rank, const T *bslot, int64_t out, T *const *outs, int count) {
+  using V = typename Vec<F>::V;
+  constexpr int L = Vec<F>::kLanes;
+  constexpr int kChunks = 3;
+  int64_t o = 0;
+  for (; o + kChunks * L <= out; o += kChunks * L) {
+    V acc[NT][kChunks] = {};
+    for (int64_t r = 0; r < rank; ++r) {
+      V b[kChunks];
+      for (int c = 0; c < kChunks; ++c) b[c] = loadv<T, F>(bslot + r * out + o + c * L);
+      for (int j = 0; j < NT; ++j) {
+        const V tv = V{} + t[j][r];
+        for (int c = 0; c < kChunks; ++c) acc[j][c] += tv * b[c];
+      }
+    }
+    for (int j = 0; j < count; ++j)
+      for (int c = 0; c < kChunks; ++c) addv<T, F>(outs[j] + o + c * L, acc[j][c]);
+  }
+  for (; o + L <= out; o += L) {
+    V acc[NT] = {};
+    for (int64_t r = 0; r < rank; ++r) {
+      const V bv = loadv<T, F>(bslot + r * out + o);
+      for (int j = 0; j < NT; ++j) acc[j] += t[j][r] * bv;
+    }
+    for (int j = 0; j < count; ++j) addv<T, F>(outs[j] + o, acc[j]);
+  }
+  for (; o < out; ++o) {
+    for (int j = 0; j < count; ++j) {
+      F sum = 0;
+      for (int64_t r = 0; r < rank; ++r) sum += t[j][r] * load1<T, F>(bslot + r * out, o);
+      add1<T, F>(outs[j] + o, sum);
+    }
+  }
+}
+
 // tokens order[first .. first + count) (count <= kTile), all on `slot`
 template <typename T, typename F>
 void apply_tile(const Step &s, const T *x, T *y, const T *a, const T *bt, int64_t slot, int64_t first, int count) {
@@ -214,6 +253,8 @@ void apply_tile(const Step &s, const T *x, T *y, const T *a, const T *bt, int64_
   }
   for (int j = count; j < kTile; ++j) rows[j] = rows[0];  // a full tile always: fixed loops stay in registers
   F t[kTile][kMaxRank];
+  for (int j = count; j < kTile; ++j)
+    for (int64_t r = 0; r < rank; ++r) t[j][r] = 0;
   for (int64_t r0 = 0; r0 < rank; r0 += kRanks) {
     const T *arows[kRanks];
     for (int i = 0; i < kRanks; ++i) arows[i] = a + (slot * s.rank_cap + std::min<int64_t>(r0 + i, rank - 1)) * s.in;
@@ -237,36 +278,31 @@ void apply_tile(const Step &s, const T *x, T *y, const T *a, const T *bt, int64_
     return;
   }
 #endif
-  const int64_t vec_out = s.out - s.out % L;  // expand: y[j] += sum_r t[j][r] * Bt[slot][r]
-  for (int64_t o = 0; o < vec_out; o += L) {
-    V acc[kTile] = {};
-    for (int64_t r = 0; r < rank; ++r) {
-      const V bv = loadv<T, F>(bslot + r * s.out + o);
-      for (int j = 0; j < count; ++j) acc[j] += t[j][r] * bv;
-    }
-    for (int j = 0; j < count; ++j) addv<T, F>(outs[j] + o, acc[j]);
-  }
-  for (int64_t o = vec_out; o < s.out; ++o) {
-    for (int j = 0; j < count; ++j) {
-      F sum = 0;
-      for (int64_t r = 0; r < rank; ++r) sum += t[j][r] * load1<T, F>(bslot + r * s.out, o);
-      add1<T, F>(outs[j] + o, sum);
-    }
+  if (count == 1) {
+    expand<1, T, F>(t, rank, bslot, s.out, outs, count);
+  } else {
+    expand<kTile, T, F>(t, rank, bslot, s.out, outs, count);
   }
 }
 
 template <typename T, typename F>
 int apply(const T *x, T *y, const T *a, const T *bt, const Step &s, int64_t num_segments, int num_threads) {
   if (s.rank_cap > kMaxRank) return 1;
-  std::vector<int64_t> tiles;  // (segment, first ordered index) pairs, flattened
+  static thread_local std::vector<int64_t> tiles;  // (segment, first ordered index) pairs, flattened; no malloc
+  tiles.clear();                                   // per call once it has grown
+  int64_t work = 0;  // multiply-adds, to leave small calls on one thread (a fork and join cost ~ a few us)
   for (int64_t g = 0; g < num_segments; ++g) {
-    if (s.ranks[s.seg_slots[g]] == 0) continue;
+    const int64_t rank = s.ranks[s.seg_slots[g]];
+    if (rank == 0) continue;
     for (int64_t i = s.seg_starts[g]; i < s.seg_starts[g + 1]; i += kTile) tiles.insert(tiles.end(), {g, i});
+    work += (s.seg_starts[g + 1] - s.seg_starts[g]) * rank * (s.in + s.out);
   }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) / 2;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_tiles)))
+  const int64_t *tile = tiles.data();  // the caller's: inside the region `tiles` would name each thread's own
+  const int threads = work < kSerialWork ? 1 : static_cast<int>(std::min<int64_t>(num_threads, num_tiles));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, threads)) if (threads > 1)
   for (int64_t i = 0; i < num_tiles; ++i) {
-    const int64_t g = tiles[2 * i], first = tiles[2 * i + 1];
+    const int64_t g = tile[2 * i], first = tile[2 * i + 1];
     const int count = static_cast<int>(std::min<int64_t>(kTile, s.seg_starts[g + 1] - first));
     apply_tile<T, F>(s, x, y, a, bt, s.seg_slots[g], first, count);
   }
