@@ -24,7 +24,7 @@ import torch
 
 from paged_hf.integrations.accelerate import execution_device
 from paged_hf.integrations.peft import LoRAAdapter, adapters_from_peft_model, is_peft_lora_layer, read_adapter
-from paged_hf.kernels.lora import LoRASegments, apply_lora, lora_segments
+from paged_hf.kernels.lora import LoRASegments, apply_lora, kernel_weights, lora_segments
 
 
 class LoRARouting:
@@ -64,6 +64,8 @@ class LoRALinear(torch.nn.Module):
         dtype = base.weight.dtype
         self.lora_a = torch.zeros(max_loras, 0, base.in_features, dtype=dtype, device=device)  # [slots, r, in]
         self.lora_bt = torch.zeros(max_loras, 0, base.out_features, dtype=dtype, device=device)  # [slots, r, out]
+        # what the compiled kernel reads of the buffers (kernels.lora.kernel_weights), made again when they grow
+        self.kernel_weights = kernel_weights(self.lora_a, self.lora_bt, self.ranks)
 
     def set_slot(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's (A [r, in], B [out, r]) into `slot` (None: this adapter does not touch the module).
@@ -72,6 +74,7 @@ class LoRALinear(torch.nn.Module):
         if rank > self.lora_a.shape[1]:
             self.lora_a = torch.nn.functional.pad(self.lora_a, (0, 0, 0, rank - self.lora_a.shape[1]))
             self.lora_bt = torch.nn.functional.pad(self.lora_bt, (0, 0, 0, rank - self.lora_bt.shape[1]))
+            self.kernel_weights = kernel_weights(self.lora_a, self.lora_bt, self.ranks)
         self.lora_a[slot].zero_()
         self.lora_bt[slot].zero_()
         if pair is not None:
@@ -87,7 +90,8 @@ class LoRALinear(torch.nn.Module):
         x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
         if x2.shape[0] != routing.num_tokens:
             raise RuntimeError(f"a LoRA layer got {x2.shape[0]} tokens in a step of {routing.num_tokens}")
-        apply_lora(y.view(-1, y.shape[-1]), x2, self.lora_a, self.lora_bt, self.ranks, routing.segments(x.device))
+        apply_lora(y.view(-1, y.shape[-1]), x2, self.lora_a, self.lora_bt, self.ranks, routing.segments(x.device),
+                   self.kernel_weights)
         return y
 
 

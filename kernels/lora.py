@@ -36,6 +36,7 @@ class LoRASegments:
     starts: torch.Tensor  # [num_segments + 1] int64 on CPU
     num_tokens: int  # tokens in the step, with or without an adapter
     covers_all: bool  # one slot for every token of the step (no gather needed on the torch path)
+    kernel_args: tuple | None = None  # on CPU: what the compiled kernel reads of them (pointers, count)
 
 
 def lora_segments(token_slots: torch.Tensor, device: torch.device) -> LoRASegments:
@@ -48,19 +49,38 @@ def lora_segments(token_slots: torch.Tensor, device: torch.device) -> LoRASegmen
     starts = torch.zeros(len(slots) + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=starts[1:])
     covers_all = len(slots) == 1 and first == 0
-    return LoRASegments(order.to(device), slots, starts, token_slots.numel(), covers_all)
+    order = order.to(device)
+    kernel_args = (order.data_ptr(), slots.data_ptr(), starts.data_ptr(), len(slots)) if device.type == "cpu" else None
+    return LoRASegments(order, slots, starts, token_slots.numel(), covers_all, kernel_args)
+
+
+def kernel_weights(lora_a: torch.Tensor, lora_bt: torch.Tensor, ranks: torch.Tensor) -> tuple | None:
+    """What the compiled kernel reads of one layer's slot buffers (its entry point, pointers and sizes), or None
+    where it cannot serve them (a GPU, float16, a rank over MAX_NATIVE_RANK, no compiler). Made once per change of
+    the buffers, not per call: a layer is called ~200 times a step."""
+    if not (lora_a.device.type == "cpu" and lora_a.dtype == lora_bt.dtype and lora_a.shape[1] <= MAX_NATIVE_RANK
+            and lora_a.is_contiguous() and lora_bt.is_contiguous() and ranks.device.type == "cpu"):
+        return None
+    function = _native_function(lora_a.dtype)
+    if function is None:
+        return None
+    return (function, lora_a.dtype, lora_a.data_ptr(), lora_bt.data_ptr(), ranks.data_ptr(), lora_a.shape[2],
+            lora_bt.shape[2], lora_a.shape[1])
 
 
 def apply_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor, ranks: torch.Tensor,
-               segments: LoRASegments) -> None:
+               segments: LoRASegments, weights: tuple | None = None) -> None:
     """y [num_tokens, out] += the LoRA update of x [num_tokens, in], in place. lora_a: [slots, rank_cap, in];
-    lora_bt: [slots, rank_cap, out] (B transposed); ranks: [slots] int64 on CPU (0: the slot skips this layer)."""
-    function = _native_function(x.dtype) if _native_fits(y, x, lora_a, lora_bt) else None
-    if function is not None and function(
-            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), lora_a.data_ptr(), lora_bt.data_ptr(),
-            ranks.data_ptr(), segments.order.data_ptr(), segments.slots.data_ptr(), segments.starts.data_ptr(),
-            len(segments.slots), x.shape[1], y.shape[1], lora_a.shape[1], torch.get_num_threads()) == 0:
-        return
+    lora_bt: [slots, rank_cap, out] (B transposed); ranks: [slots] int64 on CPU (0: the slot skips this layer);
+    weights: `kernel_weights` of the three, when the caller keeps it (else it is made here)."""
+    if weights is None:
+        weights = kernel_weights(lora_a, lora_bt, ranks)
+    if (weights is not None and segments.kernel_args is not None and x.dtype == y.dtype == weights[1]
+            and x.stride(1) == 1 and y.stride(1) == 1):
+        function, _, a, bt, rank_of_slot, in_features, out_features, rank_cap = weights
+        if function(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a, bt, rank_of_slot, *segments.kernel_args,
+                    in_features, out_features, rank_cap, torch.get_num_threads()) == 0:
+            return
     apply_lora_reference(y, x, lora_a, lora_bt, ranks, segments)
 
 
@@ -79,12 +99,6 @@ def apply_lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
         else:
             index = segments.order[segments.starts[i]:segments.starts[i + 1]]
             y.index_add_(0, index, ((x.index_select(0, index) @ a.T) @ bt).to(y.dtype))  # [tokens_of_slot, out]
-
-
-def _native_fits(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor) -> bool:
-    return (y.device.type == "cpu" and x.dtype == y.dtype == lora_a.dtype == lora_bt.dtype
-            and lora_a.shape[1] <= MAX_NATIVE_RANK and x.stride(1) == 1 and y.stride(1) == 1
-            and lora_a.is_contiguous() and lora_bt.is_contiguous())
 
 
 @functools.lru_cache(maxsize=None)
