@@ -78,6 +78,14 @@ template <typename T, typename F> inline void addv(T *p, typename Vec<F>::V delt
   std::memcpy(p, &v, sizeof(v));
 }
 template <> inline void addv<uint16_t, float>(uint16_t *p, Vec<float>::V delta) {
+#if defined(__AVX512BF16__)
+  // vcvtneps2bf16 rounds 16 floats to nearest even (NaN kept) in one instruction
+  const Vec<float>::V v = loadv<uint16_t, float>(p) + delta;
+  __m512 m;
+  std::memcpy(&m, &v, sizeof(m));
+  const __m256bh h = _mm512_cvtneps_pbh(m);
+  std::memcpy(p, &h, sizeof(h));
+#else
   typedef uint32_t U __attribute__((vector_size(64)));
   typedef uint16_t H __attribute__((vector_size(32)));
   const Vec<float>::V v = loadv<uint16_t, float>(p) + delta;
@@ -87,6 +95,7 @@ template <> inline void addv<uint16_t, float>(uint16_t *p, Vec<float>::V delta) 
   const U nan = (bits & 0x7fffffffu) > 0x7f800000u;               // all ones where v is NaN
   const H h = __builtin_convertvector((rounded & ~nan) | (((bits >> 16) | 0x40u) & nan), H);
   std::memcpy(p, &h, sizeof(h));
+#endif
 }
 template <typename T, typename F> inline void add1(T *p, F delta) { *p = static_cast<T>(static_cast<F>(*p) + delta); }
 template <> inline void add1<uint16_t, float>(uint16_t *p, float delta) { *p = to_bf16(load1<uint16_t, float>(p, 0) + delta); }
