@@ -51,7 +51,7 @@ def sized_engine_config(engine_config: dict, workload: Workload) -> dict:
 
 def _with_random_adapters(args) -> dict:
     """The engine config, with --adapters N random rank --lora-rank adapters loaded (max_loras N unless given)."""
-    if getattr(args, "adapters", None) is None:
+    if args.adapters is None:
         return dict(args.engine_config)
     folders = random_adapters(args.model, args.adapters, args.lora_rank)
     return dict(args.engine_config, adapters={**args.engine_config.get("adapters", {}), **folders},
@@ -112,7 +112,7 @@ def run_bench(args) -> int:
     """Run the benchmark described by the parsed ``paged-hf bench`` arguments; 0 if every system ran (or was
     skipped on purpose), 1 if any failed."""
     tokenizer = _load_tokenizer(args.model)
-    num_adapters = getattr(args, "adapters", None)
+    num_adapters = args.adapters
     workload = build_workload(args.workload, tokenizer, args.seed, args.requests, args.max_new_tokens_scale,
                               num_adapters)
     systems = parse_systems(args.systems, args.workload, scaling_adapters=num_adapters is not None)

@@ -16,6 +16,7 @@ import torch
 from conftest import tiny_model_for
 
 from paged_hf.bench import machine, parse_systems, sized_engine_config, vllm_system
+from paged_hf.bench.adapters import random_adapters
 from paged_hf.bench.report import build_report, format_table, percentile, useful_tokens
 from paged_hf.bench.systems import SystemRun, run_system, skip_reason
 from paged_hf.bench.workloads import LORA_ADAPTERS, BenchRequest, Workload, build_workload
@@ -89,6 +90,23 @@ def test_lora_workload_is_skipped_clearly_without_adapters():
     assert "skipped" in skip_reason("hf_static_8", lora, {}) and "skipped" in skip_reason("hf_cb", lora, {})
     assert skip_reason("hf_single", lora, {"adapters": {"lora_a": "/a"}}) is None  # peft's own batches
     assert skip_reason("paged_hf", Workload("mixed", "", 0, [BenchRequest([1], 1)]), {}) is None
+
+
+@pytest.mark.slow
+def test_lora_scaling_runs_random_adapters_beside_the_base_model(tokenizer, loaded, default_cache):
+    """bench --workload lora --adapters N: request i on adapter i % N, adapters made once and found again, and
+    paged_hf_base serving the same requests on the base model."""
+    workload = build_workload("lora", tokenizer, num_requests=4, max_new_tokens_scale=0.05, num_adapters=2)
+    assert [r.adapter for r in workload.requests] == ["lora_0", "lora_1", "lora_0", "lora_1"]
+    assert parse_systems(None, "lora", scaling_adapters=True) == ["paged_hf", "paged_hf_base"]
+    folders = random_adapters(None, 2, rank=4)
+    assert random_adapters(None, 2, rank=4) == folders and all((Path(f) / "adapter_config.json").exists()
+                                                                for f in folders.values())
+    config = sized_engine_config({"adapters": folders, "max_loras": 2, "max_lora_rank": 4}, workload)
+    with_adapters = run_system("paged_hf", *loaded, workload, config)
+    base = run_system("paged_hf_base", *loaded, workload, config)
+    assert with_adapters.error is None and base.error is None
+    assert with_adapters.outputs != base.outputs  # the adapters were used, and only in paged_hf
 
 
 def test_vllm_system_is_skipped_clearly_without_its_interpreter(tmp_path, monkeypatch):
