@@ -3,7 +3,8 @@
 Freed blocks keep their hash (lazy eviction): a later request with the same prefix can take them back out of
 the free queue until they are reused for other tokens. The free queue is a doubly linked list threaded
 through the blocks themselves, so removing a cache hit from the middle is O(1) and the order is the LRU
-eviction order (vLLM V1's design).
+eviction order (vLLM V1's design). `on_evict` (the KV tier's hook) hears of every cached block about to be reused,
+before anything overwrites it, so its K/V can still be saved.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class BlockPool:
         # more blocks with a hash already mapped (requests that computed the same prefix at once): each
         # takes over the hash when the mapped block is evicted, so a live copy keeps serving hits
         self.duplicate_blocks: dict[bytes, dict[int, Block]] = {}
+        # called as on_evict(block, block_hash, last_copy) when a cached block is taken for other tokens
+        # (last_copy: no duplicate keeps serving its hash); None: nobody listens
+        self.on_evict = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,12 +134,16 @@ class BlockPool:
         if block_hash is None:
             return
         duplicates = self.duplicate_blocks.get(block_hash)
+        last_copy = False
         if self.cached_blocks.get(block_hash) is block:
             if duplicates:
                 _, self.cached_blocks[block_hash] = duplicates.popitem()
             else:
                 del self.cached_blocks[block_hash]
+                last_copy = True
         elif duplicates is not None:
             del duplicates[block.block_id]
         if duplicates is not None and not duplicates:
             del self.duplicate_blocks[block_hash]
+        if self.on_evict is not None:
+            self.on_evict(block, block_hash, last_copy)

@@ -4,6 +4,10 @@ Blocks shared between requests (prefix hits, forked children of one `n > 1` requ
 place: a request that must write into a block with `ref_count > 1` first gets a private copy of it
 (copy-on-write). The copy itself is done by the model runner before the step's forward; this manager only
 records the `(src, dst)` pairs (`take_block_copies`).
+
+With a KV tier (`core/kv_tier.py`), a prefix lookup goes on past the pool's hits into the tier: its hits
+(`TierHit`) get fresh blocks, published under their hash at once, and the tier records the loads the runner makes
+before the forward. Newly computed full blocks and the blocks the pool drops are handed to the tier to save.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import hashlib
 from array import array
 
 from paged_hf.core.block_pool import Block, BlockPool
+from paged_hf.core.kv_tier import KVTier, TierHit
 from paged_hf.core.request import Request
 from paged_hf.utils import cdiv
 
@@ -44,7 +49,7 @@ def request_cache_key(request: Request) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int):
+    def __init__(self, block_pool: BlockPool, block_size: int, tier: KVTier | None = None):
         self.block_pool = block_pool
         self.block_size = block_size
         self.enable_caching = block_pool.enable_caching
@@ -53,6 +58,10 @@ class KVCacheManager:
         # called with each request whose blocks go back (finished, aborted, preempted): state kept beside a
         # request's blocks (a draft model's own cache) goes with them
         self.free_listeners: list = []
+        self.tier = tier if block_pool.enable_caching else None
+        self.tier_keys: dict[bytes, bytes] = {}  # pool block hash -> tier key, while the pool holds that hash
+        if self.tier is not None:
+            block_pool.on_evict = self._on_evict
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -73,19 +82,32 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + size], extra_keys))
         return hashes
 
-    def find_cached_prefix(self, request: Request, extra_keys: bytes = b"") -> list[Block]:
-        """The longest run of cached blocks at the start of a request that holds no blocks yet. The last
-        token is never a hit, so a full hit still computes one token and yields logits."""
+    def find_cached_prefix(self, request: Request, extra_keys: bytes = b"") -> list[Block | TierHit]:
+        """The longest run of cached blocks at the start of a request that holds no blocks yet: pool blocks,
+        then (with a tier) blocks of the pool or the tier. The last token is never a hit, so a full hit still
+        computes one token and yields logits."""
         assert not request.block_ids and request.num_computed_tokens == 0, "prefix lookup of a started request"
         if not self.enable_caching:
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
-        for block_hash in self.request_block_hashes(request, extra_keys)[:max_hit_blocks]:
+        hashes = self.request_block_hashes(request, extra_keys)[:max_hit_blocks]
+        hits: list[Block | TierHit] = []
+        for block_hash in hashes:
             block = self.block_pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
+        if self.tier is not None and len(hits) < len(hashes):
+            keys = self.tier.block_keys(request)
+            num_reads = self.block_pool.num_free_blocks  # each tier hit takes a free block: read no more than fit
+            for block_hash, key in zip(hashes[len(hits) :], keys[len(hits) :]):
+                hit = self.block_pool.lookup(block_hash)
+                if hit is None and num_reads > 0:
+                    hit = self.tier.lookup(key)
+                    num_reads -= 1
+                if hit is None:
+                    break
+                hits.append(hit)
         return hits
 
     def cache_full_blocks(self, request: Request, extra_keys: bytes = b"") -> None:
@@ -96,28 +118,38 @@ class KVCacheManager:
         if num_full <= request.num_cached_blocks:
             return
         hashes = self.request_block_hashes(request, extra_keys)
+        keys = self.tier.block_keys(request) if self.tier is not None else None
         blocks = self.block_pool.blocks
         for i in range(request.num_cached_blocks, num_full):
-            self.block_pool.cache_block(blocks[request.block_ids[i]], hashes[i])
+            block = blocks[request.block_ids[i]]
+            published = block.block_hash is None
+            self.block_pool.cache_block(block, hashes[i])
+            if keys is not None and published:
+                self.tier_keys.setdefault(hashes[i], keys[i])
+                self.tier.on_computed(block.block_id, keys[i])
         request.num_cached_blocks = num_full
 
     # --- slots ----------------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[Block] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[Block | TierHit] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens after `cached_blocks` (prefix hits,
-        which become its first blocks), copying shared blocks it is about to write into (copy-on-write).
-        All or nothing: False and no change at all when the pool is short."""
+        which become its first blocks; a tier hit takes a fresh block), copying shared blocks it is about to
+        write into (copy-on-write). All or nothing: False and no change at all when the pool is short."""
         assert not cached_blocks or not request.block_ids, "prefix hits for a request that holds blocks"
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         num_have = len(request.block_ids) + len(cached_blocks)
         num_new_blocks = max(0, self.num_blocks_needed(num_computed + num_new_tokens) - num_have)
         to_copy = self._shared_blocks_to_write(request, num_new_tokens)
-        # hits that sit in the free queue stop being free once taken
-        num_free_hits = sum(1 for block in cached_blocks if block.ref_count == 0)
-        if num_new_blocks + len(to_copy) > self.block_pool.num_free_blocks - num_free_hits:
+        # hits that sit in the free queue stop being free once taken; tier hits take a block each
+        num_tier_hits = sum(1 for block in cached_blocks if isinstance(block, TierHit))
+        num_free_hits = sum(1 for block in cached_blocks if isinstance(block, Block) and block.ref_count == 0)
+        if num_new_blocks + len(to_copy) + num_tier_hits > self.block_pool.num_free_blocks - num_free_hits:
             return False
+        if self.tier is not None and request.num_computed_tokens == 0 and not request.block_ids:
+            num_pool_hits = next((i for i, b in enumerate(cached_blocks) if isinstance(b, TierHit)), len(cached_blocks))
+            self.tier.count_lookup(request.num_tokens - num_pool_hits * self.block_size,
+                                   num_tier_hits * self.block_size)
         if cached_blocks:
-            self.block_pool.touch(list(cached_blocks))
-            request.block_ids.extend(block.block_id for block in cached_blocks)
+            request.block_ids.extend(self._take_hits(request, cached_blocks))
             request.num_computed_tokens = num_computed
             request.num_cached_blocks = len(request.block_ids)
         fresh = self.block_pool.allocate(len(to_copy) + num_new_blocks)
@@ -125,6 +157,29 @@ class KVCacheManager:
             self._copy_on_write(request, index, block)
         request.block_ids.extend(block.block_id for block in fresh[len(to_copy) :])
         return True
+
+    def _take_hits(self, request: Request, cached_blocks: list[Block | TierHit]) -> list[int]:
+        """Reference the pool hits, then give each tier hit a fresh block, published under its hash at once (a
+        request admitted next shares it) and loaded by the runner before the forward -> the block ids."""
+        pool_hits = [block for block in cached_blocks if isinstance(block, Block)]
+        self.block_pool.touch(pool_hits)  # first: allocating the fresh blocks must not evict them
+        fresh = iter(self.block_pool.allocate(len(cached_blocks) - len(pool_hits)))
+        block_ids = []
+        for i, hit in enumerate(cached_blocks):
+            if isinstance(hit, Block):
+                block_ids.append(hit.block_id)
+                continue
+            block = next(fresh)
+            block_hash = request.block_hashes[i]
+            self.block_pool.cache_block(block, block_hash)
+            self.tier_keys.setdefault(block_hash, hit.key)
+            self.tier.on_load(block.block_id, hit)
+            block_ids.append(block.block_id)
+        return block_ids
+
+    def _on_evict(self, block: Block, block_hash: bytes, last_copy: bool) -> None:
+        key = self.tier_keys.pop(block_hash, None) if last_copy else self.tier_keys.get(block_hash)
+        self.tier.on_evict(block.block_id, key, last_copy)
 
     def _shared_blocks_to_write(self, request: Request, num_new_tokens: int) -> list[int]:
         """Indices (in the block table) of shared blocks that the next `num_new_tokens` tokens write into.
