@@ -67,6 +67,8 @@ class Request:
     adapter_version: int | None = None  # which load of `adapter` (a re-load under the same name is a new one)
     lora: LoRAAdapter | None = field(default=None, repr=False)  # the adapter's weights
     cache_salt: str | None = None  # mixed into the block hashes: cached blocks are shared only with equal salts
+    priority: int = 0  # scheduling_policy "priority": lower first (vLLM's meaning); ties in arrival order
+    tenant: str | None = None  # scheduling_policy "fair": who shares the budget (the user, API key or adapter)
     rng: torch.Generator | None = None  # a seeded request's own random stream (sample.sampler.make_rng)
     grammar: SequenceGrammar | None = field(default=None, repr=False)  # structured outputs: own per child
     arrival_time: float = field(default_factory=time.monotonic)
@@ -92,6 +94,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # an embedding request (engine/embedding.py): its pooling, "mean" | "cls" | "lasttoken" | "max"; it computes
+    # its prompt only (no sampling, no blocks beyond the prompt) and is pooled after its last prompt token
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -115,6 +120,12 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """Still missing some prompt logprobs: such a request computes its whole prompt (no prefix-cache read)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def pools_every_token(self) -> bool:
+        """Mean/max/cls pooling reads the hidden states of prompt tokens from the start: such a request computes
+        its whole prompt (no prefix-cache read; its computed blocks are still cached for others)."""
+        return self.pooling is not None and self.pooling != "lasttoken"
 
     @property
     def fork_point(self) -> int:

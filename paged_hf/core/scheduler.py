@@ -8,15 +8,22 @@ Parallel sampling (`n > 1`): only child 0 is queued. It stops one token short of
 siblings fork from it (sharing its blocks) and join the running requests, and every child computes the
 last prompt token itself. A sibling that finds no seat (`max_num_seqs`) at fork time is queued as a plain
 request instead (it still finds the prompt's full blocks in the prefix cache).
+
+Policies (request_queue.py): `fcfs` runs the loop of `schedule` as it always did; `priority` and `fair` rank
+running and waiting requests together (`_schedule_ranked`). What a waiting request waits for besides seats,
+blocks and budget (`is_ready`, an adapter slot, with a bounded wait) is admission.py's.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from paged_hf.core.admission import AdmissionGate
 from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
 from paged_hf.core.request import Request, RequestStatus
+from paged_hf.core.request_queue import RankedQueue, make_waiting_queue
 from paged_hf.outputs import FinishReason
 
 
@@ -47,12 +54,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, policy: str = "fcfs", tenant_weights: dict | None = None,
+                 is_ready: Callable[[Request], bool] | None = None, max_adapter_wait_steps: int = 64):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_loras = max_loras  # distinct adapters among the running requests (so in any step); None: no limit
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting: deque[Request] | RankedQueue = make_waiting_queue(policy, tenant_weights, max_num_seqs)
+        self.gate = AdmissionGate(max_loras, is_ready, max_adapter_wait_steps)
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.max_num_running = 0  # the most requests that ran at once (after any step's scheduling)
@@ -66,6 +76,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request; its `pending_forks` (siblings of an n > 1 request) come along with it."""
+        if isinstance(self.waiting, RankedQueue):
+            self.waiting.arrive(request, self.running)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -81,6 +93,9 @@ class Scheduler:
         return sum(r.num_seats for r in self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.gate.num_steps += 1
+        if isinstance(self.waiting, RankedQueue):
+            return self._schedule_ranked()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0
@@ -120,17 +135,19 @@ class Scheduler:
         siblings to fork needs seats for all of them (at most max_num_seqs, so n > max_num_seqs can run)."""
         kv_cache_manager = self.kv_cache_manager
         num_seats = self._num_seats()
-        adapters = self._running_adapters()
+        adapters = self.gate.running_adapters(self.running)
         skipped: list[Request] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seats = min(request.num_seats, self.max_num_seqs)
             if num_seats + seats > self.max_num_seqs:
                 break
-            if adapters is not None and not self._adapter_fits(request, adapters):
+            if not self.gate.admissible(request, adapters):
+                if self.gate.blocks_queue(request):
+                    break
                 skipped.append(self.waiting.popleft())
                 continue
-            hits = ([] if request.wants_prompt_logprobs else
+            hits = ([] if request.wants_prompt_logprobs or request.pools_every_token else
                     kv_cache_manager.find_cached_prefix(request, request_cache_key(request)))
             num_cached = len(hits) * kv_cache_manager.block_size
             num_new = min(request.num_tokens_to_compute - num_cached, budget)
@@ -139,30 +156,127 @@ class Scheduler:
             self._count_lookup(request, num_cached)
             num_seats += request.num_seats
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start(request)
             if adapters is not None and request.adapter_version is not None:
                 adapters.add(request.adapter_version)
             if num_new == 0:  # hits reach the fork point: fork now, every child computes from the next step
                 self._fork(request)
                 continue
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            self._add_scheduled(out, request, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _running_adapters(self) -> set[int] | None:
-        """Adapter versions (one per loaded adapter) the running requests use; None when unlimited."""
-        if self.max_loras is None:
-            return None
-        return {r.adapter_version for r in self.running if r.adapter_version is not None}
+    def _schedule_ranked(self) -> SchedulerOutput:
+        """Running and waiting requests take the budget in rank order, best first. Victims (of a block shortage,
+        or of a waiting request that finds no seat or blocks) come from the running requests not yet scheduled
+        this step, lowest-ranked first."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        queue = self.waiting
+        self.running.sort(key=queue.rank)
+        pending = list(self.running)  # not yet given tokens this step, best first
+        admitting, passed = True, set()  # passed: tenants whose head found no seat (fair: others may go on)
+        while budget > 0 and (pending or admitting):
+            head = self._next_admissible(passed) if admitting else None
+            admitting = head is not None
+            if pending and (head is None or queue.rank(pending[0]) <= queue.rank(head)):
+                budget, short = self._schedule_running(pending.pop(0), pending, out, budget)
+                admitting = admitting and not short  # blocks ran short: no admission this step (as fcfs)
+            elif head is not None:
+                budget, admitted = self._admit_ranked(head, pending, out, budget)
+                if not admitted and queue.others_may_pass:
+                    passed.add(head.tenant)
+                else:
+                    admitting = admitted
+        if not out.scheduled and self.waiting:
+            self._unpark(out, budget)
+        out.block_copies = self.kv_cache_manager.take_block_copies()
+        self.max_num_running = max(self.max_num_running, len(self.running))
+        return out
 
-    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
-        """At most max_loras distinct adapters run at once, so every step fits the device slots. A request
-        of another adapter waits (later requests may pass it) until a running adapter's requests finish;
-        when nothing runs, anything fits, so no request waits forever for a slot."""
-        version = request.adapter_version
-        return version is None or version in adapters or len(adapters) < self.max_loras
+    def _next_admissible(self, passed: set) -> Request | None:
+        """The best-ranked waiting request that may start now (None: none, or one past the adapter bound)."""
+        adapters = self.gate.running_adapters(self.running)
+        for request in self.waiting:
+            if request.tenant in passed and self.waiting.others_may_pass:
+                continue
+            if self.gate.admissible(request, adapters):
+                return request
+            if self.gate.blocks_queue(request):
+                return None
+        return None
+
+    def _schedule_running(self, request: Request, pending: list[Request], out: SchedulerOutput,
+                          budget: int) -> tuple[int, bool]:
+        """fcfs's loop body for one running request (victims: `pending`'s tail, then the request itself).
+        -> (budget left, whether blocks ran short)."""
+        num_new = min(request.num_tokens_to_compute, budget)
+        if num_new == 0:  # a beam waiting for its siblings' logits
+            return budget, False
+        num_spec = min(len(request.spec_token_ids), budget - num_new)
+        short = False
+        while not self.kv_cache_manager.allocate_slots(request, num_new + num_spec):
+            if num_spec:
+                num_spec = 0
+                continue
+            short = True
+            victim = pending.pop() if pending else request
+            self._preempt_running(victim, out)
+            if victim is request:
+                return budget, short
+        del request.spec_token_ids[num_spec:]
+        self._add_scheduled(out, request, num_new + num_spec, num_spec)
+        return budget - num_new - num_spec, short
+
+    def _admit_ranked(self, request: Request, pending: list[Request], out: SchedulerOutput,
+                      budget: int) -> tuple[int, bool]:
+        """Start the waiting `request`, preempting the victims the policy names while no seat or blocks are
+        free. -> (budget left, whether it started)."""
+        seats = min(request.num_seats, self.max_num_seqs)
+        while self._num_seats() + seats > self.max_num_seqs:
+            if not self._preempt_for(request, pending, out):
+                return budget, False
+        kv_cache_manager = self.kv_cache_manager
+        hits = ([] if request.wants_prompt_logprobs or request.pools_every_token else
+                kv_cache_manager.find_cached_prefix(request, request_cache_key(request)))
+        num_cached = len(hits) * kv_cache_manager.block_size
+        num_new = min(request.num_tokens_to_compute - num_cached, budget)
+        while not kv_cache_manager.allocate_slots(request, num_new, hits):
+            if not self._preempt_for(request, pending, out):
+                return budget, False
+        self._count_lookup(request, num_cached)
+        self.waiting.remove(request)
+        self._start(request)
+        if num_new == 0:  # hits reach the fork point
+            self._fork(request)
+            return budget, True
+        self._add_scheduled(out, request, num_new)
+        return budget - num_new, True
+
+    def _preempt_for(self, head: Request, pending: list[Request], out: SchedulerOutput) -> bool:
+        """Preempt the running request the policy gives up for `head`; False when there is none."""
+        victim = self.waiting.victim(head, pending, self.running)
+        if victim is None:
+            return False
+        pending.remove(victim)
+        self._preempt_running(victim, out)
+        return True
+
+    def _preempt_running(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self._preempt(victim)
+        out.preempted.append(victim)
+
+    def _start(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.gate.forget(request)
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, num_spec: int = 0) -> None:
+        out.scheduled.append(ScheduledRequest(request, num_new, num_spec))
+        if isinstance(self.waiting, RankedQueue):
+            self.waiting.charge(request, num_new)
 
     def _count_lookup(self, request: Request, num_hit_tokens: int) -> None:
         if not self.kv_cache_manager.enable_caching:
@@ -210,6 +324,8 @@ class Scheduler:
         them (the children join the running requests, seats allowing); one without (preempted) has none to
         share, so the children queue at the front and recompute (prefix-cache hits included)."""
         parent.reserved_seats = 0
+        for child in children:
+            child.priority, child.tenant = parent.priority, parent.tenant
         if parent.status is RequestStatus.RUNNING:
             parent.pending_forks = list(children)
             self._fork(parent)
@@ -248,6 +364,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        self.gate.forget(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -62,6 +62,24 @@ class RequestBuilder:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
         return params
 
+    def check_scheduling(self, priority, tenant) -> None:
+        """ValueError for a priority that is not an int, or one other than 0 that the policy would ignore (as
+        vLLM), and for a tenant that is not a string."""
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise ValueError(f"priority must be an int (lower is served first), got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine schedules "
+                             f"{self.config.scheduling_policy!r})")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string or None, got {tenant!r}")
+
+    @staticmethod
+    def assign_scheduling(group: RequestGroup, priority: int | None, tenant: str | None, adapter: str | None) -> None:
+        """Every sequence of the request gets its priority and tenant; without a tenant, the adapter is one."""
+        for child in group.children:
+            child.priority = priority or 0
+            child.tenant = tenant if tenant is not None else adapter
+
     def group(self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
               lora: LoRAAdapter | None, cache_salt: str | None) -> RequestGroup:
         """The request's children, child 0 first (the one to queue); ValueError for an invalid grammar spec."""

@@ -90,6 +90,9 @@ class SamplingFields(BaseModel):
     add_special_tokens: bool | None = None  # None: True for completions, False for chat (as vLLM)
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (enforced by a grammar)
     structured_outputs: dict[str, Any] | None = None  # vLLM extension: json, regex, choice, grammar, json_object
+    # vLLM's extension: lower is served first; needs --scheduling-policy priority (else only 0 is accepted)
+    priority: int = Field(0, strict=True)
+    user: str | None = Field(None, min_length=1, max_length=256)  # OpenAI: the end user; the tenant under fair
 
     @field_validator("stop")
     @classmethod

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 #: Accepted and ignored: they never change the answer.
 IGNORED = frozenset({
-    "user",  # OpenAI: an end-user id for abuse monitoring
     "request_id",  # vLLM: an internal id (responses keep our own ids)
     "session_id",  # vLLM: a routing hint
     "store", "metadata", "service_tier",  # OpenAI: storage and billing of the request
@@ -28,7 +27,6 @@ _SHARED = {
     "spaces_between_special_tokens": (None, True),
     "truncation_side": (None, "left"),
     "logprob_token_ids": _NONE,
-    "priority": (None, 0),
     "return_tokens_as_token_ids": _FALSE,
     "return_token_ids": _FALSE,
     "return_token_offsets": _FALSE,

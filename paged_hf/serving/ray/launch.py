@@ -33,6 +33,7 @@ def build_application(args: argparse.Namespace):
     from ray.serve.config import RequestRouterConfig  # noqa: PLC0415
 
     from paged_hf.serving.openai import ServerSettings  # noqa: PLC0415
+    from paged_hf.serving.openai.api_keys import read_api_key_file  # noqa: PLC0415
     from paged_hf.serving.ray.ingress import Ingress  # noqa: PLC0415
     from paged_hf.serving.ray.replica import EngineReplica  # noqa: PLC0415
     from paged_hf.serving.ray.router import PagedRequestRouter  # noqa: PLC0415
@@ -54,6 +55,7 @@ def build_application(args: argparse.Namespace):
     return ingress.bind(engines.bind(serve_args), ENGINE_DEPLOYMENT, tokenizer_path, names, block_size,
                         read_chat_template(args.chat_template), args.tool_call_parser,
                         ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
+                                       api_keys=read_api_key_file(getattr(args, "api_key_file", None)),
                                        max_body_bytes=args.max_body_bytes,
                                        trust_request_chat_template=args.trust_request_chat_template))
 
