@@ -4,7 +4,16 @@ from paged_hf.config import PagedConfig
 from paged_hf.engine.generator import ContinuousBatchGenerator
 from paged_hf.hf.paged_model import PagedModel, wrap
 from paged_hf.llm import LLM
-from paged_hf.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestMetrics, RequestOutput
+from paged_hf.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from paged_hf.pooling_params import PoolingParams
 from paged_hf.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from paged_hf.worker.paged_cache import PagedCache
 
@@ -14,10 +23,13 @@ __all__ = [
     "BeamSearchSequence",
     "CompletionOutput",
     "ContinuousBatchGenerator",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "LLM",
     "PagedCache",
     "PagedConfig",
     "PagedModel",
+    "PoolingParams",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

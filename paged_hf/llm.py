@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from paged_hf.hf.paged_model import wrap
 from paged_hf.loader.device_dtype import checkpoint_dtype, resolve_device, resolve_dtype
-from paged_hf.outputs import RequestOutput
+from paged_hf.outputs import EmbeddingRequestOutput, RequestOutput
+from paged_hf.pooling_params import PoolingParams
 from paged_hf.sampling_params import SamplingParams
 
 
@@ -44,6 +45,13 @@ class LLM:
         """`prompts`: a string, a list of strings or token-id lists, or vLLM's {"prompt": ...} /
         {"prompt_token_ids": [...]} dicts. One RequestOutput per prompt, in order."""
         return self.generator.generate(_prompts(prompts), sampling_params, adapters=adapter, use_tqdm=use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True, adapter: str | Sequence[str | None] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`output.outputs.embedding`), pooled as the model folder's
+        sentence-transformers config says (`modules.json`, `1_Pooling/config.json`, a `Normalize` module), else
+        at the last token and normalized. `pooling_params`: `PoolingParams(dimensions=..., normalize=...)`."""
+        return self.generator.embed(_prompts(prompts), pooling_params, adapters=adapter, use_tqdm=use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, adapter: str | Sequence[str | None] | None = None, *,

@@ -47,6 +47,23 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # pooled, truncated to `dimensions` if asked, then normalized as the model's config says
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's one output (vLLM's shape: `output.outputs.embedding`), given once it finished."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None  # None when it was aborted or failed
+    finished: bool = True
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    error: str | None = None
+
+
+@dataclass
 class BeamSearchSequence:
     """One returned hypothesis. `tokens` holds the prompt too (as vLLM's); `score` is HF's sequences_scores."""
 

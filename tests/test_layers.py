@@ -23,7 +23,7 @@ LAYERS = [
     {"utils"},
     {"kernels", "integrations"},
     {"config"},
-    {"sampling_params", "outputs"},
+    {"sampling_params", "outputs", "pooling_params"},
     {"loader"},
     {"core"},
     {"sample"},

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_hf.core.scheduler import SchedulerOutput
+from paged_hf.worker.pooling import PoolingSpan
 
 
 @dataclass
@@ -43,6 +44,10 @@ class StepInputs:
     sample_rows: torch.Tensor | None = None  # [num_sampled]: the sampled requests' logits rows; None: all rows
     # speculative decoding: the logits rows of every draft (request order) come last, after the sampled rows
     num_spec_rows: int = 0
+    # embeddings: the rows each embedding request's pooling reads, and after the forward their final hidden
+    # states, one [count, hidden_size] tensor per span (both filled by the model runner, worker/pooling.py)
+    pooling_spans: list[PoolingSpan] = field(default_factory=list)
+    pooled_hidden_states: list[torch.Tensor] = field(default_factory=list)
 
 
 def token_adapter_slots(out: SchedulerOutput, request_slots: list[int] | None) -> torch.Tensor | None:
@@ -89,7 +94,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
                 spans.append((request, len(logits_indices), start, count))
                 first = len(input_ids) - (end - start)
                 logits_indices.extend(range(first, first + count))
-        if scheduled.samples:
+        if scheduled.samples and request.pooling is None:  # an embedding request samples nothing
             sample_rows.append(len(logits_indices))
             logits_indices.append(len(input_ids) - 1 - num_spec)
             sampled.append(scheduled)
