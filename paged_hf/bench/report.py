@@ -1,4 +1,4 @@
-"""Turning the systems' raw runs into the benchmark's numbers, its table, its JSON and its plot.
+"""Turning the systems' raw runs into the benchmark's numbers, its table and its JSON (the plot: plot.py).
 
 Why one place: the table, the JSON and the plot must say the same thing, and every number in them has one
 definition (useful tokens = what each request asked for, nothing a padded batch produced beyond it).
@@ -159,7 +159,9 @@ def format_table(report: dict) -> str:
 
 
 def _footer_lines(report: dict) -> list[str]:
-    lines = []
+    settings = report.get("settings") or {}
+    lines = [f"measured on {settings['host']}, {settings.get('dtype')}: {settings.get('command')}"] if settings.get(
+        "host") else []
     loads = {n: (m.get("extra") or {}).get("other_cpu_load") for n, m in report["systems"].items()
              if "tokens_per_s" in m}
     loads = {n: v for n, v in loads.items() if v is not None}
@@ -219,9 +221,15 @@ def spec_decode_line(report: dict) -> str | None:
     return line
 
 
+def output_name(report: dict) -> str:
+    """`bench_<workload>`, with `_<dtype>` for other dtypes than float32: both dtypes' files can sit side by side."""
+    dtype = report["settings"].get("dtype") or "float32"
+    return f"bench_{report['workload']['name']}" + ("" if dtype == "float32" else f"_{dtype}")
+
+
 def write_json(report: dict, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"bench_{report['workload']['name']}.json")
+    path = os.path.join(out_dir, f"{output_name(report)}.json")
     with open(path, "w") as fh:
         json.dump(report, fh, indent=2, default=_json_default)
     return path
@@ -233,32 +241,3 @@ def _json_default(value):
     if isinstance(value, float) and math.isinf(value):
         return None
     return str(value)
-
-
-def write_plot(report: dict, out_dir: str) -> str | None:
-    """A bar plot of useful tok/s per system (the machine's ceiling as a dashed line), for docs/benchmarks.md."""
-    import matplotlib  # noqa: PLC0415 - optional dependency (the bench extra)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 - after the backend is chosen
-
-    measured = [(n, m["tokens_per_s"]) for n, m in report["systems"].items() if "tokens_per_s" in m]
-    if not measured:
-        return None
-    names, values = zip(*measured)
-    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2.5, 4))
-    bars = ax.bar(names, values, color=["tab:blue" if n.startswith("paged_hf") else "tab:gray" for n in names])
-    ax.bar_label(bars, labels=[f"{v:.1f}" for v in values])
-    ceiling = (report.get("machine") or {}).get("max_useful_tokens_per_s")
-    if ceiling and math.isfinite(ceiling):
-        ax.axhline(ceiling, color="tab:red", linestyle="--", label=f"machine limit {ceiling:.0f} tok/s")
-        ax.legend(loc="upper right")
-    w = report["workload"]
-    ax.set_title(f"{w['name']} workload: {w['num_requests']} requests, {w['new_tokens']} new tokens")
-    ax.set_ylabel("useful generated tokens / s")
-    ax.set_ylim(0, max([*values, ceiling or 0]) * 1.15)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"bench_{w['name']}.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -34,6 +34,7 @@ def served(monkeypatch):
         return model, tiny_tokenizer()
 
     monkeypatch.setattr(default_model, "load_model", load)
+    monkeypatch.setattr(device_dtype, "checkpoint_dtype", lambda name: None)  # the fake names have no config.json
     monkeypatch.setattr(DrainingServer, "run", lambda self: result.update(app=self.config.app))
 
     def run(*argv):
@@ -51,17 +52,14 @@ def test_positional_model_auto_device_and_dtype(served):
         cli.main(["serve", "--dtype", "float33"])
 
 
-def test_dtype_auto_rule(monkeypatch):
+def test_dtype_auto_rule():
+    """The rule itself is tested in tests/loader/test_dtype_auto.py; here: the GPU and the explicit cases."""
     assert device_dtype.resolve_dtype("auto", "cuda", lambda: torch.bfloat16) is torch.bfloat16
     assert device_dtype.resolve_dtype("auto", "cuda", lambda: None) is torch.float32
     assert device_dtype.resolve_dtype("bf16", "cpu") is torch.bfloat16
-    monkeypatch.setattr(device_dtype, "cpu_has_native_bf16", lambda: True)
-    assert device_dtype.resolve_dtype("auto", "cpu") is (
-        torch.bfloat16 if device_dtype.CPU_BF16_FAST_PATH else torch.float32)
-    monkeypatch.setattr(device_dtype, "CPU_BF16_FAST_PATH", True)
-    assert device_dtype.resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(device_dtype, "cpu_has_native_bf16", lambda: False)
-    assert device_dtype.resolve_dtype("auto", "cpu") is torch.float32
+    no_bf16, bf16 = frozenset({"avx512f"}), frozenset({"avx512f", "avx512_bf16"})
+    assert device_dtype.choose_dtype("auto", "cpu", lambda: torch.bfloat16, no_bf16).dtype is torch.float32
+    assert device_dtype.choose_dtype("auto", "cpu", lambda: torch.bfloat16, bf16).dtype is torch.bfloat16
 
 
 def test_vllm_spellings(served, tmp_path):
