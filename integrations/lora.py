@@ -5,8 +5,11 @@
   `y = base(x) + B[slot] @ (A[slot] @ x)` for each token with one call for all adapters (`kernels/lora.py`: the
   compiled SGMV kernel on CPU, torch ops per slot elsewhere); the tokens are grouped by slot once per step. Without
   routing it is exactly the base Linear, and the base weights are never modified.
-- `LoRAManager` holds every loaded adapter in CPU memory, copies the ones a step needs into the `max_loras`
-  device slots (least recently used slot evicted first) and installs the wrappers around the forward.
+- `LoRAManager` holds the adapters in host memory (what new requests get, by name), copies the ones a step needs
+  into the `max_loras` device slots (least recently used slot evicted first) and installs the wrappers around the
+  forward. An adapter's version follows its content: the same files read again are the same version (the same
+  slot, the same prefix-cache blocks), changed files a new one. Which adapters stay in host memory, and reading
+  them from disk off the engine thread, is the engine's adapter store (`paged_hf.engine.adapter_store`).
 
 The wrappers are installed lazily, only for the duration of an engine step that has adapter tokens
 (`LoRAManager.step`), by swapping entries of the parents' `_modules` (cheap: a dict assignment per module).
@@ -23,7 +26,14 @@ from contextlib import contextmanager
 import torch
 
 from paged_hf.integrations.accelerate import execution_device
-from paged_hf.integrations.peft import LoRAAdapter, adapters_from_peft_model, is_peft_lora_layer, read_adapter
+from paged_hf.integrations.peft import (
+    AdapterFiles,
+    LoRAAdapter,
+    adapters_from_peft_model,
+    build_adapter,
+    is_peft_lora_layer,
+    read_adapter_files,
+)
 from paged_hf.kernels.lora import LoRASegments, apply_lora, kernel_weights, lora_segments
 
 
@@ -103,24 +113,32 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.context = LoRAContext()
-        self.adapters: dict[str, LoRAAdapter] = {}  # by name: what new requests get
+        self.adapters: dict[str, LoRAAdapter] = {}  # in host memory, by name: what new requests get
         self.wrappers: dict[str, LoRALinear] = {}  # module path -> wrapper
         self._sites: dict[str, tuple[torch.nn.Module, str]] = {}  # module path -> (parent, attribute)
-        self.resident: OrderedDict[LoRAAdapter, int] = OrderedDict()  # adapter -> slot, least recent first
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter version -> slot, least recent first
         # the resident adapters' names, replaced whole on each swap: what another thread may read (the Ray
         # replica's routing stats) while the engine thread reorders `resident` every step
         self.resident_names: frozenset[str] = frozenset()
-        self._num_loads = 0
+        self._slot_names: dict[int, str] = {}  # slot -> the name its adapter was loaded under
+        self._versions: dict[str, int] = {}  # content hash -> version
+        self._num_versions = 0
         self.num_swaps = 0  # adapters copied into a device slot so far
         # serving a PeftModel: its own LoRA layers must be bypassed in every step, also without adapter tokens
         self.always_route = False
 
     # --- loading --------------------------------------------------------------------------------------
     def load(self, name: str, path) -> LoRAAdapter:
-        """Read, validate and register an adapter (a new version when the name exists). ValueError and no
-        change at all if the folder is unusable."""
+        """Read, validate and register an adapter (a new version when the name exists with other weights).
+        ValueError and no change at all if the folder is unusable."""
+        return self.add(read_adapter_files(name, path, self.max_rank))
+
+    def add(self, files: AdapterFiles) -> LoRAAdapter:
+        """Match an adapter read from disk to the model and serve it under its name (on the engine thread)."""
         self._check_not_sharded()
-        adapter = read_adapter(name, path, self.model, self.max_rank, self._num_loads + 1)
+        version = self._versions.get(files.content_hash, self._num_versions + 1)
+        adapter = build_adapter(files, self.model, self.max_rank, version)
+        self._versions[files.content_hash] = version
         self._register(adapter)
         return adapter
 
@@ -133,13 +151,13 @@ class LoRAManager:
     def add_peft_model(self, peft_model) -> None:
         """Serve the adapters loaded in a PeftModel (whose base model is `self.model`) under their names."""
         self._check_not_sharded()
-        adapters = adapters_from_peft_model(peft_model, self.max_rank, self._num_loads + 1)
+        adapters = adapters_from_peft_model(peft_model, self.max_rank, self._num_versions + 1)
         for adapter in adapters:
             self._register(adapter)
         self.always_route = True
 
     def _register(self, adapter: LoRAAdapter) -> None:
-        self._num_loads = max(self._num_loads, adapter.version)
+        self._num_versions = max(self._num_versions, adapter.version)
         new_paths = [path for path in adapter.weights if path not in self.wrappers]
         modules = dict(self.model.named_modules()) if new_paths else {}
         for module_path in new_paths:
@@ -166,18 +184,18 @@ class LoRAManager:
     def assign_slots(self, adapters: list[LoRAAdapter | None]) -> list[int] | None:
         """The device slot of each scheduled request's adapter (-1 = base), swapping adapters in as needed;
         None when the step has no adapter at all. The scheduler guarantees <= max_loras distinct adapters."""
-        needed = list(dict.fromkeys(a for a in adapters if a is not None))
+        needed = {a.version: a for a in adapters if a is not None}  # one adapter (the weights) per version
         if not needed:
             return [-1] * len(adapters) if self.always_route else None
         assert len(needed) <= self.max_loras, f"{len(needed)} adapters in one step, max_loras={self.max_loras}"
         slot_of = {}
-        for adapter in needed:
-            slot = self.resident.get(adapter)
+        for version, adapter in needed.items():
+            slot = self.resident.get(version)
             if slot is None:
-                slot = self._swap_in(adapter, set(needed))
-            self.resident.move_to_end(adapter)
-            slot_of[adapter] = slot
-        return [-1 if a is None else slot_of[a] for a in adapters]
+                slot = self._swap_in(adapter, needed.keys())
+            self.resident.move_to_end(version)
+            slot_of[version] = slot
+        return [-1 if a is None else slot_of[a.version] for a in adapters]
 
     @torch.inference_mode()  # the slot buffers are only ever written here: always inference tensors then
     def _swap_in(self, adapter: LoRAAdapter, keep: set) -> int:
@@ -187,13 +205,15 @@ class LoRAManager:
         if free:
             slot = free[0]
         else:
-            victims = [a for a in self.resident if a not in keep]
-            unloaded = [a for a in victims if self.adapters.get(a.name) is not a]  # only old requests use these
+            served = {a.version for a in self.adapters.values()}
+            victims = [version for version in self.resident if version not in keep]
+            unloaded = [version for version in victims if version not in served]  # only old requests use these
             slot = self.resident.pop((unloaded or victims)[0])
         for module_path, wrapper in self.wrappers.items():
             wrapper.set_slot(slot, adapter.weights.get(module_path))
-        self.resident[adapter] = slot
-        self.resident_names = frozenset(a.name for a in self.resident)
+        self.resident[adapter.version] = slot
+        self._slot_names[slot] = adapter.name
+        self.resident_names = frozenset(self._slot_names[s] for s in self.resident.values())
         self.num_swaps += 1
         return slot
 

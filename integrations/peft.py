@@ -14,7 +14,9 @@ engine state changes: a broken adapter never half-loads.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,23 +57,76 @@ class LoRAAdapter:
     # module path in the served model -> (A [r, in_features], B [out_features, r]); B has the scaling
     # (alpha / r, or alpha / sqrt(r) with rsLoRA) folded in, so the forward is x @ A.T @ B.T
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    content_hash: str | None = None  # of the folder's config and weights files (None: read from a PeftModel)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
     @property
     def max_rank(self) -> int:
         return max(a.shape[0] for a, _ in self.weights.values())
 
 
+@dataclass(eq=False)
+class AdapterFiles:
+    """A peft LoRA folder as read from disk, before it is matched to a model."""
+
+    name: str
+    path: str
+    config: object = field(repr=False)  # its LoraConfig
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    content_hash: str = ""  # sha256 of the config and weights files: what prefix-cache keys hold, not the name
+
+
 def read_adapter(name: str, path, model: torch.nn.Module, max_rank: int, version: int) -> LoRAAdapter:
     """Read and validate the peft LoRA folder `path` for `model`; ValueError (naming `name`) if unusable."""
+    return build_adapter(read_adapter_files(name, path, max_rank), model, max_rank, version)
+
+
+def read_adapter_files(name: str, path, max_rank: int) -> AdapterFiles:
+    """The disk half of `read_adapter`: reads and checks what needs no model, so it may run on any thread
+    (the model's modules are swapped during a step; `build_adapter` reads them on the engine thread)."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"adapter {name!r}: {str(path)!r} is not a folder")
     config = _read_config(name, folder)
     _check_config(name, config, max_rank)
-    targets = _target_modules(name, config, model)
     tensors = _read_tensors(name, folder)
-    weights = _match_weights(name, config, targets, tensors, max_rank)
-    return LoRAAdapter(name, version, str(folder), weights)
+    return AdapterFiles(name, str(folder), config, tensors, _content_hash(folder))
+
+
+def build_adapter(files: AdapterFiles, model: torch.nn.Module, max_rank: int, version: int) -> LoRAAdapter:
+    """Match the files to `model`'s modules; ValueError (naming the adapter) if they do not fit."""
+    targets = _target_modules(files.name, files.config, model)
+    weights = _match_weights(files.name, files.config, targets, files.tensors, max_rank)
+    return LoRAAdapter(files.name, version, files.path, weights, files.content_hash)
+
+
+def folder_inside(root, path) -> str | None:
+    """The real path of `path` (relative to `root`, or absolute) if it is a folder inside `root` once every `..`
+    and symlink is resolved, else None: where a server may read adapters from."""
+    root_real = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(root_real, path))
+    if os.path.commonpath([root_real, target]) != root_real or target == root_real or not os.path.isdir(target):
+        return None
+    return target
+
+
+def adapter_folder_under(root, name: str) -> str | None:
+    """The peft folder that `name` means under a LoRA root (`root/name`, inside it, with an adapter config)."""
+    if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name):
+        return None
+    folder = folder_inside(root, name)
+    return folder if folder is not None and os.path.isfile(os.path.join(folder, CONFIG_NAME)) else None
+
+
+def _content_hash(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for file_name in (CONFIG_NAME, WEIGHTS_SAFETENSORS, WEIGHTS_BIN):
+        if (folder / file_name).is_file():
+            digest.update(file_name.encode() + b"\0" + (folder / file_name).read_bytes())
+    return digest.hexdigest()
 
 
 def _read_config(name: str, folder: Path):

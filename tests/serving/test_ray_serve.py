@@ -128,16 +128,17 @@ def _adapter_requests_land_where_it_was_loaded(url: str, folder: str, root) -> N
     make_adapter(AutoModelForCausalLM.from_pretrained(folder), root / "a1", seed=1, r=4, lora_alpha=8,
                  target_modules=["q_proj", "v_proj"])
     with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
-        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": str(root / "a1")})
+        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "tenant-a1", "lora_path": str(root / "a1")})
         assert loaded.status_code == 200, loaded.text
         home = loaded.headers[REPLICA_HEADER]
-        assert "a1" in [card["id"] for card in client.get("/v1/models").json()["data"]]
+        assert "tenant-a1" in [card["id"] for card in client.get("/v1/models").json()["data"]]
         for question in QUESTIONS[:8]:
-            response = client.post("/v1/completions", json={"model": "a1", "prompt": question, "max_tokens": 2})
+            response = client.post("/v1/completions", json={"model": "tenant-a1", "prompt": question, "max_tokens": 2})
             assert response.status_code == 200, response.text
             assert response.headers[REPLICA_HEADER] == home
-        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200
-        assert client.post("/v1/completions", json={"model": "a1", "prompt": "the"}).status_code == 404
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "tenant-a1"}).status_code == 200
+        # gone under the name it was loaded as; its folder's own name stays served from the root (--lora-root)
+        assert client.post("/v1/completions", json={"model": "tenant-a1", "prompt": "the"}).status_code == 404
 
 
 def test_ingress_tokenizes_only_what_the_replica_takes():

@@ -123,3 +123,24 @@ def test_metrics_under_vllm_names(routes_server):
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert samples['vllm:prompt_tokens_total{model_name="tiny"}'] == samples["paged_hf_prompt_tokens_total"]
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+
+
+def test_adapters_under_the_engines_lora_root_are_served_by_name(tmp_path):
+    """`paged-hf serve --lora-root DIR`: model=NAME serves DIR/NAME with no load call; /metrics shows the
+    adapter levels and vLLM's lora_requests_info."""
+    base = tiny_model("llama", dtype=torch.float32)
+    oracle = make_adapter(base, tmp_path / "tenant", seed=1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    generator = paged_hf.wrap(base, tiny_tokenizer(), num_blocks=64, max_model_len=128, lora_root=str(tmp_path),
+                              max_cpu_loras=1).generator
+    prompt = [1, 7, 40, 10, 22]
+    body = {"model": "tenant", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with serving(create_app(generator, generator.tokenizer, "tiny", ServerSettings(lora_root=str(tmp_path)))) as url:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == tiny_tokenizer().decode(hf_greedy(oracle, prompt, 5),
+                                                                                 skip_special_tokens=True)
+        assert httpx.post(url + "/v1/completions", json={**body, "model": "../tenant"}, timeout=60).status_code == 404
+        metrics = httpx.get(url + "/metrics", timeout=60).text
+        assert "paged_hf_lora_loads_total 1" in metrics and "paged_hf_lora_in_memory 1" in metrics
+        assert 'vllm:lora_requests_info{model_name="tiny",max_lora="4"' in metrics
+    assert_no_leak(generator)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 from typing import Any
 
@@ -19,6 +18,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import paged_hf
+from paged_hf.integrations.peft import folder_inside
 from paged_hf.serving.openai.chat_template import chat_prompt_ids
 from paged_hf.serving.openai.errors import ApiError
 from paged_hf.serving.openai.protocol import ChatMessage, OpenAIRequest
@@ -122,12 +122,9 @@ def _tokenize(ctx: ServerContext, body: TokenizeRequest, cancel: threading.Event
 def resolve_lora_path(root: str, path: str) -> str:
     """The adapter folder `path` (relative to `root`, or absolute) if it lies inside `root` once every `..` and
     symlink is resolved; else ValueError."""
-    root_real = os.path.realpath(root)
-    target = os.path.realpath(os.path.join(root_real, path))
-    if os.path.commonpath([root_real, target]) != root_real or target == root_real:
-        raise ValueError(f"lora_path {path!r} is outside the server's LoRA root")
-    if not os.path.isdir(target):
-        raise ValueError(f"lora_path {path!r} is not a folder under the server's LoRA root")
+    target = folder_inside(root, path)
+    if target is None:
+        raise ValueError(f"lora_path {path!r} is not a folder inside the server's LoRA root")
     return target
 
 
