@@ -2,11 +2,13 @@
 
 The parent process builds the workload (it needs only the tokenizer), runs every system in a fresh worker
 process (see :mod:`.systems`), measures the machine's limit (:mod:`.machine`) while nothing else of ours runs,
-and writes the table, the JSON and the plot (:mod:`.report`).
+and writes the table, the JSON (:mod:`.report`) and the plot with its figures block for the docs (:mod:`.plot`).
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 import time
 
@@ -14,14 +16,17 @@ import torch
 from transformers import AutoTokenizer
 
 from paged_hf.bench import machine
+from paged_hf.bench import plot as plotting
 from paged_hf.bench import report as reporting
 from paged_hf.bench.adapters import random_adapters
+from paged_hf.bench.embed import run_embed_bench
 from paged_hf.bench.systems import DEFAULT_SYSTEMS, LORA_SCALE_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
+from paged_hf.bench.tenants import run_tenants_bench
 from paged_hf.bench.vllm_system import default_vllm_python, run_vllm
 from paged_hf.bench.workloads import WORKLOAD_NAMES, Workload, build_workload
 from paged_hf.config import PagedConfig
 from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
-from paged_hf.utils import cdiv
+from paged_hf.utils import cdiv, cpu_model_name, describe_host
 
 __all__ = ["DEFAULT_SYSTEMS", "SYSTEM_NAMES", "WORKLOAD_NAMES", "Workload", "build_workload", "run_bench"]
 
@@ -54,8 +59,11 @@ def _with_random_adapters(args) -> dict:
     if args.adapters is None:
         return dict(args.engine_config)
     folders = random_adapters(args.model, args.adapters, args.lora_rank)
-    return dict(args.engine_config, adapters={**args.engine_config.get("adapters", {}), **folders},
-                max_loras=args.max_loras or args.adapters, max_lora_rank=args.lora_rank)
+    config = dict(args.engine_config, max_loras=args.max_loras or args.adapters, max_lora_rank=args.lora_rank)
+    if args.max_cpu_loras is not None:  # S-LoRA's case: registered under a root, read from disk on first use
+        root = {os.path.dirname(folder) for folder in folders.values()}.pop()
+        return dict(config, lora_root=root, max_cpu_loras=args.max_cpu_loras)
+    return dict(config, adapters={**args.engine_config.get("adapters", {}), **folders})
 
 
 class _OtherLoad:
@@ -108,13 +116,26 @@ def _measure_limit(model: str | None, workload: Workload, device: str, dtype: st
         return None
 
 
+def measured_where(args) -> dict:
+    """The host (CPU model and flags, GPU), the command and the date: every report and plot names them, so that
+    figures from two hosts are never compared as if they were one."""
+    argv = getattr(args, "argv", None)
+    return {"host": describe_host(), "cpu": cpu_model_name(), "date": time.strftime("%Y-%m-%d"),
+            "num_threads": torch.get_num_threads(),
+            "command": "paged-hf " + shlex.join(argv) if argv is not None else "paged-hf bench"}
+
+
 def run_bench(args) -> int:
     """Run the benchmark described by the parsed ``paged-hf bench`` arguments; 0 if every system ran (or was
     skipped on purpose), 1 if any failed."""
+    if args.workload == "tenants":  # timed arrivals of two tenants under each scheduling policy
+        return run_tenants_bench(args)
+    if args.workload == "embed":  # texts/s of embeddings against sentence-transformers
+        return run_embed_bench(args)
     tokenizer = _load_tokenizer(args.model)
     num_adapters = args.adapters
     workload = build_workload(args.workload, tokenizer, args.seed, args.requests, args.max_new_tokens_scale,
-                              num_adapters)
+                              num_adapters, args.random_adapters)
     systems = parse_systems(args.systems, args.workload, scaling_adapters=num_adapters is not None)
     engine_config = sized_engine_config(_with_random_adapters(args), workload)
     summary = workload.summary()
@@ -140,12 +161,12 @@ def run_bench(args) -> int:
     settings = {"model": args.model or "SmolLM2-135M-Instruct (default)", "device": args.device, "dtype": args.dtype,
                 "threads": args.threads, "vllm_python": vllm_python if "vllm" in systems else None,
                 "engine_config": engine_config, "systems": systems,
-                "max_new_tokens_scale": args.max_new_tokens_scale}
+                "max_new_tokens_scale": args.max_new_tokens_scale, **measured_where(args)}
     report = reporting.build_report(workload, runs, limit, settings)
     print(reporting.format_table(report), flush=True)
     if args.out:
         _log(f"wrote {reporting.write_json(report, args.out)}")
-        plot = reporting.write_plot(report, args.out)
+        plot = plotting.write_plot(report, args.out)
         if plot:
-            _log(f"wrote {plot}")
+            _log(f"wrote {plot} and {plotting.write_figures_block(report, args.out)}")
     return 1 if any(run.error for run in runs.values()) else 0

@@ -163,7 +163,9 @@ def skip_reason(system: str, workload: Workload, engine_config: dict) -> str | N
 
 
 def _lora_unavailable(config: dict, names: set[str], check_engine: bool) -> str | None:
-    missing = sorted(names - set(config.get("adapters") or {}))
+    root = config.get("lora_root")  # adapters served from their folders under it by name
+    missing = sorted(name for name in names - set(config.get("adapters") or {})
+                     if root is None or not os.path.isfile(os.path.join(root, name, "adapter_config.json")))
     if missing:
         return (f"skipped: the lora workload needs LoRA adapters {', '.join(missing)} (pass --adapter NAME=PATH "
                 "for each) and an engine with LoRA support")

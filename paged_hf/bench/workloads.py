@@ -47,7 +47,8 @@ QUESTION_TEMPLATES = (
 #: Adapter names of the lora workload (None = the base model). LoRA adapters are loaded by name into the engine.
 LORA_ADAPTERS = ("lora_a", "lora_b", "lora_c", "lora_d")
 
-WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora", "structured", "beam", "grounded")
+WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora", "structured", "beam", "grounded", "tenants",  # tenants.py
+                  "embed")  # embed.py
 
 #: grounded requests: the answer restates, extracts from or edits the passage (what prompt lookup serves)
 GROUNDED_INSTRUCTIONS = (
@@ -210,13 +211,18 @@ def build_decode(tokenizer, seed: int = 0, num_requests: int = 48, new_range=(12
                     seed, requests)
 
 
-def build_lora(tokenizer, seed: int = 0, corpus: list[int] | None = None, num_adapters: int | None = None) -> Workload:
+def build_lora(tokenizer, seed: int = 0, corpus: list[int] | None = None, num_adapters: int | None = None,
+               random_adapters: bool = False, num_requests: int = 64) -> Workload:
     """The mixed workload with each request tagged with one of four adapters or the base model (multi-LoRA); with
-    `num_adapters` N, request i on adapter `lora_{i % N}` (bench --adapters N: every request on an adapter)."""
-    mixed = build_mixed(tokenizer, seed, corpus=corpus)
+    `num_adapters` N, request i on adapter `lora_{i % N}` (bench --adapters N: every request on an adapter), or on
+    a random one of the N (`random_adapters`: many registered adapters, few of them twice)."""
+    mixed = build_mixed(tokenizer, seed, num_requests, corpus=corpus)
     if num_adapters is not None:
-        requests = [replace(r, adapter=f"lora_{i % num_adapters}") for i, r in enumerate(mixed.requests)]
-        return Workload("lora", f"the mixed workload, request i on adapter i % {num_adapters}", seed, requests)
+        rng = random.Random(seed + 2)
+        indices = [rng.randrange(num_adapters) if random_adapters else i % num_adapters for i in range(num_requests)]
+        requests = [replace(r, adapter=f"lora_{index}") for r, index in zip(mixed.requests, indices)]
+        how = f"a random one of {num_adapters} adapters" if random_adapters else f"adapter i % {num_adapters}"
+        return Workload("lora", f"{num_requests} requests of the mixed kind, request i on {how}", seed, requests)
     rng = random.Random(seed + 1)
     choices = (*LORA_ADAPTERS, None)
     requests = [replace(r, adapter=rng.choice(choices)) for r in mixed.requests]
@@ -271,9 +277,11 @@ def build_grounded(tokenizer, seed: int = 0, num_requests: int = 64, prompt_rang
 
 
 def build_workload(name: str, tokenizer, seed: int = 0, num_requests: int | None = None,
-                   max_new_tokens_scale: float | None = None, num_adapters: int | None = None) -> Workload:
+                   max_new_tokens_scale: float | None = None, num_adapters: int | None = None,
+                   random_adapters: bool = False) -> Workload:
     """The named workload, scaled down to its first ``num_requests`` requests if given; `num_adapters`: the lora
-    workload's distinct adapters (bench --adapters)."""
+    workload's distinct adapters (bench --adapters), which may have more than 64 requests, each on a random
+    adapter with `random_adapters`."""
     builders = {"mixed": build_mixed, "prefix": build_prefix, "decode": build_decode, "lora": build_lora,
                 "structured": build_structured, "beam": build_beam, "grounded": build_grounded}
     if name not in builders:
@@ -283,5 +291,7 @@ def build_workload(name: str, tokenizer, seed: int = 0, num_requests: int | None
     if num_adapters is not None:
         if name != "lora":
             raise ValueError(f"--adapters is for --workload lora, not {name!r}")
-        return build_lora(tokenizer, seed, num_adapters=num_adapters).scaled(num_requests, max_new_tokens_scale)
+        workload = build_lora(tokenizer, seed, num_adapters=num_adapters, random_adapters=random_adapters,
+                              num_requests=max(64, num_requests or 0))
+        return workload.scaled(num_requests, max_new_tokens_scale)
     return builders[name](tokenizer, seed).scaled(num_requests, max_new_tokens_scale)

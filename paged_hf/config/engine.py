@@ -28,8 +28,13 @@ class PagedConfig:
     # one scale per (block, KV head) holds 2x the tokens of a bf16 cache in the same memory (docs/kv_cache_dtype.md)
     kv_cache_dtype: str = "auto"
     adapters: dict[str, str] = field(default_factory=dict)
-    max_loras: int = 4
+    max_loras: int = 4  # adapters in device slots at once (so in one step)
     max_lora_rank: int = 64
+    # adapters kept in host memory, least recently used dropped (read again from their folder when named);
+    # None: all (vLLM's max_cpu_loras), paged_hf.engine.adapter_store
+    max_cpu_loras: int | None = None
+    # a folder of peft adapter folders: a request naming `name` is served `lora_root/name` without a load call
+    lora_root: str | None = None
     # bounds on a request's stop strings: each one is searched in every new token's text of that request
     max_stop_strings: int = 64
     max_stop_string_chars: int = 512
@@ -48,6 +53,16 @@ class PagedConfig:
     # speculative decoding (vLLM's speculative_config): a SpeculativeConfig or its fields as a dict / JSON
     # text, e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off
     speculative: object = None
+    # the KV tier under the prefix cache (docs/prefix_caching.md): GiB of host memory for blocks the pool drops
+    # (vLLM's kv_offloading_size), and a directory of block files that outlives restarts, at most kv_cache_dir_size GiB
+    kv_offloading_size: float | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size: float = 16.0
+    # who is served first (paged_hf.core.request_queue): "fcfs" (arrival order), "priority" (a request's
+    # priority, lower first; it may preempt lower-ranked running requests) or "fair" (tenants share the step
+    # budget by virtual token counters, weighted by tenant_weights {tenant: weight}, default 1)
+    scheduling_policy: str = "fcfs"
+    tenant_weights: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
@@ -64,6 +79,8 @@ class PagedConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and not (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= 1):
+            raise ValueError(f"max_cpu_loras must be an int >= 1 or None, got {self.max_cpu_loras!r}")
         timeout = self.grammar_compile_timeout_s
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
             raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")
@@ -78,6 +95,18 @@ class PagedConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPE_NAMES))} (or 'fp8'), "
                              f"got {self.kv_cache_dtype!r}")
         self.speculative = SpeculativeConfig.parse(self.speculative)
+        for name in ("kv_offloading_size", "kv_cache_dir_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0)):
+                raise ValueError(f"{name} must be a number of GiB >= 0, got {value!r}")
+        if self.kv_cache_dir is not None and not (isinstance(self.kv_cache_dir, str) and self.kv_cache_dir):
+            raise ValueError(f"kv_cache_dir must be a directory path, got {self.kv_cache_dir!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "fair"):
+            raise ValueError(f"scheduling_policy must be 'fcfs', 'priority' or 'fair', got {self.scheduling_policy!r}")
+        weights = self.tenant_weights
+        if not isinstance(weights, dict) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights.values()):
+            raise ValueError(f"tenant_weights must be a dict {{tenant: weight > 0}}, got {self.tenant_weights!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flashinfer"):
             raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'flashinfer', got {self.attention_backend!r}")
 

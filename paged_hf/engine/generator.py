@@ -22,14 +22,18 @@ from paged_hf.core.kv_cache_manager import KVCacheManager
 from paged_hf.core.request import Request
 from paged_hf.core.scheduler import Scheduler
 from paged_hf.engine import beam_search as _beam_search
+from paged_hf.engine.adapter_store import AdapterStore
+from paged_hf.engine.adapter_store import is_ready as adapter_is_ready
 from paged_hf.engine.adapters import lora_manager, split_peft_model
+from paged_hf.engine.embedding import embedding_group
 from paged_hf.engine.request_builder import RequestBuilder
 from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
 from paged_hf.engine.request_group import RequestGroup
 from paged_hf.engine.step import EngineStep
 from paged_hf.engine.stopping import StopChecker
 from paged_hf.engine.token_stream import TokenStream
-from paged_hf.outputs import CompletionOutput, FinishReason, RequestOutput
+from paged_hf.outputs import CompletionOutput, EmbeddingRequestOutput, FinishReason, RequestOutput
+from paged_hf.pooling_params import PoolingParams
 from paged_hf.sample.sampler import Sampler
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.spec_decode import Speculator, make_proposer
@@ -53,20 +57,23 @@ class ContinuousBatchGenerator:
         self.max_model_len = self.config.max_model_len or self.info.max_positions or 2048
         num_blocks = self.config.num_blocks or num_blocks_from_memory(self.info, self.config, self.max_model_len)
         self.runner = ModelRunner(model, self.info, num_blocks, self.config)
+        self.adapter_store = AdapterStore(self.runner, self.config)
         self.block_pool = BlockPool(num_blocks, self.config.enable_prefix_caching)
-        self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size, self.runner.kv_tier)
         self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   max_loras=self.config.max_loras)
+                                   max_loras=self.config.max_loras, is_ready=adapter_is_ready,
+                                   policy=self.config.scheduling_policy, tenant_weights=self.config.tenant_weights)
         self.sampler = Sampler(self.info.eos_token_ids)
         self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len)
         speculative = self.config.speculative
         self.speculator = None if speculative is None else Speculator(
             speculative, self.kv_cache_manager, make_proposer(speculative, self.config, self.info, num_blocks))
         self.groups: dict[str, RequestGroup | BeamGroup] = {}  # unfinished requests by id
+        self.pooling_config = None  # embeddings: the model's pooling, read on first use (engine/embedding.py)
         self.request_builder = RequestBuilder(self.config, tokenizer, self.info.vocab_size, self.info.eos_token_ids,
                                               self.runner.logits_device)
         self.engine_step = EngineStep(self.scheduler, self.runner, self.sampler, self.stop_checker, self.speculator,
-                                      self.groups, self.config.max_num_batched_tokens)
+                                      self.groups, self.config.max_num_batched_tokens, self.adapter_store)
         # Outputs step() owes: requests of add_request that changed while generate()/stream() stepped the
         # engine, and aborts. Requests of generate()/stream() (claimed) are reported by those calls only.
         self._undelivered: dict[RequestGroup | BeamGroup, None] = {}
@@ -83,26 +90,36 @@ class ContinuousBatchGenerator:
 
     # --- submission -----------------------------------------------------------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, adapter: str | None = None,
-                    request_id: str | None = None, *, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, *, cache_salt: str | None = None, priority: int = 0,
+                    tenant: str | None = None) -> str:
         """Validate and queue one request. Bad input raises ValueError and queues nothing.
 
         n > 1: n sequences (children); only child 0 is queued, the others fork from it once it computed the
         prompt (sharing its KV blocks), so the prompt is computed once. `cache_salt`: prefix-cache blocks are
-        shared only between requests with the same salt (e.g. one per tenant).
+        shared only between requests with the same salt (e.g. one per tenant). `priority` (lower first, vLLM's
+        meaning) needs scheduling_policy "priority"; `tenant` (default: the adapter) is who shares under "fair".
         """
-        return self._submit(prompt, sampling_params, adapter, request_id, cache_salt).request_id
+        return self._submit(prompt, sampling_params, adapter, request_id, cache_salt, priority, tenant).request_id
 
-    def _submit(self, prompt, sampling_params, adapter, request_id, cache_salt=None) -> RequestGroup:
+    def _submit(self, prompt, sampling_params, adapter, request_id, cache_salt=None, priority=0,
+                tenant=None) -> RequestGroup:
+        self.request_builder.check_scheduling(priority, tenant)
+        if isinstance(sampling_params, PoolingParams):  # an embedding request: prefill only, pooled
+            group = embedding_group(self, prompt, sampling_params, adapter, request_id, cache_salt)
+            self.request_builder.assign_scheduling(group, priority, tenant, adapter)
+            self.enqueue(group, group.children[0])
+            return group
         params = self.request_builder.sampling_params(sampling_params, cache_salt)
         prompt_ids = self.prompt_token_ids(prompt)
         self.check_fits(prompt_ids, params)
         check_token_ids(params, self.info.vocab_size)
         lora = self.resolve_adapter(adapter)
-        if lora is not None and self.speculator is not None and not self.speculator.proposer.serves_adapters:
+        if adapter is not None and self.speculator is not None and not self.speculator.proposer.serves_adapters:
             raise ValueError(f"adapter {adapter!r}: this engine speculates with a draft model, which serves "
                              f"base-model requests only (the ngram method serves any adapter)")
         request_id = self.new_request_id(request_id)
         group = self.request_builder.group(request_id, prompt_ids, params, adapter, lora, cache_salt)
+        self.request_builder.assign_scheduling(group, priority, tenant, adapter)
         self.enqueue(group, group.children[0])
         return group
 
@@ -121,12 +138,13 @@ class ContinuousBatchGenerator:
         check_fits(prompt_ids, params, self.max_model_len, self.config.block_size, self.block_pool.num_blocks)
 
     def resolve_adapter(self, name: str | None) -> LoRAAdapter | None:
-        """The loaded adapter a request names (None: the base model); ValueError for an unknown name."""
+        """The in-memory adapter a request names; None for the base model, and while the adapter's folder is
+        read (the request then waits in the queue, unbound: engine.adapter_store); ValueError for an unknown name."""
         if name is None:
             return None
-        if not isinstance(name, str) or name not in self.adapter_names():
+        if not isinstance(name, str):
             raise ValueError(f"unknown adapter {name!r}; loaded adapters: {self.adapter_names()}")
-        return self.runner.lora.adapters[name]
+        return self.adapter_store.adapter_for(name)
 
     def new_request_id(self, request_id: str | None = None) -> str:
         """A new request's id: the one given (ValueError if an unfinished request has it), else the next number."""
@@ -167,16 +185,21 @@ class ContinuousBatchGenerator:
         between them). An unusable folder raises ValueError and changes nothing."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
-        lora_manager(self.runner, self.config).load(name, path)
+        self.adapter_store.register(name, path)
 
     def unload_adapter(self, name: str) -> None:
         """New requests can no longer use `name`; requests already submitted finish with its weights."""
         if name not in self.adapter_names():
             raise ValueError(f"unknown adapter {name!r}; loaded adapters: {self.adapter_names()}")
-        self.runner.lora.unload(name)
+        self.adapter_store.unregister(name)
 
     def adapter_names(self) -> list[str]:
-        return sorted(self.runner.lora.adapters) if self.runner.lora is not None else []
+        """Adapters loaded or registered by name (not every folder under `lora_root`: those are found on use)."""
+        return self.adapter_store.names()
+
+    def serves_adapter(self, name: str) -> bool:
+        """Whether a request may name `name`: loaded, registered, or a folder under `lora_root`."""
+        return name in self.adapter_names() or self.adapter_store.folder(name) is not None
 
     # --- running --------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -244,21 +267,30 @@ class ContinuousBatchGenerator:
             self._undelivered[group] = None
 
     # --- calls that run their requests to the end -----------------------------------------------------
-    def generate(self, prompts, sampling_params=None, adapters=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, adapters=None, use_tqdm: bool = True,
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order. A single prompt (a string, a list of token ids)
         is one request. On any error the call's requests are aborted."""
         prompts = prompt_list(prompts)
         params = per_prompt(sampling_params, len(prompts), "sampling_params")
         adapter_names = per_prompt(adapters, len(prompts), "adapters")
+        ranks = per_prompt(priority, len(prompts), "priority")
         groups: list[RequestGroup] = []
         try:
-            for prompt, p, adapter in zip(prompts, params, adapter_names):
-                groups.append(self._submit(prompt, p, adapter, None))
+            for prompt, p, adapter, rank in zip(prompts, params, adapter_names, ranks):
+                groups.append(self._submit(prompt, p, adapter, None, priority=rank))
                 self.claim(groups[-1])
             return self._run_to_completion(groups, use_tqdm)
         finally:
             for group in groups:
                 self.release(group)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              adapters=None, use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order, pooled as the model's sentence-transformers config says
+        (else its last token). They run in the engine's steps beside any generation request."""
+        params = per_prompt(pooling_params, len(prompt_list(prompts)), "pooling_params")
+        return self.generate(prompts, [p or PoolingParams() for p in params], adapters, use_tqdm)
 
     def _run_to_completion(self, groups: list[RequestGroup], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm  # noqa: PLC0415
@@ -303,5 +335,7 @@ class ContinuousBatchGenerator:
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
+            **(self.runner.kv_tier.stats() if self.runner.kv_tier is not None else {}),
+            **self.adapter_store.stats(self.scheduler.running, self.scheduler.waiting),
         }
 

@@ -1,8 +1,10 @@
 """`EngineStep`: one iteration of the engine, in nano-vllm's shape.
 
-schedule -> run the model once on the packed row -> postprocess (hand beam rows to their searches, sample or
-verify drafts, append the tokens, check the stops, drop what finished). The model runner never touches the
-block manager. The generator owns the parts and the per-call bookkeeping; this module only steps them.
+Before it, queued requests whose adapter's folder was read get its weights (engine/adapter_store.py). Then
+schedule -> run the model once on the packed row -> postprocess (hand beam rows to their searches, pool and
+finish embedding requests, sample or verify drafts, append the tokens, check the stops, drop what finished).
+The model runner never touches the block manager. The generator owns the parts and the per-call bookkeeping;
+this module only steps them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch
 from paged_hf.beam.group import BeamGroup
 from paged_hf.core.request import Request
 from paged_hf.core.scheduler import Scheduler, SchedulerOutput
+from paged_hf.engine.adapter_store import AdapterStore
 from paged_hf.engine.beam_search import route_beam_rows
+from paged_hf.engine.embedding import finish_pooled
 from paged_hf.engine.request_group import RequestGroup
 from paged_hf.engine.stopping import StopChecker
 from paged_hf.outputs import FinishReason
@@ -29,7 +33,7 @@ from paged_hf.worker.step_inputs import StepInputs
 class EngineStep:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, stop_checker: StopChecker,
                  speculator: Speculator | None, groups: dict[str, RequestGroup | BeamGroup],
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, adapter_store: AdapterStore):
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
@@ -37,22 +41,35 @@ class EngineStep:
         self.speculator = speculator
         self.groups = groups  # the generator's unfinished requests by id (the same dict: a finished one is dropped)
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.adapter_store = adapter_store
         self.errors: dict[str, Exception] = {}  # request id -> what failed it alone (reported with its output)
 
     def run(self) -> list[RequestGroup | BeamGroup]:
         """One schedule -> run -> postprocess; -> the requests that changed."""
+        touched: dict[RequestGroup | BeamGroup, None] = self._bind_adapters()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._may_speculate, self.max_num_batched_tokens)
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            return self._drop_finished(touched)
         logits, spec_logits, inputs = self._forward(out)
         requests = [scheduled.request for scheduled in inputs.sampled]
         requests, logits, beam_groups = route_beam_rows(self.groups, self.scheduler, requests, logits)
-        touched: dict[RequestGroup | BeamGroup, None] = dict.fromkeys(beam_groups)  # beam searches that ended
+        touched.update(dict.fromkeys(beam_groups))  # beam searches that ended
+        if inputs.pooling_spans:  # embedding requests: pooled once their prompt is computed, and finished
+            touched.update(dict.fromkeys(finish_pooled(inputs, self.groups, self.scheduler, time.monotonic())))
         if requests:
             self._postprocess(requests, logits, spec_logits, touched)
         return self._drop_finished(touched)
+
+    def _bind_adapters(self) -> dict:
+        """Queued requests whose adapter's folder was read get its weights; those whose read failed fail
+        (reported with their output, as a request's own error) -> those requests."""
+        failed = {}
+        for request, error in self.adapter_store.poll(self.scheduler.waiting):
+            self.errors[request.request_id] = error
+            failed[self.groups[request.request_id]] = None
+        return failed
 
     def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor | None, StepInputs]:
         """Run the model on the scheduled tokens and advance them -> (the sampled rows' logits, the drafts'

@@ -2,6 +2,7 @@
 
     paged-hf generate prompts.jsonl -o outputs.jsonl [--model M] [engine flags]
     paged-hf bench --workload mixed --out bench_out [--systems paged_hf,hf_static_8] [--requests N]
+    paged-hf bench --workload embed [--concurrency 32] [--requests 256]   (/v1/embeddings beside sentence-transformers)
     paged-hf bench --serve [--concurrency 32] [--request-rate R] [--vllm-python .venv-vllm/bin/python]
     paged-hf serve [MODEL] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API; vLLM's flags too)
     paged-hf eval-ppl [--text FILE] [--context-len 1024] [--stride 512] [--kv-cache-dtypes auto,int8,fp8_e4m3]
@@ -46,8 +47,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="as --model (vLLM's form)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but "
-                        f"/health); default: ${API_KEY_ENV_VAR}")
+    parser.add_argument("--api-key", action="append", default=None, metavar="[NAME=]KEY",
+                        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (all routes but /health); "
+                        f"repeatable, each key a tenant (NAME=KEY names it); default: ${API_KEY_ENV_VAR}")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help='more API keys by name: a JSON object {"name": "key"} or NAME=KEY lines')
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the names clients use (default: the --model folder's name, or its hub id); the first is "
                         "reported")
@@ -56,8 +60,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                         help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: none")
     parser.add_argument("--allowed-origins", nargs="+", default=[], help="CORS origins ('*' for any)")
-    parser.add_argument("--lora-root", default=None, metavar="DIR", help="allow /v1/load_lora_adapter and "
-                        "/v1/unload_lora_adapter, for adapter folders under DIR only (off by default)")
+    parser.add_argument("--lora-root", default=None, metavar="DIR", help="serve every adapter folder under DIR by "
+                        "its name (model=NAME reads DIR/NAME on first use, no load call), and allow "
+                        "/v1/load_lora_adapter and /v1/unload_lora_adapter for folders under DIR only (off by default)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     parser.add_argument("--max-n", type=int, default=16, help="most completions per request (n)")
     parser.add_argument("--max-tokens-cap", type=int, default=4096, help="most max_tokens per request (0: none)")
@@ -77,8 +82,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="longest rendered chat (default: 16M characters)")
     parser.add_argument("--max-logprob-entries", type=int, default=200_000, help="most prompt logprob entries "
                         "per request: prompt tokens x (logprobs + 1) x n (default: 200000)")
+    parser.add_argument("--responses-store-max-count", type=int, default=1000, help="/v1/responses: most stored "
+                        "responses (store=true; least recently used evicted beyond; default: 1000)")
+    parser.add_argument("--responses-store-max-bytes", type=int, default=64 << 20, help="/v1/responses: most "
+                        "bytes of stored responses (JSON; default: 64 MiB)")
+    parser.add_argument("--responses-store-dir", default=None, metavar="DIR", help="/v1/responses: keep stored "
+                        "responses as files in DIR, so they survive a restart (default: in memory)")
     parser.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
+    parser.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory, least "
+                        "recently used dropped and read again from their folder on use (default: all)")
     add_scaling_args(parser)
 
 
@@ -161,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "on adapter i %% N, beside the same requests on the base model (system paged_hf_base)")
     bench.add_argument("--lora-rank", type=int, default=8, help="with --adapters: the adapters' rank (default: 8)")
     bench.add_argument("--max-loras", type=int, default=None, help="with --adapters: device slots (default: N)")
+    bench.add_argument("--max-cpu-loras", type=int, default=None, help="with --adapters: adapters in host memory; "
+                       "the N adapters are then served from their folders by name, read on first use")
+    bench.add_argument("--random-adapters", action="store_true", help="with --adapters: each request on a random "
+                       "adapter of the N (seeded), not i %% N; --requests may then exceed 64")
     bench.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     add_serve_bench_args(bench)
     add_model_args(bench)

@@ -9,15 +9,15 @@ from dataclasses import asdict
 
 from paged_hf.config.speculative import SpeculativeConfig
 from paged_hf.kernels.quant import KV_CACHE_DTYPE_NAMES
-from paged_hf.loader.device_dtype import DTYPE_NAMES, checkpoint_dtype, resolve_device, resolve_dtype
+from paged_hf.loader.device_dtype import DTYPE_NAMES, resolve_device, resolve_model_dtype
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="auto", help="torch device of the model (auto: cuda when present)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                        help="auto: the checkpoint's on a GPU, float32 on CPU (bfloat16: ~1.8x as fast with "
-                        "AVX512-BF16)")
+                        help="auto (vLLM's rule): the checkpoint's dtype; on CPU a bf16/fp16 checkpoint only where the "
+                        "CPU computes it natively (AVX512-BF16/AMX), else float32; the default model is float32")
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:
@@ -28,8 +28,8 @@ def resolve_model_args(args: argparse.Namespace) -> None:
             raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
         args.model = tag
     args.device = resolve_device(args.device)
-    args.dtype = str(resolve_dtype(args.dtype, args.device, lambda: checkpoint_dtype(args.model))).removeprefix(
-        "torch.")
+    choice = resolve_model_dtype(args.dtype, args.device, args.model)
+    args.dtype, args.dtype_reason = choice.name, choice.reason  # the reason: for serve's start-up banner
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +47,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                        help="disable automatic prefix caching")
     group.add_argument("--enable-prefix-caching", action="store_true", help="(vLLM's flag; on by default)")
+    group.add_argument("--kv-offloading-size", type=float, metavar="GIB",
+                       help="GiB of host memory for KV blocks the prefix cache drops (found again as prefix hits)")
+    group.add_argument("--kv-cache-dir", metavar="PATH",
+                       help="directory of KV block files under the prefix cache; a restart with it finds them again")
+    group.add_argument("--kv-cache-dir-size", type=float, metavar="GIB",
+                       help="most GiB --kv-cache-dir holds (default: 16)")
     group.add_argument("--max-stop-strings", type=int, help="most stop strings per request (default: 64)")
     group.add_argument("--max-stop-string-chars", type=int, help="longest stop string (default: 512 characters)")
     group.add_argument("--max-grammar-bytes", type=int, help="largest structured-output spec (default: 64 KiB)")
@@ -60,6 +66,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="vLLM's spelling of --adapter: NAME=PATH or JSON {\"name\": ..., \"path\": ...}")
     group.add_argument("--enable-lora", action="store_true", help="(vLLM's flag; adapters always work)")
+    group.add_argument("--scheduling-policy", choices=("fcfs", "priority", "fair"), default=None,
+                       help="fcfs (default: arrival order), priority (a request's priority, lower first, may preempt "
+                       "lower ones) or fair (tenants share the step budget: user field, else API key, else adapter)")
+    group.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=WEIGHT",
+                       help="--scheduling-policy fair: a tenant's share weight (default 1; repeatable)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "PATH", '
@@ -71,7 +82,8 @@ def engine_config(args: argparse.Namespace) -> dict:
     config = {}
     for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len",
                  "max_stop_strings", "max_stop_string_chars", "kv_cache_dtype", "max_grammar_bytes",
-                 "max_grammar_depth", "grammar_compile_timeout_s", "grammar_cache_bytes", "max_bad_words"):
+                 "max_grammar_depth", "grammar_compile_timeout_s", "grammar_cache_bytes", "max_bad_words",
+                 "kv_offloading_size", "kv_cache_dir", "kv_cache_dir_size"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     if args.kv_cache_memory is not None:
@@ -81,10 +93,25 @@ def engine_config(args: argparse.Namespace) -> dict:
         config["enable_prefix_caching"] = False
     if args.speculative_config is not None:
         config["speculative"] = asdict(SpeculativeConfig.parse(args.speculative_config))  # checked, JSON-able
+    if getattr(args, "scheduling_policy", None) is not None:
+        config["scheduling_policy"] = args.scheduling_policy
+    if getattr(args, "tenant_weight", None):
+        config["tenant_weights"] = dict(_tenant_weight(item) for item in args.tenant_weight)
     adapters = list(args.adapter) + list(getattr(args, "lora_modules", []))
     if adapters:
         config["adapters"] = dict(_name_equals_path(item) for item in adapters)
     return config
+
+
+def _tenant_weight(item: str) -> tuple[str, float]:
+    name, sep, weight = item.rpartition("=")
+    try:
+        value = float(weight)
+    except ValueError:
+        value = 0.0
+    if not sep or not name or not value > 0:
+        raise ValueError(f"--tenant-weight expects TENANT=WEIGHT with a weight > 0, got {item!r}")
+    return name, value
 
 
 def _name_equals_path(item: str) -> tuple[str, str]:

@@ -18,6 +18,7 @@ import torch
 
 import paged_hf
 from paged_hf.loader import default_model
+from paged_hf.utils import describe_host
 
 #: The environment variable that holds the server's API key when --api-key is not given.
 API_KEY_ENV_VAR = "PAGED_HF_API_KEY"
@@ -30,7 +31,8 @@ def load_engine(args: argparse.Namespace, **load_kwargs) -> tuple:
     except ImportError as exc:
         raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
     config = dict(args.engine_config)
-    config.update({name: getattr(args, name) for name in ("max_loras", "max_lora_rank") if getattr(args, name)})
+    config.update({name: getattr(args, name) for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_root")
+                   if getattr(args, name)})
     model, tokenizer = default_model.load_model(args.model, getattr(torch, args.dtype), args.device, **load_kwargs)
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     check_adapters_loaded(generator, config.get("adapters", {}))
@@ -47,7 +49,15 @@ def build_app(args: argparse.Namespace, model, tokenizer, generator, engine_thre
     app = create_app(generator, tokenizer, names, settings)
     print(f"paged-hf serve: {names[0]} on http://{args.host}:{args.port}/v1 ({generator.stats()['num_blocks']} KV "
           f"blocks, max_model_len {app.state.ctx.max_model_len})", file=sys.stderr)
+    print(f"paged-hf serve: dtype {dtype_name(model)} ({getattr(args, 'dtype_reason', None) or 'as loaded'}) on "
+          f"{describe_host()}", file=sys.stderr)
     return app
+
+
+def dtype_name(model) -> str:
+    """The dtype the model's weights are in ("bfloat16"), as the banner prints it."""
+    dtype = getattr(model, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else "unknown"
 
 
 def make_server(args: argparse.Namespace, app):
@@ -72,10 +82,12 @@ def serve_settings(args: argparse.Namespace, model):
     """ServerSettings from the flags: the API key also from $PAGED_HF_API_KEY, sampling defaults from the
     checkpoint's generation_config.json unless --generation-config vllm."""
     from paged_hf.serving.openai import ServerSettings  # noqa: PLC0415 - optional dependency: fastapi
+    from paged_hf.serving.openai.api_keys import read_api_key_file  # noqa: PLC0415 - as above
     from paged_hf.serving.openai.sampling_defaults import generation_config_defaults  # noqa: PLC0415 - as above
 
     defaults = generation_config_defaults(model) if args.generation_config == "auto" else {}
     return ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
+                          api_keys=read_api_key_file(getattr(args, "api_key_file", None)),
                           max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                           max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
                           chat_template=read_chat_template(args.chat_template), sampling_defaults=defaults,
@@ -84,7 +96,10 @@ def serve_settings(args: argparse.Namespace, model):
                           escape_special_tokens=args.escape_special_tokens_in_content,
                           chat_template_timeout_s=args.chat_template_timeout,
                           max_rendered_chat_chars=args.max_rendered_chat_chars,
-                          max_logprob_entries=args.max_logprob_entries)
+                          max_logprob_entries=args.max_logprob_entries,
+                          responses_store_max_count=args.responses_store_max_count,
+                          responses_store_max_bytes=args.responses_store_max_bytes,
+                          responses_store_dir=args.responses_store_dir)
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -11,9 +11,11 @@ from paged_hf.core.scheduler import SchedulerOutput
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
 from paged_hf.kernels import select_kernel
 from paged_hf.kernels.quant import storage_dtype
+from paged_hf.worker.kv_offload import make_kv_offload
 from paged_hf.worker.model_info import ModelInfo
 from paged_hf.worker.packed_linears import PackedLinears
 from paged_hf.worker.paged_cache import PagedCache
+from paged_hf.worker.pooling import HiddenStateCapture, pooling_rows, pooling_spans
 from paged_hf.worker.step_inputs import StepInputs, build_step_inputs
 
 
@@ -31,11 +33,18 @@ class ModelRunner:
         self.attention_switch = _AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
         self.packed_linears = PackedLinears(model) if config.pack_linear_weights else contextlib.nullcontext()
+        # the KV tier under the prefix cache (host memory, a directory): None unless configured
+        self.kv_offload = make_kv_offload(model, info.dtype, self.cache, config)
+        self.kv_tier = self.kv_offload.tier if self.kv_offload is not None else None
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
-        """-> logits [num_kept, vocab_size] (the sampled requests' rows, and prompt-logprob rows), the step's inputs."""
+        """-> logits [num_kept, vocab_size] (the sampled requests' rows, and prompt-logprob rows), the step's inputs
+        (with embedding requests: their rows' final hidden states in `inputs.pooled_hidden_states`)."""
+        transfers = self.kv_offload.save_blocks() if self.kv_offload is not None else None  # before any write
         self.cache.copy_blocks([src for src, _ in out.block_copies], [dst for _, dst in out.block_copies])
+        if transfers is not None:
+            self.kv_offload.load_blocks(transfers)
         request_slots = None
         if self.lora is not None:  # the adapters of this step go to device slots (swapped in if needed)
             request_slots = self.lora.assign_slots([s.request.lora for s in out.scheduled])
@@ -51,12 +60,17 @@ class ModelRunner:
         )
         if self.info.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = inputs.logits_indices.to(device)
+        inputs.pooling_spans = pooling_spans(out, inputs.attention.query_start_loc)
+        capture = (HiddenStateCapture(self.model, pooling_rows(inputs.pooling_spans)) if inputs.pooling_spans
+                   else contextlib.nullcontext())
         self.cache.begin_step(inputs.attention)
         try:
-            with self.attention_switch, self.packed_linears, self._lora_step(inputs.adapter_slots):
+            with self.attention_switch, self.packed_linears, self._lora_step(inputs.adapter_slots), capture:
                 logits = self.model(**kwargs).logits[0]  # [num_kept, vocab_size]
         finally:
             self.cache.end_step()
+        if inputs.pooling_spans:  # [num_rows, hidden_size] -> one [count, hidden_size] per span
+            inputs.pooled_hidden_states = list(capture.hidden_states.split([s.count for s in inputs.pooling_spans]))
         if not self.info.accepts_logits_to_keep:
             logits = logits[inputs.logits_indices.to(logits.device)]
         return logits.to(self.logits_device), inputs  # a hook may hand them back elsewhere (io_same_device)

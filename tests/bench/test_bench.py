@@ -107,6 +107,19 @@ def test_lora_scaling_runs_random_adapters_beside_the_base_model(tokenizer, load
     base = run_system("paged_hf_base", *loaded, workload, config)
     assert with_adapters.error is None and base.error is None
     assert with_adapters.outputs != base.outputs  # the adapters were used, and only in paged_hf
+    # --max-cpu-loras: the same adapters served from their folders by name, one place in host memory
+    root = str(Path(folders["lora_0"]).parent)
+    from_root = run_system("paged_hf", *loaded, workload, dict(config, adapters={}, lora_root=root, max_cpu_loras=1))
+    assert from_root.error is None and from_root.outputs == with_adapters.outputs
+
+
+def test_lora_workload_on_random_adapters_may_have_more_requests(tokenizer):
+    """bench --adapters 1000 --random-adapters --requests 70: seeded random adapters, beyond the 64 mixed ones."""
+    workload = build_workload("lora", tokenizer, num_requests=70, num_adapters=1000, random_adapters=True)
+    again = build_workload("lora", tokenizer, num_requests=70, num_adapters=1000, random_adapters=True)
+    adapters = [r.adapter for r in workload.requests]
+    assert len(adapters) == 70 and adapters == [r.adapter for r in again.requests]
+    assert 50 < len(set(adapters)) < 70 and all(0 <= int(a.removeprefix("lora_")) < 1000 for a in adapters)
 
 
 def test_vllm_system_is_skipped_clearly_without_its_interpreter(tmp_path, monkeypatch):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
 import json
 import time
 from contextlib import asynccontextmanager
@@ -20,13 +19,16 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from paged_hf.serving.openai.api_keys import key_name, named_api_keys
 from paged_hf.serving.openai.completions import completion_choices, last_output, merged, prompt_logprob_entries
+from paged_hf.serving.openai.embeddings import add_embeddings_route
 from paged_hf.serving.openai.engine_loop import EngineError, EngineLoop
 from paged_hf.serving.openai.errors import ApiError, error_body, error_response, install_error_handlers
 from paged_hf.serving.openai.extra_routes import add_extra_routes
 from paged_hf.serving.openai.lifecycle import AbortingStreamingResponse
 from paged_hf.serving.openai.logprobs import Deltas, chat_logprobs, completion_logprobs
 from paged_hf.serving.openai.memory import freeze_startup_objects
+from paged_hf.serving.openai.messages import add_messages_routes
 from paged_hf.serving.openai.metrics import ServerMetrics
 from paged_hf.serving.openai.protocol import (
     ChatChoice,
@@ -42,6 +44,7 @@ from paged_hf.serving.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from paged_hf.serving.openai.responses import add_responses_routes
 from paged_hf.serving.openai.serving import Prepared, ServerContext, outputs, prepare_off_loop, submit, usage
 from paged_hf.serving.openai.tool_calls import ToolCallStreamer, finish_reason, parse_output, parser_for
 from paged_hf.serving.openai.vllm_metrics import vllm_aliases
@@ -51,7 +54,9 @@ from paged_hf.serving.openai.vllm_metrics import vllm_aliases
 class ServerSettings:
     """Limits that keep one client from exhausting the server (each over-limit request gets a 4xx/503)."""
 
-    api_key: str | None = None
+    # one key, or several (`KEY` or `NAME=KEY` each: api_keys.py); each key is a tenant, named
+    api_key: str | list[str] | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)  # more keys by name (--api-key-file)
     max_body_bytes: int = 4 << 20  # 413 above
     max_n: int = 16  # 400 above
     max_tokens_cap: int | None = 4096  # 400 above; also caps the default max_tokens
@@ -67,6 +72,17 @@ class ServerSettings:
     chat_template_timeout_s: float = 2.0  # a render that runs longer is a 400
     max_rendered_chat_chars: int = 16 << 20  # a longer rendered chat is a 400
     max_logprob_entries: int = 200_000  # prompt logprobs: prompt tokens x (logprobs + 1) x n; 400 above
+    responses_store_max_count: int = 1000  # /v1/responses store=true: most stored responses (LRU beyond)
+    responses_store_max_bytes: int = 64 << 20  # ... and most bytes of JSON they hold
+    responses_store_dir: str | None = None  # ... kept as files there (they survive a restart); None: in memory
+
+    named_keys: dict[str, str] = field(init=False, repr=False, default_factory=dict)  # every key, by name
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, (list, tuple)):  # --api-key given once is the one key, as before
+            self.api_key = None if not self.api_key else self.api_key[0] if len(self.api_key) == 1 else list(
+                self.api_key)
+        self.named_keys = named_api_keys(self.api_key, self.api_keys)
 
 
 class GuardMiddleware:
@@ -86,6 +102,8 @@ class GuardMiddleware:
         if rejection is not None:
             self.metrics.count_error(rejection.status_code)
             return await rejection(scope, receive, send)
+        if self.settings.named_keys:  # the handlers' tenant (request.state.api_key_name)
+            scope.setdefault("state", {})["api_key_name"] = key_name(self.settings.named_keys, headers)
         limit, received = self.settings.max_body_bytes, 0
 
         async def limited_receive():
@@ -101,14 +119,13 @@ class GuardMiddleware:
 
 
 def guard_rejection(settings: ServerSettings, path: str, headers: dict) -> JSONResponse | None:
-    """The answer to a request without the API key (401) or with a body over the limit (413), else None.
-    `headers`: lower-cased names. Also asked by the Ray ingress, which tokenizes only what would pass."""
-    key = settings.api_key
-    if key and path not in GuardMiddleware.OPEN_PATHS:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            return error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    """The answer to a request without one of the API keys (401; `Authorization: Bearer` or Anthropic's
+    `x-api-key`) or with a body over the limit (413), else None. `headers`: lower-cased names. Also asked by
+    the Ray ingress, which tokenizes only what would pass."""
+    if settings.named_keys and path not in GuardMiddleware.OPEN_PATHS:
+        if key_name(settings.named_keys, headers) is None:
+            return error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>' (or "
+                                  "'x-api-key: <key>')", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     length = headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
         return error_response(413, f"the request body is larger than {settings.max_body_bytes} bytes",
@@ -145,6 +162,9 @@ def create_app(generator, tokenizer, model_name: str | list[str], settings: Serv
     install_error_handlers(app, metrics.count_error)
     _add_routes(app, ctx)
     add_extra_routes(app, ctx)
+    add_embeddings_route(app, ctx)
+    add_responses_routes(app, ctx)
+    add_messages_routes(app, ctx)
     return app
 
 

@@ -64,6 +64,7 @@ class RequestStream:
     _waiter: asyncio.Future | None = None
     # engine-thread bookkeeping for the latency metrics
     num_sequences: int = 1  # n
+    tenant: str = ""  # the per-tenant metrics' label (metrics.py)
     started: bool = False
     num_tokens_seen: dict = field(default_factory=dict)  # child index -> tokens delivered
     last_token_time: dict = field(default_factory=dict)  # child index -> time of its last token
@@ -134,6 +135,8 @@ class EngineLoop:
         # Snapshots the engine thread refreshes, so other threads never call the generator themselves.
         self.stats: dict = generator.stats()
         self.adapter_names: tuple[str, ...] = _adapter_names(generator)
+        # the engine serves every adapter folder under it by name (read on first use); fixed at construction
+        self.lora_root: str | None = getattr(getattr(generator, "config", None), "lora_root", None)
 
     # --- event-loop side ---------------------------------------------------------------------------------
     @property
@@ -173,15 +176,17 @@ class EngineLoop:
         self._commands.put(("drain", time.monotonic() + grace_s))
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params, adapter: str | None,
-                     arrival_time: float, reserved: bool = False, cache_salt: str | None = None) -> RequestStream:
+                     arrival_time: float, reserved: bool = False, cache_salt: str | None = None, priority: int = 0,
+                     tenant: str | None = None) -> RequestStream:
         """Queue a request; raises QueueFullError, or the generator's ValueError for bad input. `reserved`: the
         caller already holds its slot (`reserve()`)."""
         if not reserved:
             self.reserve()
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, arrival_time)
+        stream = RequestStream(request_id, loop, arrival_time, tenant=tenant or adapter or "")
         accepted = loop.create_future()
-        self._commands.put(("add", stream, prompt_token_ids, params, adapter, cache_salt, accepted))
+        self._commands.put(("add", stream, prompt_token_ids, params, adapter, cache_salt, accepted,
+                            {"priority": priority, "tenant": tenant}))
         try:
             await accepted
         except asyncio.CancelledError:  # the client left while we waited: the add still happens, undo it
@@ -252,12 +257,12 @@ class EngineLoop:
                 return True
 
     def _add(self, stream: RequestStream, prompt_token_ids, params, adapter, cache_salt,
-             accepted: asyncio.Future) -> None:
+             accepted: asyncio.Future, scheduling: dict) -> None:
         try:
             if self._abort_at is not None:  # prepared while the server began to drain: answer it now
                 raise QueueFullError("the server is shutting down")
             self.generator.add_request(prompt_token_ids, params, adapter=adapter, request_id=stream.request_id,
-                                       cache_salt=cache_salt)
+                                       cache_salt=cache_salt, **scheduling)
         except Exception as exc:  # noqa: BLE001 - ValueError is the client's, anything else goes back too
             self._release(1)
             _resolve(stream.loop, accepted, exc)
@@ -319,13 +324,19 @@ class EngineLoop:
             if children is None or getattr(children[0], "num_computed_tokens", 1) > 0:
                 stream.started = True
                 self.metrics.observe(queue_time=now - stream.arrival_time)
+                self.metrics.observe_tenant(stream.tenant, queue_time=now - stream.arrival_time)
 
     def _observe(self, stream: RequestStream, output, now: float) -> None:
+        if not isinstance(output.outputs, list):  # an embedding (EmbeddingRequestOutput): no tokens, one output
+            self.metrics.observe(e2e=now - stream.arrival_time)
+            return
         for completion in output.outputs:
             num_tokens = len(completion.token_ids)
             num_seen = stream.num_tokens_seen.get(completion.index, 0)
             if num_tokens > num_seen:
                 last = stream.last_token_time.get(completion.index)
+                self.metrics.observe_tenant(stream.tenant, generation_tokens=num_tokens - num_seen,
+                                            ttft=None if last is not None else now - stream.arrival_time)
                 if last is None:
                     self.metrics.observe(ttft=now - stream.arrival_time)
                 else:

@@ -14,6 +14,10 @@ from collections import defaultdict
 
 # Seconds; wide enough for a CPU engine (slow) and a GPU one (fast).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Tenants with their own series; later ones share OTHER_TENANT (a client's `user` field must not grow /metrics
+# without bound).
+MAX_TENANTS = 256
+OTHER_TENANT = "_other"
 
 
 def _labels(pairs: tuple[tuple[str, str], ...]) -> str:
@@ -49,14 +53,28 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+    def render(self, labels: tuple[tuple[str, str], ...] = (), header: bool = True) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"] if header else []
         cumulative = 0
         for bound, count in zip((*self.buckets, math.inf), self.counts):
             cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{_number(float(bound))}"}} {cumulative}')
-        lines += [f"{self.name}_sum {_number(self.sum)}", f"{self.name}_count {self.count}"]
+            lines.append(f'{self.name}_bucket{_labels((*labels, ("le", _number(float(bound)))))} {cumulative}')
+        lines += [f"{self.name}_sum{_labels(labels)} {_number(self.sum)}",
+                  f"{self.name}_count{_labels(labels)} {self.count}"]
         return lines
+
+
+class TenantMetrics:
+    """One tenant's series (the `user` field, else the API key's name, else the adapter; "" for none)."""
+
+    def __init__(self):
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.queue_time = Histogram("paged_hf_tenant_queue_time_seconds",
+                                    "Per tenant: time from arrival until the engine first scheduled the request.")
+        self.ttft = Histogram("paged_hf_tenant_time_to_first_token_seconds",
+                              "Per tenant: time from arrival to the first output token.")
 
 
 class ServerMetrics:
@@ -75,6 +93,30 @@ class ServerMetrics:
         self.errors = defaultdict(int)  # HTTP status -> error responses
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.tenants: dict[str, TenantMetrics] = {}
+
+    def _tenant(self, tenant: str) -> TenantMetrics:
+        """Under the lock."""
+        if tenant not in self.tenants and len(self.tenants) >= MAX_TENANTS:
+            tenant = OTHER_TENANT
+        return self.tenants.setdefault(tenant, TenantMetrics())
+
+    def observe_tenant(self, tenant: str, queue_time: float | None = None, ttft: float | None = None,
+                       generation_tokens: int = 0) -> None:
+        """Engine thread: a tenant's queue time, time to first token (seconds) and newly served tokens."""
+        with self._lock:
+            metrics = self._tenant(tenant)
+            if queue_time is not None:
+                metrics.queue_time.observe(queue_time)
+            if ttft is not None:
+                metrics.ttft.observe(ttft)
+            metrics.generation_tokens += generation_tokens
+
+    def count_tenant_request(self, tenant: str, num_prompt_tokens: int) -> None:
+        with self._lock:
+            metrics = self._tenant(tenant)
+            metrics.requests += 1
+            metrics.prompt_tokens += num_prompt_tokens
 
     def observe(self, **values: float) -> None:
         """Engine thread: `ttft=`, `itl=`, `e2e=`, `queue_time=` in seconds (any subset)."""
@@ -110,7 +152,28 @@ class ServerMetrics:
             lines += _counter("paged_hf_generation_tokens_total", "Generated tokens.", {(): self.generation_tokens})
             for histogram in (self.ttft, self.itl, self.e2e, self.queue_time):
                 lines += histogram.render()
+            lines += self._tenant_lines()
         return "\n".join(lines) + "\n"
+
+
+    def _tenant_lines(self) -> list[str]:
+        """Under the lock."""
+        if not self.tenants:
+            return []
+        tenants = sorted(self.tenants.items())
+        lines = []
+        for name, help_text, attr in (("paged_hf_tenant_requests_total", "Requests accepted, per tenant.", "requests"),
+                                      ("paged_hf_tenant_prompt_tokens_total", "Prompt tokens, per tenant.",
+                                       "prompt_tokens"),
+                                      ("paged_hf_tenant_generation_tokens_total", "Generated tokens, per tenant.",
+                                       "generation_tokens")):
+            lines += _counter(name, help_text, {(("tenant", t),): getattr(m, attr) for t, m in tenants})
+        for attr in ("queue_time", "ttft"):
+            first = getattr(tenants[0][1], attr)
+            lines += [f"# HELP {first.name} {first.help_text}", f"# TYPE {first.name} histogram"]
+            for tenant, metrics in tenants:
+                lines += getattr(metrics, attr).render((("tenant", tenant),), header=False)
+        return lines
 
 
 def _gauge(name: str, help_text: str, value: float) -> list[str]:
@@ -139,7 +202,26 @@ def _engine_lines(stats: dict, num_in_flight: int) -> list[str]:
                       {(): stats.get("prefix_cache_queries", 0)})
     lines += _counter("paged_hf_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                       {(): stats.get("prefix_cache_hits", 0)})
-    return lines + _spec_decode_lines(stats)
+    return lines + _spec_decode_lines(stats) + _lora_lines(stats) + _kv_tier_lines(stats)
+
+
+def _lora_lines(stats: dict) -> list[str]:
+    """The adapter store's three levels (engine.adapter_store), when adapters are served; vLLM's info gauge."""
+    if "lora_in_memory" not in stats:
+        return []
+    lines = _gauge("paged_hf_lora_registered", "LoRA adapters registered (loaded or found under the LoRA root).",
+                   stats["lora_registered"])
+    lines += _gauge("paged_hf_lora_in_memory", "LoRA adapters in host memory.", stats["lora_in_memory"])
+    lines += _gauge("paged_hf_lora_in_slots", "LoRA adapters in device slots.", stats["lora_in_slots"])
+    lines += _counter("paged_hf_lora_loads_total", "Adapter folders read from disk.", {(): stats["lora_loads"]})
+    for name in ("lora_load_seconds_p50", "lora_load_seconds_p99", "lora_wait_seconds_p99"):
+        lines += _gauge(f"paged_hf_{name}", "Adapter reads (load) and requests' queue time waiting for one (wait), "
+                        "over the last 4096.", stats[name])
+    info = (("max_lora", str(stats["max_loras"])), ("running_lora_adapters", ",".join(stats["lora_running_adapters"])),
+            ("waiting_lora_adapters", ",".join(stats["lora_waiting_adapters"])))
+    lines += ["# HELP paged_hf_lora_requests_info Running and waiting requests' adapters (vLLM's gauge).",
+              "# TYPE paged_hf_lora_requests_info gauge", f"paged_hf_lora_requests_info{_labels(info)} 1"]
+    return lines
 
 
 def _spec_decode_lines(stats: dict) -> list[str]:
@@ -155,4 +237,27 @@ def _spec_decode_lines(stats: dict) -> list[str]:
     per_position = stats["spec_decode_num_accepted_tokens_per_pos"]
     lines += _counter("paged_hf_spec_decode_num_accepted_tokens_per_pos_total", "Draft tokens accepted, per position.",
                       {(("position", str(i)),): n for i, n in enumerate(per_position)})
+    return lines
+
+
+def _kv_tier_lines(stats: dict) -> list[str]:
+    """The KV tier under the prefix cache (host memory, --kv-cache-dir), when the engine has one."""
+    if "kv_tier_queries" not in stats:
+        return []
+    lines = _counter("paged_hf_external_prefix_cache_queries_total", "Prompt tokens looked up in the KV tier.",
+                     {(): stats["kv_tier_queries"]})
+    lines += _counter("paged_hf_external_prefix_cache_hits_total", "Prompt tokens found in the KV tier.",
+                      {(): stats["kv_tier_hits"]})
+    lines += _counter("paged_hf_kv_tier_bytes_written_total", "Bytes of KV blocks saved to the tier.",
+                      {(): stats["kv_tier_bytes_written"]})
+    lines += _counter("paged_hf_kv_tier_bytes_read_total", "Bytes of KV blocks read from disk.",
+                      {(): stats["kv_tier_bytes_read"]})
+    lines += _counter("paged_hf_kv_tier_read_seconds_total", "Seconds spent reading KV blocks from disk.",
+                      {(): stats["kv_tier_read_seconds"]})
+    lines += _counter("paged_hf_kv_tier_bad_files_total", "Block files skipped as corrupt or foreign.",
+                      {(): stats["kv_tier_bad_files"]})
+    lines += _gauge("paged_hf_kv_tier_host_bytes", "Bytes of KV blocks held in host memory.",
+                    stats["kv_tier_host_bytes"])
+    lines += _gauge("paged_hf_kv_tier_disk_bytes", "Bytes of KV block files in --kv-cache-dir.",
+                    stats["kv_tier_disk_bytes"])
     return lines

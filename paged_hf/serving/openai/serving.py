@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from paged_hf.integrations.peft import adapter_folder_under
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.serving.openai.chat_template import TemplatePolicy, chat_prompt_ids
 from paged_hf.serving.openai.engine_loop import EngineError, QueueFullError, RequestStream
@@ -45,6 +46,8 @@ class Prepared:
     echo: bool = False  # /v1/completions: the prompt comes back before the completion
     echo_only: bool = False  # echo with max_tokens=0: the prompt alone (one token is computed and dropped)
     prompt_texts: list[str | None] = field(default_factory=list)  # the prompts as sent (echo)
+    priority: int = 0  # lower first (--scheduling-policy priority)
+    tenant: str | None = None  # the `user` field, else the API key's name; None: the engine takes the adapter
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -78,6 +81,8 @@ class ServerContext:
             return None
         if name in self.engine.adapter_names:
             return name
+        if self.engine.lora_root is not None and adapter_folder_under(self.engine.lora_root, name) is not None:
+            return name  # the engine reads it on first use
         raise ApiError(404, f"The model {name!r} does not exist; served: "
                        f"{[*(self.served_names or (self.model_name,)), *self.engine.adapter_names]}", "model_not_found",
                        "model")
@@ -253,12 +258,20 @@ async def prepare_off_loop(ctx: ServerContext, request, chat: bool, arrival_time
         prepared = await until_disconnected(asyncio.to_thread(prepare, request, ctx, chat, arrival_time, cancel),
                                              http_request, cancel)
         await until_disconnected(ready(ctx, prepared), http_request, cancel)
+        prepared.priority = getattr(request, "priority", 0) or 0
+        prepared.tenant = getattr(request, "user", None) or request_key_name(http_request)
         return prepared
     except BaseException as exc:
         ctx.engine.release()
         if isinstance(exc, ApiError) and exc.status_code == 499:  # left before it was queued: an abort
             ctx.metrics.count_finished("abort", 0, getattr(request, "n", 1))
         raise
+
+
+def request_key_name(http_request) -> str | None:
+    """The name of the API key the request came with (app.GuardMiddleware), or None."""
+    state = getattr(http_request, "scope", {}).get("state") or {}
+    return state.get("api_key_name")
 
 
 async def until_disconnected(work, http_request, cancel: threading.Event):
@@ -316,7 +329,8 @@ async def submit(ctx: ServerContext, prepared: Prepared, reserved: bool = False)
         for index, ids in enumerate(prepared.prompts):
             streams.append(await ctx.engine.submit(prepared.engine_request_id(index), ids, prepared.params,
                                                    prepared.adapter, prepared.arrival_time,
-                                                   reserved=reserved and index == 0, cache_salt=prepared.cache_salt))
+                                                   reserved=reserved and index == 0, cache_salt=prepared.cache_salt,
+                                                   priority=prepared.priority, tenant=prepared.tenant))
     except (QueueFullError, ValueError) as exc:
         for stream in streams:
             ctx.engine.abort(stream.request_id)
@@ -325,6 +339,7 @@ async def submit(ctx: ServerContext, prepared: Prepared, reserved: bool = False)
         raise ApiError(400, str(exc), "invalid_request") from None
     for ids in prepared.prompts:
         ctx.metrics.count_request(prepared.model, prepared.adapter, len(ids))
+        ctx.metrics.count_tenant_request(prepared.tenant or prepared.adapter or "", len(ids))
     return streams
 
 
