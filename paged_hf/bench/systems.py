@@ -123,6 +123,9 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     extra["max_num_running"] = after.get("max_num_running")
     extra["kv_cache_dtype"] = config.get("kv_cache_dtype", "auto")
     extra["engine_config"] = config
+    if "lora_loads" in after:  # the adapter store: folders read, and how long requests waited for them
+        extra["lora"] = {key: after[key] for key in ("lora_loads", "lora_load_seconds_p50", "lora_load_seconds_p99",
+                                                     "lora_wait_seconds_p99", "lora_in_memory", "lora_in_slots")}
     return SystemRun(name, wall, [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot, extra=extra)
 
 

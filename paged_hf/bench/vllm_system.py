@@ -69,6 +69,7 @@ def run_vllm(workload: Workload, model: str | None, tokenizer, dtype: str, vllm_
     if reason:
         return SystemRun("vllm", skipped=reason)
     folder = model_folder(model)
+    vllm_python = os.path.abspath(vllm_python) if os.sep in vllm_python else vllm_python  # the worker runs in tmp
     env = dict(os.environ)
     if threads:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"

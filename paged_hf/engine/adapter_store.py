@@ -24,7 +24,7 @@ from paged_hf.config import PagedConfig
 from paged_hf.core.request import Request
 from paged_hf.engine.adapters import lora_manager
 from paged_hf.integrations.lora import LoRAManager
-from paged_hf.integrations.peft import LoRAAdapter, adapter_folder_under, read_adapter_files
+from paged_hf.integrations.peft import AdapterFiles, LoRAAdapter, adapter_folder_under, read_adapter_files
 from paged_hf.worker.model_runner import ModelRunner
 
 _STATS_WINDOW = 4096  # load and wait times kept for the percentiles
@@ -49,7 +49,7 @@ class AdapterStore:
         self.max_cpu_loras = config.max_cpu_loras
         self.lora_root = config.lora_root
         self.folders: dict[str, str] = {}  # registered adapters: name -> folder
-        self._reads: dict[str, tuple[Future, float]] = {}  # name -> (the read in flight, its start)
+        self._reads: dict[str, Future] = {}  # name -> the read in flight: (AdapterFiles, seconds it took)
         self._wanted: set[str] = set()  # names that queued requests wait for
         self.executor: ThreadPoolExecutor | None = None  # the reads' thread, made on first use
         self.counters = AdapterStats()
@@ -101,13 +101,14 @@ class AdapterStore:
         if path is None:
             raise ValueError(f"unknown adapter {name!r}; loaded adapters: {self.names()}")
         self.folders.setdefault(name, path)  # found under the root: registered from now on
-        self._wanted.add(name)
-        self._start_read(name, path)
+        self._wanted.add(name)  # its read starts with the next poll, within the host-memory budget
         return None
 
     def poll(self, waiting: Iterable[Request]) -> list[tuple[Request, Exception]]:
         """Before a step: add the adapters whose reads finished, bind the queued requests waiting for them,
-        start reads for the others -> (request, error) for each request whose folder failed to read."""
+        start reads for the others in queue order -> (request, error) for each request whose folder failed to
+        read. Reads in flight plus the adapters that bound waiting requests hold stay within `max_cpu_loras`, so
+        a long queue of distinct adapters is read as its head comes near, not all at once."""
         if not self._wanted:
             return []
         manager = self._manager()
@@ -115,6 +116,8 @@ class AdapterStore:
         failed: list[tuple[Request, Exception]] = []
         self._wanted = set()
         now = time.monotonic()
+        held = {r.lora.version for r in waiting if r.lora is not None}  # pinned by bound waiting requests
+        budget = None if self.max_cpu_loras is None else self.max_cpu_loras - len(held) - len(self._reads)
         for request in waiting:
             if is_ready(request):
                 continue
@@ -129,7 +132,9 @@ class AdapterStore:
                 failed.append((request, ValueError(f"adapter {request.adapter!r} was unloaded before it was read")))
             else:
                 self._wanted.add(request.adapter)
-                self._start_read(request.adapter, path)
+                if request.adapter not in self._reads and (budget is None or budget > 0):
+                    self._start_read(request.adapter, path)
+                    budget = None if budget is None else budget - 1
         self._evict_host()
         return failed
 
@@ -138,22 +143,23 @@ class AdapterStore:
             return
         if self.executor is None:  # one thread: reads are disk-bound, and they must not compete with steps
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="paged-hf-lora-read")
-        max_rank = self._manager().max_rank
-        self._reads[name] = (self.executor.submit(read_adapter_files, name, path, max_rank), time.monotonic())
+        self._reads[name] = self.executor.submit(_timed_read, name, path, self._manager().max_rank)
 
     def _finish_reads(self, manager: LoRAManager) -> dict[str, Exception]:
         """Serve every adapter whose read is done (matched to the model here, on the engine thread)."""
         errors = {}
-        for name, (future, start) in list(self._reads.items()):
+        for name, future in list(self._reads.items()):
             if not future.done():
                 continue
             del self._reads[name]
             try:
                 if name not in self.folders:
                     raise ValueError(f"adapter {name!r} was unloaded before it was read")
-                manager.add(future.result())
+                start = time.monotonic()
+                files, read_seconds = future.result()
+                manager.add(files)
                 manager.adapters[name] = manager.adapters.pop(name)  # most recently used last
-                self._record_load(start)
+                self._record_load(start, read_seconds)
             except Exception as exc:  # noqa: BLE001 - the folder's fault: only its requests fail
                 errors[name] = exc
         return errors
@@ -186,14 +192,20 @@ class AdapterStore:
             "max_loras": manager.max_loras,
         }
 
-    def _record_load(self, start: float) -> None:
+    def _record_load(self, start: float, read_seconds: float = 0.0) -> None:
+        """A load's time: the disk read (on the reader thread) and the matching to the model (on this one)."""
         self.counters.num_loads += 1
-        self.counters.load_seconds.append(time.monotonic() - start)
+        self.counters.load_seconds.append(read_seconds + time.monotonic() - start)
 
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
 
+
+
+def _timed_read(name: str, path: str, max_rank: int) -> tuple[AdapterFiles, float]:
+    start = time.monotonic()
+    return read_adapter_files(name, path, max_rank), time.monotonic() - start
 
 
 def _percentile(values, q: float) -> float:
