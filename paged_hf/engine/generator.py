@@ -314,6 +314,9 @@ class ContinuousBatchGenerator:
         """Submit one request now (bad input raises here) and iterate over its new token ids as they come;
         other requests keep running too. The request ends when the stream is closed, left (`with`) or
         dropped (a `break` out of `for tokens in gen.stream(...)`); it leaves no output for step()."""
+        if isinstance(sampling_params, PoolingParams):
+            raise ValueError("stream() yields generated tokens and an embedding request (PoolingParams) has none: "
+                             "use embed() or add_request()")
         if sampling_params is not None and sampling_params.n != 1:
             raise ValueError("stream() serves one sequence: use n=1 (or step() for n > 1)")
         group = self._submit(prompt, sampling_params, adapter, None)

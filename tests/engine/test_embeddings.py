@@ -122,6 +122,8 @@ def test_bad_embedding_requests_are_refused():
                                     (PoolingParams(), [500], "outside the vocabulary")]:
         with pytest.raises(ValueError, match=message):
             gen.add_request(prompt, params)
+    with pytest.raises(ValueError, match="embed"):
+        gen.stream([5], PoolingParams())
     for field in ({"dimensions": 0}, {"dimensions": True}, {"normalize": "yes"}):
         with pytest.raises(ValueError, match=next(iter(field))):
             PoolingParams(**field)
