@@ -11,8 +11,10 @@ returns each request's own ``max_new_tokens`` tokens, so outputs can be compared
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,7 +32,11 @@ from paged_hf.loader import default_model
 
 #: paged_hf with a quantized KV cache (PagedConfig.kv_cache_dtype): `paged_hf_kv_<dtype>`
 KV_SYSTEMS = {"paged_hf_kv_int8": "int8", "paged_hf_kv_fp8_e4m3": "fp8_e4m3", "paged_hf_kv_fp8_e5m2": "fp8_e5m2"}
-SYSTEM_NAMES = ("paged_hf", "paged_hf_base", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS, "vllm",
+#: paged_hf writing every computed KV block through to a fresh --kv-cache-dir: the tier's cost when never hit
+KV_DISK_SYSTEM = "paged_hf_kvdisk"
+PAGED_SYSTEMS = ("paged_hf", "paged_hf_base", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS,
+                 KV_DISK_SYSTEM)
+SYSTEM_NAMES = (*PAGED_SYSTEMS, "vllm",
                 "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
 #: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
 DEFAULT_SYSTEMS = {
@@ -87,13 +93,17 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
                  enforce_schemas=True, name: str | None = None) -> SystemRun:
     """paged_hf through its public API: wrap() once, then one generator.generate() call for the whole workload.
     `name` one of KV_SYSTEMS: with that kv_cache_dtype; "paged_hf_spec": with speculative decoding;
-    "paged_hf_base": every request on the base model (the workload's adapters loaded but not used)."""
+    "paged_hf_base": every request on the base model (the workload's adapters loaded but not used);
+    KV_DISK_SYSTEM: the KV tier on disk, in a fresh folder."""
     name = name or ("paged_hf_noschema" if not enforce_schemas else "paged_hf" if enable_prefix_caching else
                     "paged_hf_noprefix")
     config = dict(engine_config, enable_prefix_caching=enable_prefix_caching and engine_config.get(
         "enable_prefix_caching", True))
     if name in KV_SYSTEMS:
         config["kv_cache_dtype"] = KV_SYSTEMS[name]
+    if name == KV_DISK_SYSTEM:  # a fresh folder: nothing to hit; removed at exit, after the tier's writes are flushed
+        config["kv_cache_dir"] = tempfile.mkdtemp(prefix="paged_hf_bench_kvdisk_")
+        atexit.register(shutil.rmtree, config["kv_cache_dir"], True)
     speculate = name == "paged_hf_spec"
     config["speculative"] = (engine_config.get("speculative") or DEFAULT_SPECULATIVE) if speculate else None
     generator = paged_hf.wrap(model, tokenizer, **config).generator
@@ -123,6 +133,8 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     extra["max_num_running"] = after.get("max_num_running")
     extra["kv_cache_dtype"] = config.get("kv_cache_dtype", "auto")
     extra["engine_config"] = config
+    if "kv_tier_bytes_written" in after:  # the KV tier: what was written through, read back, dropped
+        extra["kv_tier"] = {key: after[key] for key in after if key.startswith("kv_tier_")}
     if "lora_loads" in after:  # the adapter store: folders read, and how long requests waited for them
         extra["lora"] = {key: after[key] for key in ("lora_loads", "lora_load_seconds_p50", "lora_load_seconds_p99",
                                                      "lora_wait_seconds_p99", "lora_in_memory", "lora_in_slots")}
@@ -300,7 +312,7 @@ def run_system(system: str, model, tokenizer, workload: Workload, engine_config:
     reason = skip_reason(system, workload, engine_config)
     if reason:
         return SystemRun(system, skipped=reason)
-    if system in ("paged_hf", "paged_hf_base", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS):
+    if system in PAGED_SYSTEMS:
         return run_paged_hf(model, tokenizer, workload, engine_config,
                             enable_prefix_caching=system != "paged_hf_noprefix",
                             enforce_schemas=system != "paged_hf_noschema", name=system)
