@@ -1,5 +1,5 @@
-"""Small helpers every layer uses: checks of user input that name the field, ceiling division, the cache folder,
-the host's CPU (model name and flags) that the dtype rule and the benchmarks name."""
+"""Small helpers every layer uses: checks of user input that name the field, ceiling division, percentiles, the
+cache folder, the host's CPU (model name and flags) that the dtype rule and the benchmarks name."""
 
 from __future__ import annotations
 
@@ -35,6 +35,16 @@ def field_checker(owner: str):
             raise ValueError(f"{owner}.{name} must be {expected}, got {value!r}")
 
     return check
+
+
+def percentile(values, q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]) of the values that are not None; None if there are none."""
+    values = sorted(v for v in (values or []) if v is not None)
+    if not values:
+        return None
+    position = (len(values) - 1) * q / 100.0
+    low, high = math.floor(position), math.ceil(position)
+    return values[low] + (values[high] - values[low]) * (position - low)
 
 
 def cache_root() -> Path:

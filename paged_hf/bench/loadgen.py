@@ -12,7 +12,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from paged_hf.bench.report import percentile
+from paged_hf.utils import percentile
 
 
 @dataclass

@@ -13,19 +13,10 @@ from dataclasses import asdict
 
 from paged_hf.bench.systems import SystemRun
 from paged_hf.bench.workloads import Workload
+from paged_hf.utils import percentile
 
 #: Baselines whose greedy outputs the others are compared with, in order of preference (whichever ran).
 REFERENCE_SYSTEMS = ("hf_single", "hf_static_8", "hf_static_32")
-
-
-def percentile(values, q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]) of the values that are not None; None if there are none."""
-    values = sorted(v for v in (values or []) if v is not None)
-    if not values:
-        return None
-    position = (len(values) - 1) * q / 100.0
-    low, high = math.floor(position), math.ceil(position)
-    return values[low] + (values[high] - values[low]) * (position - low)
 
 
 def useful_tokens(run: SystemRun, workload: Workload) -> int:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 import paged_hf
-from paged_hf.bench.report import percentile
 from paged_hf.bench.workloads import (
     CORPUS_MODULES,
     QUESTION_TEMPLATES,
@@ -34,7 +33,7 @@ from paged_hf.bench.workloads import (
     passage,
 )
 from paged_hf.loader import default_model
-from paged_hf.utils import cpu_model_name, describe_host
+from paged_hf.utils import cpu_model_name, describe_host, percentile
 
 RUNS = (("B alone", "fcfs"), ("fcfs", "fcfs"), ("fair", "fair"), ("priority", "priority"))
 B_INTERVAL_S = 0.2

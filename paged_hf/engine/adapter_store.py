@@ -25,6 +25,7 @@ from paged_hf.core.request import Request
 from paged_hf.engine.adapters import lora_manager
 from paged_hf.integrations.lora import LoRAManager
 from paged_hf.integrations.peft import AdapterFiles, LoRAAdapter, adapter_folder_under, read_adapter_files
+from paged_hf.utils import percentile
 from paged_hf.worker.model_runner import ModelRunner
 
 _STATS_WINDOW = 4096  # load and wait times kept for the percentiles
@@ -180,13 +181,13 @@ class AdapterStore:
         if manager is None:
             return {}
         return {
-            "lora_registered": len(self.names()),
+            "lora_registered": len(self.folders.keys() | manager.adapters.keys()),
             "lora_in_memory": len(manager.adapters),
             "lora_in_slots": len(manager.resident),
             "lora_loads": self.counters.num_loads,
-            "lora_load_seconds_p50": _percentile(self.counters.load_seconds, 0.50),
-            "lora_load_seconds_p99": _percentile(self.counters.load_seconds, 0.99),
-            "lora_wait_seconds_p99": _percentile(self.counters.wait_seconds, 0.99),
+            "lora_load_seconds_p50": percentile(self.counters.load_seconds, 50) or 0.0,
+            "lora_load_seconds_p99": percentile(self.counters.load_seconds, 99) or 0.0,
+            "lora_wait_seconds_p99": percentile(self.counters.wait_seconds, 99) or 0.0,
             "lora_running_adapters": sorted({r.adapter for r in running if r.adapter is not None}),
             "lora_waiting_adapters": sorted({r.adapter for r in waiting if r.adapter is not None}),
             "max_loras": manager.max_loras,
@@ -207,7 +208,3 @@ def _timed_read(name: str, path: str, max_rank: int) -> tuple[AdapterFiles, floa
     start = time.monotonic()
     return read_adapter_files(name, path, max_rank), time.monotonic() - start
 
-
-def _percentile(values, q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0

@@ -17,10 +17,11 @@ from conftest import tiny_model_for
 
 from paged_hf.bench import machine, parse_systems, sized_engine_config, vllm_system
 from paged_hf.bench.adapters import random_adapters
-from paged_hf.bench.report import build_report, format_table, percentile, useful_tokens
+from paged_hf.bench.report import build_report, format_table, useful_tokens
 from paged_hf.bench.systems import SystemRun, run_system, skip_reason
 from paged_hf.bench.workloads import LORA_ADAPTERS, BenchRequest, Workload, build_workload
 from paged_hf.entrypoints import cli
+from paged_hf.utils import percentile
 
 
 @pytest.fixture(scope="module")
