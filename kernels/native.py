@@ -1,5 +1,5 @@
-"""Builds the compiled kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `csrc/lora_sgmv.cpp`) for this
-machine and loads them with ctypes.
+"""Builds the compiled kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `csrc/lora_sgmv.cpp`,
+`csrc/layer_ops.cpp`) for this machine and loads them with ctypes.
 
 Why at run time: the kernel is specialized to the model's head_dim and compiled with `-march=native`, so it
 cannot ship prebuilt. A build takes ~2 s with the system C++ compiler and is cached on disk, keyed by the
@@ -31,7 +31,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_decode.cpp"
 PREFILL_SOURCE = CSRC / "paged_prefill.cpp"
 LORA_SOURCE = CSRC / "lora_sgmv.cpp"
-HEADERS = (CSRC / "vec_math.h",)  # included by both sources: part of every build's cache key
+LAYER_OPS_SOURCE = CSRC / "layer_ops.cpp"
+HEADERS = (CSRC / "vec_math.h",)  # included by the sources: part of every build's cache key
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 #: the cache dtypes the kernel reads, by entry-point suffix; bf16/fp16 are computed in float32
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -99,6 +100,13 @@ def load_lora() -> ctypes.CDLL:
     """The multi-LoRA (SGMV) library, built on first use; its entry points are typed by `kernels.lora`. Raises
     NativeBuildError when it cannot be built."""
     return _load(LORA_SOURCE, None)
+
+
+@functools.lru_cache(maxsize=None)
+def load_layer_ops() -> ctypes.CDLL:
+    """The decoder layer's fused elementwise ops (RMSNorm, SiLU-and-multiply), built on first use; typed by
+    `kernels.layer_ops`. Raises NativeBuildError when it cannot be built."""
+    return _load(LAYER_OPS_SOURCE, None)
 
 
 def _load(source: Path, head_dim: int | None) -> ctypes.CDLL:

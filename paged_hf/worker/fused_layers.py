@@ -1,0 +1,202 @@
+"""Fewer, larger ops per decoder layer, swapped in for the engine's steps only.
+
+On a small model a decode step is mostly fixed per-layer costs: ~7 linears and ~25 small torch ops a layer, each
+with its dispatch overhead. During a step:
+- q/k/v, and gate/up, the Linears of one module that read the same input, run as one matmul on their weights
+  concatenated (packed for oneDNN where it can), and each projection's stand-in returns its slice of the output;
+- an MLP whose forward is LlamaMLP's (`down(act(gate(x)) * up(x))`, SiLU) runs SiLU-and-multiply as one compiled
+  op on that fused output;
+- an RMSNorm whose forward is LlamaRMSNorm's runs as one compiled op (eight torch ops and two casts in bf16).
+A module qualifies by its forward's code, not its class name: the transformers families copied from Llama
+(Mistral, Qwen2, Qwen3, ...) share that code; anything else keeps its own forward.
+
+As with the packed linears and the LoRA wrappers, `parent._modules[name]` is swapped for the step and restored,
+so outside a step the user's model is exactly what it was; weights changed in place are concatenated again.
+The same arithmetic in another order: bf16 results are rounded where torch rounds them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.activations import SiLUActivation
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from paged_hf.kernels import layer_ops
+from paged_hf.worker.packed_linears import packable_dtypes, weight_version
+
+#: sibling Linears that read the same input in the transformers models that follow Llama's layout
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+SILU_TYPES = (torch.nn.SiLU, SiLUActivation)  # ACT2FN["silu"] is transformers' own class
+_BATCH_HINT = 64  # as packed_linears: the batch size oneDNN lays the weights out for
+
+
+class ProjectionGroup:
+    """Linears reading the same input, as one matmul on their concatenated weights."""
+
+    def __init__(self, linears: list[torch.nn.Linear], pack: bool):
+        """`pack`: lay the concatenated weight out for oneDNN where it can (as `pack_linear_weights` does)."""
+        self.linears = linears
+        self.sizes = [linear.out_features for linear in linears]
+        self.packable = pack and linears[0].weight.dtype in packable_dtypes()
+        self._built_from: list | None = None
+        self._input: torch.Tensor | None = None  # the input whose outputs wait for the other projections
+        self._outputs: tuple[torch.Tensor, ...] = ()
+        self._served: set[int] = set()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused projection of x: [..., sum of the out_features]."""
+        versions = [(linear.weight, weight_version(linear.weight)) for linear in self.linears]
+        if self._built_from is None or any(a is not b or u != v for (a, u), (b, v) in zip(versions, self._built_from)):
+            self._build()
+            self._built_from = versions
+        if self.packable:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def _build(self) -> None:
+        weight = torch.cat([linear.weight.detach() for linear in self.linears])
+        biases = [linear.bias for linear in self.linears]
+        self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT) if self.packable else weight
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Projection `index` of x: computed with its siblings on the first call for this x, then handed out."""
+        if self._input is not x or index in self._served:
+            self._outputs = self(x).split(self.sizes, dim=-1)
+            self._input, self._served = x, set()
+        self._served.add(index)
+        output = self._outputs[index]
+        if len(self._served) == len(self.sizes):  # every sibling has its slice: hold nothing past the layer
+            self.release()
+        return output
+
+    def release(self) -> None:
+        self._input, self._outputs = None, ()
+
+
+class ProjectionSlice(torch.nn.Module):
+    """One projection of a group. `base` is the user's Linear (the LoRA wrappers compute on top of `self`)."""
+
+    def __init__(self, base: torch.nn.Linear, group: ProjectionGroup, index: int):
+        super().__init__()
+        object.__setattr__(self, "base", base)  # not a submodule: nothing registered twice
+        object.__setattr__(self, "group", group)
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.base.weight.dtype:  # what F.linear would refuse, refused the same way
+            return self.base(x)
+        return self.group.output(x, self.index)
+
+
+class FusedMLP(torch.nn.Module):
+    """LlamaMLP's forward with gate/up as one matmul and SiLU-and-multiply as one compiled op."""
+
+    def __init__(self, mlp: torch.nn.Module, group: ProjectionGroup, gate: ProjectionSlice, up: ProjectionSlice):
+        super().__init__()
+        object.__setattr__(self, "mlp", mlp)
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "slices", (gate, up))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        # LoRA wrappers installed over gate/up for this step, or another dtype: the MLP's own forward
+        if ((mlp._modules["gate_proj"], mlp._modules["up_proj"]) != self.slices
+                or x.dtype != mlp.gate_proj.base.weight.dtype):
+            return type(mlp).forward(mlp, x)
+        gate_up = self.group(x)
+        hidden = layer_ops.silu_and_mul(gate_up)
+        if hidden is None:
+            gate, up = gate_up.split(self.group.sizes, dim=-1)
+            hidden = mlp.act_fn(gate) * up
+        return mlp.down_proj(hidden)
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """LlamaRMSNorm's forward as one compiled op (its own forward where the op cannot serve the input)."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "norm", norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = layer_ops.rms_norm(x, self.norm.weight, self.norm.variance_epsilon)
+        return self.norm(x) if out is None else out
+
+
+class FusedLayers:
+    """Every qualifying projection group, MLP and RMSNorm of the model, swapped for its fused stand-in in a step."""
+
+    def __init__(self, model: torch.nn.Module, pack: bool = True):
+        self.pack = pack
+        self.sites: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]] = []
+        self.groups: list[ProjectionGroup] = []
+        if (getattr(model, "tp_size", None) or 1) > 1:  # weight shards (DTensors): left to torch
+            return
+        for parent in list(model.modules()):
+            for names in PROJECTION_GROUPS:
+                self._add_group(parent, names)
+            for name, child in parent._modules.items():
+                if _same_forward(child, LlamaRMSNorm) and _on_cpu(child):
+                    self.sites.append((parent, name, child, FusedRMSNorm(child)))
+        self._add_mlps(model)
+
+    @property
+    def fused_linears(self) -> set[int]:
+        """ids of the Linears computed by a group (the packed linears leave them alone)."""
+        return {id(linear) for group in self.groups for linear in group.linears}
+
+    def _add_group(self, parent: torch.nn.Module, names: tuple[str, ...]) -> None:
+        linears = [parent._modules.get(name) for name in names]
+        if not all(_plain_linear(linear) for linear in linears):
+            return
+        first = linears[0]
+        if any(linear.in_features != first.in_features or linear.weight.dtype != first.weight.dtype
+               or (linear.bias is None) != (first.bias is None) for linear in linears):
+            return
+        group = ProjectionGroup(linears, self.pack)
+        self.groups.append(group)
+        for index, (name, linear) in enumerate(zip(names, linears)):
+            self.sites.append((parent, name, linear, ProjectionSlice(linear, group, index)))
+
+    def _add_mlps(self, model: torch.nn.Module) -> None:
+        slices = {(id(parent), name): stand_in for parent, name, _, stand_in in self.sites}
+        for parent in list(model.modules()):
+            for name, child in parent._modules.items():
+                gate, up = slices.get((id(child), "gate_proj")), slices.get((id(child), "up_proj"))
+                if (gate is not None and up is not None and gate.group is up.group and _same_forward(child, LlamaMLP)
+                        and isinstance(getattr(child, "act_fn", None), SILU_TYPES)):
+                    self.sites.append((parent, name, child, FusedMLP(child, gate.group, gate, up)))
+
+    def __enter__(self) -> None:
+        for parent, name, _, stand_in in self.sites:
+            parent._modules[name] = stand_in
+
+    def __exit__(self, *exc) -> None:
+        for parent, name, original, _ in self.sites:
+            parent._modules[name] = original
+        for group in self.groups:
+            group.release()
+
+
+def _same_forward(module: torch.nn.Module | None, reference: type) -> bool:
+    """The module's class runs `reference`'s forward code (the same bytecode and names), with no hooks."""
+    if module is None or module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+        return False
+    code, expected = type(module).forward.__code__, reference.forward.__code__
+    return code.co_code == expected.co_code and code.co_names == expected.co_names
+
+
+def _on_cpu(module: torch.nn.Module) -> bool:
+    return all(p.device.type == "cpu" for p in module.parameters(recurse=False))
+
+
+def _plain_linear(module: torch.nn.Module | None) -> bool:
+    """A plain Linear with its weight in CPU memory: not a subclass (peft, quantized layers), not offloaded or
+    dispatched by accelerate hooks, no hooks of its own."""
+    if type(module) is not torch.nn.Linear or hasattr(module, "_hf_hook"):
+        return False
+    if module._forward_hooks or module._forward_pre_hooks:
+        return False
+    weight = module.weight
+    return type(weight) in (torch.nn.Parameter, torch.Tensor) and weight.device.type == "cpu" and weight.dim() == 2

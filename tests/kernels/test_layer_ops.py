@@ -1,0 +1,64 @@
+"""The compiled RMSNorm and SiLU-and-multiply (kernels/layer_ops.py) against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_hf.kernels import layer_ops
+
+TOLERANCE = {torch.float32: 2e-7, torch.float64: 1e-14, torch.bfloat16: 0.0}  # bf16: rounded where torch rounds
+NORM_TOLERANCE = {**TOLERANCE, torch.float64: 1e-6}  # HF's RMSNorm computes in float32 whatever the dtype
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward (float32 inside, also for a float64 input)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _available(dtype):
+    if layer_ops._entry_points(dtype) is None:
+        pytest.skip("the compiled ops are unavailable here (no C++ compiler)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows, cols", [(1, 576), (7, 64), (130, 100), (3, 37)])
+def test_rms_norm_matches_transformers(dtype, rows, cols):
+    _available(dtype)
+    torch.manual_seed(rows + cols)
+    x, weight = (torch.randn(rows, cols) * 3).to(dtype), torch.randn(cols).to(dtype)
+    expected = hf_rms_norm(x, weight, 1e-6)
+    got = layer_ops.rms_norm(x, weight, 1e-6)
+    scale = expected.double().abs().max()
+    assert ((got.double() - expected.double()).abs().max() / scale).item() <= NORM_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (9, 64), (200, 40), (2, 19)])
+def test_silu_and_mul_matches_torch(dtype, rows, inter):
+    _available(dtype)
+    torch.manual_seed(rows + inter)
+    gate_up = (torch.randn(1, rows, 2 * inter) * 4).to(dtype)
+    gate, up = gate_up.split([inter, inter], dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = layer_ops.silu_and_mul(gate_up)
+    assert got.shape == expected.shape
+    if dtype == torch.bfloat16:  # silu's exp may differ by an ulp of float before the bf16 rounding
+        torch.testing.assert_close(got, expected, atol=0, rtol=2 ** -7)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=TOLERANCE[dtype] or 1e-6)
+
+
+def test_strided_rows_are_read_in_place_and_uneven_ones_are_refused():
+    _available(torch.float32)
+    fused = torch.randn(5, 3 * 48)
+    q = fused[:, :48]  # a slice of a fused projection: rows 144 elements apart
+    weight = torch.randn(48)
+    torch.testing.assert_close(layer_ops.rms_norm(q, weight, 1e-5), hf_rms_norm(q, weight, 1e-5))
+    heads = fused[:, :48].view(5, 3, 16)  # per-head rows, not evenly strided across tokens
+    assert layer_ops.rms_norm(heads, torch.randn(16), 1e-5) is None
+    assert layer_ops.rms_norm(torch.randn(4, 8, dtype=torch.float16), torch.randn(8, dtype=torch.float16), 1e-5) is None
+    assert layer_ops.silu_and_mul(torch.randn(3, 7)) is None  # odd width: no gate/up halves
