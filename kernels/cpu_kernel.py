@@ -35,6 +35,7 @@ class NativeDecodes:
     context_lens: torch.Tensor  # [num_rows] int64: the keys each row attends to (causal within a sequence)
     seq_starts: torch.Tensor  # [num_seqs + 1] int64: sequence s is the rows [seq_starts[s], seq_starts[s + 1])
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with block 0 (never read)
+    in_order: bool = False  # rows are 0, 1, 2, ...: with every token of the step a decode, no gather/scatter
 
 
 @dataclass
@@ -113,9 +114,12 @@ class CpuKernel(TorchKernel):
         assert key_cache.is_contiguous() and value_cache.is_contiguous()
         assert (scales is not None) == (key_cache.dtype in native.QUANTIZED_DTYPES)
         assert scales is not None or query.dtype == key_cache.dtype
-        # [num_rows, num_heads, head_dim], contiguous, in the compute dtype (float32 for a bf16/fp16/int8/fp8 cache)
-        q = query.index_select(0, decodes.rows).to(self.compute_dtype)
-        out = torch.empty_like(q)
+        # [num_rows, num_heads, head_dim], contiguous, in the compute dtype (float32 for a bf16/fp16/int8/fp8 cache);
+        # a step of decodes only reads the query and writes the output in place
+        whole = decodes.in_order and decodes.rows.numel() == query.shape[0]
+        q = (query if whole else query.index_select(0, decodes.rows)).to(self.compute_dtype).contiguous()
+        in_place = whole and output.dtype == self.compute_dtype and output.is_contiguous()
+        out = output if in_place else torch.empty_like(q)
         scale_pointers = (None, None) if scales is None else (scales.key.data_ptr(), scales.value.data_ptr())
         status = self._functions[head_dim](
             q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *scale_pointers, decodes.block_tables.data_ptr(),
@@ -125,7 +129,10 @@ class CpuKernel(TorchKernel):
         )
         if status != 0:
             raise RuntimeError(f"paged decode kernel failed (status {status}: {'out of memory' if status == 1 else 'head_dim'})")
-        output.index_copy_(0, decodes.rows, out.to(output.dtype))
+        if whole and not in_place:
+            output.copy_(out)
+        elif not whole:
+            output.index_copy_(0, decodes.rows, out.to(output.dtype))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan, *, scaling, sliding_window,
                         softcap, scales=None) -> None:
@@ -166,6 +173,7 @@ def _native_decodes(queries: list[Query]) -> NativeDecodes | None:
         seq_starts=torch.tensor(starts, dtype=torch.long),
         block_tables=torch.tensor([q.block_table + [0] * (max_blocks - len(q.block_table)) for q in queries],
                                   dtype=torch.long),
+        in_order=rows == list(range(len(rows))),
     )
 
 
