@@ -1,7 +1,7 @@
-"""The decoder layer's elementwise ops as single compiled calls on CPU (`csrc/layer_ops.cpp`): RMSNorm and
-SiLU-and-multiply. Each function returns None where the compiled op cannot serve its arguments (another device or
-dtype, rows that are not evenly strided, no compiler), and the caller then runs the model's own torch ops, which
-are also what these are tested against.
+"""The decoder layer's elementwise ops as single compiled calls on CPU (`csrc/layer_ops.cpp`): RMSNorm,
+SiLU-and-multiply and rotary embeddings. Each function returns None (False) where the compiled op cannot serve its
+arguments (another device or dtype, rows that are not evenly strided, no compiler), and the caller then runs the
+model's own torch ops, which are also what these are tested against.
 """
 
 from __future__ import annotations
@@ -48,6 +48,23 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> bool:
+    """HF's rotary embedding (`x * cos + rotate_half(x) * sin`) applied in place to the first `heads` heads of each
+    row of x [..., >= heads * head_dim] (the q and k heads of a fused q/k/v output), with cos/sin [..., head_dim]
+    one row per row of x; False (x untouched) where the compiled op cannot serve them."""
+    rows, cos_rows, sin_rows = _row_view(x), _row_view(cos), _row_view(sin)
+    if (rows is None or cos_rows is None or sin_rows is None or head_dim % 2 or cos.dtype != x.dtype
+            or sin.dtype != x.dtype or cos_rows.shape != (rows.shape[0], head_dim) or sin_rows.shape != cos_rows.shape
+            or sin_rows.stride(0) != cos_rows.stride(0) or rows.shape[1] < heads * head_dim):
+        return False
+    function = _entry_points(x.dtype)
+    if function is None:
+        return False
+    function[2](rows.data_ptr(), rows.stride(0), cos_rows.data_ptr(), sin_rows.data_ptr(), cos_rows.stride(0),
+                rows.shape[0], heads, head_dim, torch.get_num_threads())
+    return True
+
+
 def _row_view(x: torch.Tensor) -> torch.Tensor | None:
     """x as [rows, cols] with contiguous rows an even stride apart (a view, no copy), or None."""
     if x.device.type != "cpu" or x.dim() == 0 or x.stride(-1) != 1 or x.requires_grad:
@@ -60,7 +77,7 @@ def _row_view(x: torch.Tensor) -> torch.Tensor | None:
 
 @functools.lru_cache(maxsize=None)
 def _entry_points(dtype: torch.dtype):
-    """(rms_norm, silu_mul) compiled for `dtype`, or None (other dtypes; no compiler: logged once)."""
+    """(rms_norm, silu_mul, rotary) compiled for `dtype`, or None (other dtypes; no compiler: logged once)."""
     if dtype not in NATIVE_DTYPES:
         return None
     try:
@@ -78,4 +95,8 @@ def _entry_points(dtype: torch.dtype):
     silu.restype = ctypes.c_int
     silu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                      ctypes.c_int64, ctypes.c_int]
-    return rms, silu
+    rotary = getattr(library, f"rotary_{suffix}")
+    rotary.restype = ctypes.c_int
+    rotary.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    return rms, silu, rotary

@@ -2,6 +2,8 @@
 // RMSNorm is 8 ops with two dtype casts in bf16; SiLU-and-multiply is 2 plus the slices of the fused gate/up):
 //   rms_norm:  out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)      (HF's LlamaRMSNorm)
 //   silu_mul:  out = silu(gate) * up, gate and up the two halves of one row (the fused gate/up projection's output)
+//   rotary:    x = x * cos + rotate_half(x) * sin, in place, for the first `heads` heads of each row (the q and k
+//              heads of the fused q/k/v projection's output; HF's apply_rotary_pos_emb)
 // Rounding follows the torch ops they replace: bf16 is computed in float and rounded where torch rounds (the
 // normalized row before the weight, silu(gate) before the product); only the order of the mean's sum differs.
 //
@@ -84,6 +86,22 @@ void silu_mul_row(const T *gate_up, T *out, int64_t cols) {
   }
 }
 
+// rotate_half(x) = cat(-x2, x1); each product and the sum rounded as torch's three bf16 ops round them
+template <typename T>
+void rotary_row(T *row, const T *cos, const T *sin, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T *x = row + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = load1(x + i), x2 = load1(x + half + i);
+      const float first = round_as(x, x1 * load1(cos + i)) + round_as(x, -x2 * load1(sin + i));
+      const float second = round_as(x, x2 * load1(cos + half + i)) + round_as(x, x1 * load1(sin + half + i));
+      store1(x + i, first);
+      store1(x + half + i, second);
+    }
+  }
+}
+
 // --- float64 rows: the reference dtype, plain loops. HF's RMSNorm computes in float32 whatever the input, so
 // the normalized row is float here too; the weight multiplies in double.
 void rms_norm_row(const double *x, double *out, const double *weight, int64_t cols, double eps) {
@@ -96,6 +114,18 @@ void rms_norm_row(const double *x, double *out, const double *weight, int64_t co
 
 void silu_mul_row(const double *gate_up, double *out, int64_t cols) {
   for (int64_t k = 0; k < cols; ++k) out[k] = gate_up[k] / (1.0 + std::exp(-gate_up[k])) * gate_up[cols + k];
+}
+
+void rotary_row(double *row, const double *cos, const double *sin, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    double *x = row + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const double x1 = x[i], x2 = x[half + i];
+      x[i] = x1 * cos[i] + (-x2 * sin[i]);
+      x[half + i] = x2 * cos[half + i] + x1 * sin[half + i];
+    }
+  }
 }
 
 template <typename F>
@@ -128,6 +158,16 @@ int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stri
   return 0;
 }
 
+template <typename T>
+int rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t cs_stride, int64_t rows,
+           int64_t heads, int64_t head_dim, int threads) {
+  T *xs = static_cast<T *>(x);
+  const T *c = static_cast<const T *>(cos), *s = static_cast<const T *>(sin);
+  for_rows(rows, heads * head_dim, threads,
+           [&](int64_t i) { rotary_row(xs + i * x_stride, c + i * cs_stride, s + i * cs_stride, heads, head_dim); });
+  return 0;
+}
+
 }  // namespace
 
 #define PAGED_HF_LAYER_OPS(NAME, T)                                                                              \
@@ -138,6 +178,10 @@ int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stri
   extern "C" int silu_mul_##NAME(const void *gate_up, int64_t in_stride, void *out, int64_t out_stride,         \
                                  int64_t rows, int64_t cols, int threads) {                                     \
     return silu_mul<T>(gate_up, in_stride, out, out_stride, rows, cols, threads);                               \
+  }                                                                                                             \
+  extern "C" int rotary_##NAME(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t cs_stride,  \
+                               int64_t rows, int64_t heads, int64_t head_dim, int threads) {                   \
+    return rotary<T>(x, x_stride, cos, sin, cs_stride, rows, heads, head_dim, threads);                         \
   }
 
 PAGED_HF_LAYER_OPS(float32, float)

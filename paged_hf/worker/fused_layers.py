@@ -6,7 +6,9 @@ with its dispatch overhead. During a step:
   concatenated (packed for oneDNN where it can), and each projection's stand-in returns its slice of the output;
 - an MLP whose forward is LlamaMLP's (`down(act(gate(x)) * up(x))`, SiLU) runs SiLU-and-multiply as one compiled
   op on that fused output;
-- an RMSNorm whose forward is LlamaRMSNorm's runs as one compiled op (eight torch ops and two casts in bf16).
+- an RMSNorm whose forward is LlamaRMSNorm's runs as one compiled op (eight torch ops and two casts in bf16);
+- an attention whose forward is LlamaAttention's rotates q and k in place in the fused q/k/v output, one compiled
+  op for the ~12 of `apply_rotary_pos_emb`, then calls the attention function exactly as its own forward does.
 A module qualifies by its forward's code, not its class name: the transformers families copied from Llama
 (Mistral, Qwen2, Qwen3, ...) share that code; anything else keeps its own forward.
 
@@ -17,9 +19,12 @@ The same arithmetic in another order: bf16 results are rounded where torch round
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.activations import SiLUActivation
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
 from paged_hf.kernels import layer_ops
 from paged_hf.worker.packed_linears import packable_dtypes, weight_version
@@ -112,6 +117,42 @@ class FusedMLP(torch.nn.Module):
         return mlp.down_proj(hidden)
 
 
+class FusedAttention(torch.nn.Module):
+    """LlamaAttention's forward with q/k/v as one matmul and the rotary embedding as one in-place compiled op."""
+
+    def __init__(self, attention: torch.nn.Module, group: ProjectionGroup, slices: tuple[ProjectionSlice, ...]):
+        super().__init__()
+        object.__setattr__(self, "attention", attention)
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "slices", slices)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                **kwargs):
+        attention = self.attention
+        if (tuple(attention._modules[name] for name in PROJECTION_GROUPS[0]) != self.slices  # LoRA wrappers
+                or hidden_states.dtype != attention.q_proj.base.weight.dtype or "past_key_values" in kwargs):
+            return type(attention).forward(attention, hidden_states, position_embeddings, attention_mask, cache,
+                                           **kwargs)
+        input_shape, head_dim = hidden_states.shape[:-1], attention.head_dim
+        qkv = self.group(hidden_states)
+        cos, sin = position_embeddings
+        rotated = layer_ops.rotate_in_place(qkv, cos, sin, (self.group.sizes[0] + self.group.sizes[1]) // head_dim,
+                                            head_dim)
+        hidden_shape = (*input_shape, -1, head_dim)
+        query, key, value = (part.view(hidden_shape).transpose(1, 2) for part in qkv.split(self.group.sizes, dim=-1))
+        if not rotated:
+            query, key = modeling_llama.apply_rotary_pos_emb(query, key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
+        attention_interface = modeling_llama.ALL_ATTENTION_FUNCTIONS.get_interface(
+            attention.config._attn_implementation, modeling_llama.eager_attention_forward)
+        output, weights = attention_interface(attention, query, key, value, attention_mask,
+                                              dropout=0.0 if not attention.training else attention.attention_dropout,
+                                              scaling=attention.scaling, **kwargs)
+        output = output.reshape(*input_shape, -1).contiguous()
+        return attention.o_proj(output), weights
+
+
 class FusedRMSNorm(torch.nn.Module):
     """LlamaRMSNorm's forward as one compiled op (its own forward where the op cannot serve the input)."""
 
@@ -160,6 +201,7 @@ class FusedLayers:
             self.sites.append((parent, name, linear, ProjectionSlice(linear, group, index)))
 
     def _add_mlps(self, model: torch.nn.Module) -> None:
+        """The MLPs and attentions around the groups, where their forwards are Llama's."""
         slices = {(id(parent), name): stand_in for parent, name, _, stand_in in self.sites}
         for parent in list(model.modules()):
             for name, child in parent._modules.items():
@@ -167,6 +209,10 @@ class FusedLayers:
                 if (gate is not None and up is not None and gate.group is up.group and _same_forward(child, LlamaMLP)
                         and isinstance(getattr(child, "act_fn", None), SILU_TYPES)):
                     self.sites.append((parent, name, child, FusedMLP(child, gate.group, gate, up)))
+                qkv = tuple(slices.get((id(child), projection)) for projection in PROJECTION_GROUPS[0])
+                if (all(qkv) and len({id(s.group) for s in qkv}) == 1 and _runs_llama_attention(child)
+                        and all(size % child.head_dim == 0 for size in qkv[0].group.sizes)):
+                    self.sites.append((parent, name, child, FusedAttention(child, qkv[0].group, qkv)))
 
     def __enter__(self) -> None:
         for parent, name, _, stand_in in self.sites:
@@ -183,8 +229,27 @@ def _same_forward(module: torch.nn.Module | None, reference: type) -> bool:
     """The module's class runs `reference`'s forward code (the same bytecode and names), with no hooks."""
     if module is None or module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
         return False
-    code, expected = type(module).forward.__code__, reference.forward.__code__
-    return code.co_code == expected.co_code and code.co_names == expected.co_names
+    return _same_code(type(module).forward, reference.forward)
+
+
+def _runs_llama_attention(module: torch.nn.Module) -> bool:
+    """LlamaAttention's forward (under the same decorator) with Llama's rotary functions in its module."""
+    if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+        return False
+    forward, expected = type(module).forward, LlamaAttention.forward
+    inner, expected_inner = inspect.unwrap(forward), inspect.unwrap(expected)
+    if not (_same_code(forward, expected) and _same_code(inner, expected_inner)):
+        return False
+    for name in ("apply_rotary_pos_emb", "rotate_half"):  # the names its code calls, in its own module
+        found = inner.__globals__.get(name)
+        if found is None or not _same_code(inspect.unwrap(found), inspect.unwrap(getattr(modeling_llama, name))):
+            return False
+    return True
+
+
+def _same_code(function, expected) -> bool:
+    code, expected_code = function.__code__, expected.__code__
+    return code.co_code == expected_code.co_code and code.co_names == expected_code.co_names
 
 
 def _on_cpu(module: torch.nn.Module) -> bool:

@@ -62,3 +62,28 @@ def test_strided_rows_are_read_in_place_and_uneven_ones_are_refused():
     assert layer_ops.rms_norm(heads, torch.randn(16), 1e-5) is None
     assert layer_ops.rms_norm(torch.randn(4, 8, dtype=torch.float16), torch.randn(8, dtype=torch.float16), 1e-5) is None
     assert layer_ops.silu_and_mul(torch.randn(3, 7)) is None  # odd width: no gate/up halves
+
+
+def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor [tokens, heads, head_dim], cos/sin [tokens, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rotary_in_place_matches_transformers_and_leaves_v_alone(dtype):
+    _available(dtype)
+    torch.manual_seed(3)
+    tokens, q_heads, kv_heads, head_dim = 11, 4, 2, 16
+    qkv = torch.randn(1, tokens, (q_heads + 2 * kv_heads) * head_dim).to(dtype)
+    angles = torch.randn(1, tokens, head_dim // 2).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q, k, v = (t.reshape(tokens, -1, head_dim) for t in qkv[0].split([q_heads * head_dim, kv_heads * head_dim,
+                                                                       kv_heads * head_dim], dim=-1))
+    expected_q, expected_k, expected_v = hf_rotary(q, cos[0], sin[0]), hf_rotary(k, cos[0], sin[0]), v.clone()
+    assert layer_ops.rotate_in_place(qkv, cos, sin, q_heads + kv_heads, head_dim)
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 0.0, torch.float64: 1e-15}[dtype]
+    for got, expected in ((q, expected_q), (k, expected_k), (v, expected_v)):
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    assert not layer_ops.rotate_in_place(qkv, cos[..., :8], sin[..., :8], q_heads, head_dim)  # partial rotary

@@ -9,7 +9,7 @@ from conftest import hf_greedy, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.worker.fused_layers import FusedLayers, FusedMLP, FusedRMSNorm, ProjectionSlice
+from paged_hf.worker.fused_layers import FusedAttention, FusedLayers, FusedMLP, FusedRMSNorm, ProjectionSlice
 
 
 def _kinds(fused: FusedLayers) -> dict[str, int]:
@@ -20,9 +20,9 @@ def _kinds(fused: FusedLayers) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("family, expected", [
-    ("llama", {"ProjectionSlice": 10, "FusedRMSNorm": 5, "FusedMLP": 2}),
-    ("qwen3", {"ProjectionSlice": 10, "FusedRMSNorm": 9, "FusedMLP": 2}),  # + q_norm/k_norm per layer
-    ("gemma", {"ProjectionSlice": 10}),  # (1 + weight) RMSNorm and a GELU MLP: their own forwards
+    ("llama", {"ProjectionSlice": 10, "FusedRMSNorm": 5, "FusedMLP": 2, "FusedAttention": 2}),
+    ("qwen3", {"ProjectionSlice": 10, "FusedRMSNorm": 9, "FusedMLP": 2}),  # q_norm/k_norm: its own attention
+    ("gemma", {"ProjectionSlice": 10, "FusedAttention": 2}),  # (1 + weight) RMSNorm, GELU MLP: their own
     ("phi3", {"FusedRMSNorm": 5}),  # qkv_proj and gate_up_proj: already one Linear each
 ])
 def test_stand_ins_go_where_the_module_runs_llamas_code(family, expected):
@@ -40,9 +40,10 @@ def test_engine_tokens_equal_transformers_with_the_fused_layers(family):
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 10) for p in prompts]
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_fused_forward_matches_the_models_own(dtype):
-    model = tiny_model("qwen3", dtype=dtype)
+def test_fused_forward_matches_the_models_own(dtype, family):
+    model = tiny_model(family, dtype=dtype)
     ids = torch.tensor([random_prompts([29])[0]])
     with torch.inference_mode():
         expected = model(ids).logits
@@ -59,8 +60,9 @@ def test_the_model_is_untouched_outside_a_step_and_restored_after_an_error():
     model = tiny_model("llama")
     before = dict(model.named_modules())
     fused = FusedLayers(model)
+    attention = model.model.layers[1].self_attn
     with pytest.raises(RuntimeError, match="boom"), fused:
-        assert type(model.model.layers[1].self_attn.k_proj) is ProjectionSlice
+        assert type(attention.k_proj) is ProjectionSlice and type(model.model.layers[1].self_attn) is FusedAttention
         raise RuntimeError("boom")
     assert dict(model.named_modules()) == before
     assert all(group._input is None for group in fused.groups)  # no activation held past the step
@@ -95,6 +97,6 @@ def test_hooked_modules_and_the_option_keep_the_models_own_forward():
     model = tiny_model("llama")
     model.model.layers[0].mlp.register_forward_hook(lambda *args: None)
     model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda *args: None)
-    assert _kinds(FusedLayers(model)) == {"ProjectionSlice": 7, "FusedRMSNorm": 5, "FusedMLP": 1}
+    assert _kinds(FusedLayers(model)) == {"ProjectionSlice": 7, "FusedRMSNorm": 5, "FusedMLP": 1, "FusedAttention": 1}
     runner = paged_hf.wrap(tiny_model("llama"), num_blocks=16, fuse_layers=False).generator.runner
     assert not isinstance(runner.fused_layers, FusedLayers)
