@@ -27,6 +27,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
 from paged_hf.kernels import layer_ops
+from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.packed_linears import packable_dtypes, weight_version
 
 #: sibling Linears that read the same input in the transformers models that follow Llama's layout
@@ -144,8 +145,7 @@ class FusedAttention(torch.nn.Module):
             query, key = modeling_llama.apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
-        attention_interface = modeling_llama.ALL_ATTENTION_FUNCTIONS.get_interface(
-            attention.config._attn_implementation, modeling_llama.eager_attention_forward)
+        attention_interface = attention_function(attention, modeling_llama.eager_attention_forward)
         output, weights = attention_interface(attention, query, key, value, attention_mask,
                                               dropout=0.0 if not attention.training else attention.attention_dropout,
                                               scaling=attention.scaling, **kwargs)

@@ -11,6 +11,7 @@ from paged_hf.core.scheduler import SchedulerOutput
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
 from paged_hf.kernels import select_kernel
 from paged_hf.kernels.quant import storage_dtype
+from paged_hf.worker.attention_switch import AttentionSwitch
 from paged_hf.worker.fused_layers import FusedLayers
 from paged_hf.worker.kv_offload import make_kv_offload
 from paged_hf.worker.model_info import ModelInfo
@@ -31,7 +32,7 @@ class ModelRunner:
         self.cache = PagedCache(num_blocks, config.block_size, info.num_kv_heads, info.head_dim, info.dtype,
                                 info.layer_devices, self.kernel, kv_dtype)
         self.logits_device = info.logits_device  # seeded requests' generators live there
-        self.attention_switch = _AttentionSwitch(model, ATTENTION_NAME)
+        self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
         fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()
@@ -83,22 +84,3 @@ class ModelRunner:
     def _lora_step(self, adapter_slots: torch.Tensor | None):
         """Per-token LoRA routing for this forward only (a no-op without adapter tokens)."""
         return self.lora.step(adapter_slots) if self.lora is not None else contextlib.nullcontext()
-
-
-class _AttentionSwitch:
-    """Switches the model to the paged attention function for one forward, and back: outside our steps the
-    user's model keeps its own attention implementation (a plain forward is untouched)."""
-
-    def __init__(self, model: torch.nn.Module, name: str):
-        configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
-        self.configs = list({id(c): c for c in configs}.values())
-        self.name = name
-
-    def __enter__(self):
-        self.previous = [c._attn_implementation for c in self.configs]
-        for c in self.configs:
-            c._attn_implementation = self.name
-
-    def __exit__(self, *exc):
-        for c, previous in zip(self.configs, self.previous):
-            c._attn_implementation = previous
