@@ -5,6 +5,8 @@
   `y = base(x) + B[slot] @ (A[slot] @ x)` for each token with one call for all adapters (`kernels/lora.py`: the
   compiled SGMV kernel on CPU, torch ops per slot elsewhere); the tokens are grouped by slot once per step. Without
   routing it is exactly the base Linear, and the base weights are never modified.
+- `LoRAGroup`: the wrappers of one module that read the same input tensor (q/k/v, gate/up; learnt from the first
+  adapter step) share that call: the first one called computes all their outputs.
 - `LoRAManager` holds the adapters in host memory (what new requests get, by name), copies the ones a step needs
   into the `max_loras` device slots (least recently used slot evicted first) and installs the wrappers around the
   forward. An adapter's version follows its content: the same files read again are the same version (the same
@@ -34,7 +36,15 @@ from paged_hf.integrations.peft import (
     is_peft_lora_layer,
     read_adapter_files,
 )
-from paged_hf.kernels.lora import LoRASegments, apply_lora, kernel_weights, lora_segments
+from paged_hf.kernels.lora import (
+    KernelCall,
+    LoRASegments,
+    apply_lora,
+    apply_lora_group,
+    kernel_call,
+    kernel_weights,
+    lora_segments,
+)
 
 
 class LoRARouting:
@@ -59,6 +69,58 @@ class LoRAContext:
     """Shared by all wrappers of one engine: the runner sets `routing` before a step's forward and clears it."""
 
     routing: LoRARouting | None = None
+    probing: bool = False  # this step records the input each wrapper sees (LoRAManager forms groups from it)
+
+
+class LoRAGroup:
+    """Wrapped Linears of one module that read the same input tensor in a step (q/k/v, gate/up): the first of
+    them called with an x computes every member's base output and adds all their updates in one kernel call; the
+    others then return their output, already updated. Why: one call instead of one per Linear (a call costs
+    several us of fixed work: ctypes, the checks, the parallel region), and x is read once for all.
+
+    Safe for any call order: a member called with another x (by identity) computes the group again; a member's
+    output left unclaimed when another x comes means the members do not share inputs, and the group is undone
+    (each member computes alone from then on)."""
+
+    def __init__(self, members: list[LoRALinear]):
+        self.members = members
+        self._call: KernelCall | None = None
+        self._call_for: list | None = None  # the members' kernel_weights the call was made for
+        self._input: torch.Tensor | None = None
+        self._pending: dict[LoRALinear, torch.Tensor] = {}  # outputs computed for `_input`, not yet returned
+
+    def forward(self, member: LoRALinear, x: torch.Tensor, routing: LoRARouting) -> torch.Tensor:
+        if x is self._input:
+            y = self._pending.pop(member, None)
+            if y is not None:
+                return y
+        elif self._pending:  # siblings' outputs for another x were never asked for: the inputs are not shared
+            self.dissolve()
+            return member.forward(x)
+        outputs = [m.base_output(x) for m in self.members]
+        x2 = member.rows(x, routing)
+        layers = [(m.lora_a, m.lora_bt, m.ranks) for m in self.members]
+        apply_lora_group([y.view(-1, y.shape[-1]) for y in outputs], x2, layers, routing.segments(x.device),
+                         self._kernel_call())
+        self._input = x
+        self._pending = {m: y for m, y in zip(self.members, outputs) if m is not member}
+        return outputs[self.members.index(member)]
+
+    def _kernel_call(self) -> KernelCall | None:
+        """Made again when a member's buffers grew (a larger rank)."""
+        weights = [m.kernel_weights for m in self.members]
+        if self._call_for is None or any(a is not b for a, b in zip(weights, self._call_for)):
+            self._call, self._call_for = kernel_call(weights), weights
+        return self._call
+
+    def release(self) -> None:
+        """Hold no tensor past the step."""
+        self._input, self._pending = None, {}
+
+    def dissolve(self) -> None:
+        self.release()
+        for member in self.members:
+            member.group = None
 
 
 class LoRALinear(torch.nn.Module):
@@ -74,8 +136,14 @@ class LoRALinear(torch.nn.Module):
         dtype = base.weight.dtype
         self.lora_a = torch.zeros(max_loras, 0, base.in_features, dtype=dtype, device=device)  # [slots, r, in]
         self.lora_bt = torch.zeros(max_loras, 0, base.out_features, dtype=dtype, device=device)  # [slots, r, out]
-        # what the compiled kernel reads of the buffers (kernels.lora.kernel_weights), made again when they grow
+        self._update_kernel_call()
+        self.group: LoRAGroup | None = None  # siblings that read the same x (LoRAManager forms them)
+        self.seen_input: torch.Tensor | None = None  # the first x of a probing step
+
+    def _update_kernel_call(self) -> None:
+        """What the compiled kernel reads of the buffers (kernels.lora), made again when they grow."""
         self.kernel_weights = kernel_weights(self.lora_a, self.lora_bt, self.ranks)
+        self.kernel_call = kernel_call([self.kernel_weights])
 
     def set_slot(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's (A [r, in], B [out, r]) into `slot` (None: this adapter does not touch the module).
@@ -84,7 +152,7 @@ class LoRALinear(torch.nn.Module):
         if rank > self.lora_a.shape[1]:
             self.lora_a = torch.nn.functional.pad(self.lora_a, (0, 0, 0, rank - self.lora_a.shape[1]))
             self.lora_bt = torch.nn.functional.pad(self.lora_bt, (0, 0, 0, rank - self.lora_bt.shape[1]))
-            self.kernel_weights = kernel_weights(self.lora_a, self.lora_bt, self.ranks)
+            self._update_kernel_call()
         self.lora_a[slot].zero_()
         self.lora_bt[slot].zero_()
         if pair is not None:
@@ -92,16 +160,28 @@ class LoRALinear(torch.nn.Module):
             self.lora_bt[slot, :rank].copy_(pair[1].T)
         self.ranks[slot] = rank
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = (self.packed_base or self.base)(x)  # [..., out]
-        routing = self.context.routing
-        if routing is None:
-            return y
-        x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
+    def base_output(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.packed_base or self.base)(x)  # [..., out]
+
+    def rows(self, x: torch.Tensor, routing: LoRARouting) -> torch.Tensor:
+        """x as [num_tokens, in], checked against the step."""
+        x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] != routing.num_tokens:
             raise RuntimeError(f"a LoRA layer got {x2.shape[0]} tokens in a step of {routing.num_tokens}")
-        apply_lora(y.view(-1, y.shape[-1]), x2, self.lora_a, self.lora_bt, self.ranks, routing.segments(x.device),
-                   self.kernel_weights)
+        return x2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = self.context
+        routing = context.routing
+        if routing is None:
+            return self.base_output(x)
+        if context.probing and self.seen_input is None:
+            self.seen_input = x
+        if self.group is not None:
+            return self.group.forward(self, x, routing)
+        y = self.base_output(x)
+        apply_lora(y.view(-1, y.shape[-1]), self.rows(x, routing), self.lora_a, self.lora_bt, self.ranks,
+                   routing.segments(x.device), self.kernel_call)
         return y
 
 
@@ -126,6 +206,8 @@ class LoRAManager:
         self.num_swaps = 0  # adapters copied into a device slot so far
         # serving a PeftModel: its own LoRA layers must be bypassed in every step, also without adapter tokens
         self.always_route = False
+        self.groups: list[LoRAGroup] = []
+        self._probe = True  # the next step records which wrappers read the same input (new wrappers: again)
 
     # --- loading --------------------------------------------------------------------------------------
     def load(self, name: str, path) -> LoRAAdapter:
@@ -173,6 +255,7 @@ class LoRAManager:
         device = execution_device(modules, module_path) or base.weight.device
         self.wrappers[module_path] = LoRALinear(base, self.context, self.max_loras, device)
         self._sites[module_path] = (parent, attribute)
+        self._probe = True
 
     def unload(self, name: str) -> None:
         """New requests can no longer use it; requests already running keep their weights until they finish."""
@@ -235,9 +318,31 @@ class LoRAManager:
                                    original if getattr(original, "base", None) is wrapper.base else None)
                 parent._modules[attribute] = wrapper
             self.context.routing = LoRARouting(token_slots)
+            self.context.probing = self._probe
             yield
+            if self._probe:
+                self._form_groups()
         finally:
             self.context.routing = None
+            self.context.probing = False
+            for group in self.groups:
+                group.release()
             for module_path, original in originals.items():
                 parent, attribute = self._sites[module_path]
                 parent._modules[attribute] = original
+                self.wrappers[module_path].seen_input = None
+
+    def _form_groups(self) -> None:
+        """Group the wrappers of one parent module that read the same input tensor in the step just run."""
+        for group in self.groups:
+            group.dissolve()
+        by_input: dict[tuple, list[LoRALinear]] = {}
+        for module_path, wrapper in self.wrappers.items():
+            if wrapper.seen_input is not None:  # held until the step's end: its id is not reused before
+                key = (id(self._sites[module_path][0]), id(wrapper.seen_input), wrapper.lora_a.device)
+                by_input.setdefault(key, []).append(wrapper)
+        self.groups = [LoRAGroup(members) for members in by_input.values() if len(members) > 1]
+        for group in self.groups:
+            for member in group.members:
+                member.group = group
+        self._probe = False

@@ -1,18 +1,20 @@
-// Multi-LoRA for one linear layer and one packed step, every adapter at once (Punica's SGMV on the CPU):
-//   y[t] += B[slot(t)] @ (A[slot(t)] @ x[t])   for every token t of the step that has an adapter.
+// Multi-LoRA for the linears of one packed step that read the same x, every adapter at once (Punica's SGMV on
+// the CPU): for each member linear m (one alone, or q/k/v, or gate/up),
+//   y_m[t] += B_m[slot(t)] @ (A_m[slot(t)] @ x[t])   for every token t of the step that has an adapter.
 // Tokens come grouped by adapter slot (`order`, cut into segments by `seg_starts`), so a segment's A and B are
 // read once per tile of kTile tokens and stay in cache, whatever the number of adapters in the step. The
 // shrink (A @ x, rank r) and the expand (B @ t) sum in float (double for float64); bf16 outputs are rounded
 // once, when the update is added. With AVX512-BF16 (compiled with -march=native on such a CPU) the bf16 shrink
 // and expand run on vdpbf16ps, the expand with the rank vector rounded to bf16 (as a bf16 matmul's output is);
-// elsewhere the rank vector stays in float. One call replaces the Python loop
-// over slots (a gather, two small matmuls and an index_add_ per slot) that cost ~54,000 ops per step with 64
-// adapters.
+// elsewhere the rank vector stays in float. One call replaces the Python loop over slots (a gather, two small
+// matmuls and an index_add_ per slot) that cost ~54,000 ops per step with 64 adapters; one call for a group of
+// linears replaces one call each (a call's fixed cost, ctypes and checks in Python, is several us: 210 calls a
+// step on the default model).
 //
 // Layouts (row-major, contiguous but for the token strides of x and y):
-//   x [num_tokens, in] (row stride x_stride), y [num_tokens, out] (row stride y_stride),
+//   x [num_tokens, in] (row stride x_stride); per member: y [num_tokens, out] (row stride y_stride),
 //   A [num_slots, rank_cap, in], Bt [num_slots, rank_cap, out] (B transposed: the expand runs along `out`),
-//   ranks [num_slots] (0: the slot's adapter skips this layer), order [num_ordered], seg_slots [num_segments],
+//   ranks [num_slots] (0: the slot's adapter skips this linear); order [num_ordered], seg_slots [num_segments],
 //   seg_starts [num_segments + 1] (offsets into order).
 #include <omp.h>
 #if defined(__AVX512BF16__)
@@ -296,40 +298,76 @@ void apply_tile(const Step &s, const T *x, T *y, const T *a, const T *bt, int64_
   }
 }
 
+// One wrapped linear of a call: its slot buffers and its output (what `members` holds, 7 int64 per member)
+template <typename T>
+struct Member {
+  const T *a, *bt;
+  const int64_t *ranks;
+  int64_t out, rank_cap;
+  T *y;
+  int64_t y_stride;
+};
+
+template <typename T>
+Member<T> member_at(const int64_t *members, int64_t m) {
+  const int64_t *p = members + 7 * m;
+  return Member<T>{reinterpret_cast<const T *>(p[0]), reinterpret_cast<const T *>(p[1]),
+                   reinterpret_cast<const int64_t *>(p[2]), p[3], p[4], reinterpret_cast<T *>(p[5]), p[6]};
+}
+
+// Every member (linears that read the same x: q/k/v, gate/up, or one linear alone) in one parallel region: the
+// work items are (tile of a segment, member) pairs, tile-major, so a tile's x rows stay in L1 across members.
 template <typename T, typename F>
-int apply(const T *x, T *y, const T *a, const T *bt, const Step &s, int64_t num_segments, int num_threads) {
-  if (s.rank_cap > kMaxRank) return 1;
-  static thread_local std::vector<int64_t> tiles;  // (segment, first ordered index) pairs, flattened; no malloc
-  tiles.clear();                                   // per call once it has grown
+int apply(const int64_t *members, int64_t num_members, const int64_t *segments, const T *x, int64_t x_stride,
+          int64_t in, int num_threads) {
+  const int64_t *order = reinterpret_cast<const int64_t *>(segments[0]);
+  const int64_t *seg_slots = reinterpret_cast<const int64_t *>(segments[1]);
+  const int64_t *seg_starts = reinterpret_cast<const int64_t *>(segments[2]);
+  const int64_t num_segments = segments[3];
+  for (int64_t m = 0; m < num_members; ++m)
+    if (members[7 * m + 4] > kMaxRank) return 1;
+  static thread_local std::vector<int64_t> items;  // (segment, first ordered index, member) triples, flattened;
+  items.clear();                                   // no malloc per call once it has grown
   int64_t work = 0;  // multiply-adds, to leave small calls on one thread (a fork and join cost ~ a few us)
   for (int64_t g = 0; g < num_segments; ++g) {
-    const int64_t rank = s.ranks[s.seg_slots[g]];
-    if (rank == 0) continue;
-    for (int64_t i = s.seg_starts[g]; i < s.seg_starts[g + 1]; i += kTile) tiles.insert(tiles.end(), {g, i});
-    work += (s.seg_starts[g + 1] - s.seg_starts[g]) * rank * (s.in + s.out);
+    const int64_t slot = seg_slots[g], count = seg_starts[g + 1] - seg_starts[g];
+    for (int64_t i = seg_starts[g]; i < seg_starts[g + 1]; i += kTile)
+      for (int64_t m = 0; m < num_members; ++m) {
+        const int64_t *p = members + 7 * m;
+        const int64_t rank = reinterpret_cast<const int64_t *>(p[2])[slot];
+        if (rank == 0) continue;
+        items.insert(items.end(), {g, i, m});
+        if (i == seg_starts[g]) work += count * rank * (in + p[3]);
+      }
   }
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) / 2;
-  const int64_t *tile = tiles.data();  // the caller's: inside the region `tiles` would name each thread's own
-  const int threads = work < kSerialWork ? 1 : static_cast<int>(std::min<int64_t>(num_threads, num_tiles));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, threads)) if (threads > 1)
-  for (int64_t i = 0; i < num_tiles; ++i) {
-    const int64_t g = tile[2 * i], first = tile[2 * i + 1];
-    const int count = static_cast<int>(std::min<int64_t>(kTile, s.seg_starts[g + 1] - first));
-    apply_tile<T, F>(s, x, y, a, bt, s.seg_slots[g], first, count);
+  const int64_t num_items = static_cast<int64_t>(items.size()) / 3;
+  const int64_t *item = items.data();  // the caller's: inside the region `items` would name each thread's own
+  const int threads = work < kSerialWork ? 1 : static_cast<int>(std::min<int64_t>(num_threads, num_items));
+  auto run = [&](int64_t i) {
+    const int64_t g = item[3 * i], first = item[3 * i + 1];
+    const Member<T> mb = member_at<T>(members, item[3 * i + 2]);
+    const Step s{in, mb.out, mb.rank_cap, x_stride, mb.y_stride, mb.ranks, order, seg_slots, seg_starts};
+    const int count = static_cast<int>(std::min<int64_t>(kTile, seg_starts[g + 1] - first));
+    apply_tile<T, F>(s, x, mb.y, mb.a, mb.bt, seg_slots[g], first, count);
+  };
+  if (threads <= 1) {  // no parallel region at all: even an inactive one costs a runtime call
+    for (int64_t i = 0; i < num_items; ++i) run(i);
+    return 0;
   }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t i = 0; i < num_items; ++i) run(i);
   return 0;
 }
 
 }  // namespace
 
-// Returns 0 on success, 1 when a rank exceeds kMaxRank (the caller then takes the torch path).
+// members: 7 int64 per member (A, Bt, ranks pointers, out, rank_cap, y pointer, y row stride); segments: 4 int64
+// (order, seg_slots, seg_starts pointers, num_segments). Returns 0 on success, 1 when a rank capacity exceeds
+// kMaxRank (the caller then takes the torch path). Few arguments: ctypes converts each one on every call.
 #define PAGED_HF_LORA_ENTRY(NAME, T, F)                                                                          \
-  extern "C" int lora_sgmv_##NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, const T *a, const T *bt, \
-                                  const int64_t *ranks, const int64_t *order, const int64_t *seg_slots,         \
-                                  const int64_t *seg_starts, int64_t num_segments, int64_t in, int64_t out,     \
-                                  int64_t rank_cap, int num_threads) {                                          \
-    const Step s{in, out, rank_cap, x_stride, y_stride, ranks, order, seg_slots, seg_starts};                   \
-    return apply<T, F>(x, y, a, bt, s, num_segments, num_threads);                                              \
+  extern "C" int lora_sgmv_##NAME(const int64_t *members, int64_t num_members, const int64_t *segments,         \
+                                  const T *x, int64_t x_stride, int64_t in, int num_threads) {                  \
+    return apply<T, F>(members, num_members, segments, x, x_stride, in, num_threads);                           \
   }
 
 PAGED_HF_LORA_ENTRY(float32, float, float)

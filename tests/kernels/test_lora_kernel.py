@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from paged_hf.kernels import native
-from paged_hf.kernels.lora import _native_function, apply_lora, apply_lora_reference, lora_segments
+from paged_hf.kernels.lora import (
+    _native_function,
+    apply_lora,
+    apply_lora_group,
+    apply_lora_reference,
+    lora_segments,
+)
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -72,3 +78,28 @@ def test_segments_group_tokens_by_slot():
     assert segments.order.tolist() == [2, 5, 6, 0, 3, 7]  # stable: in token order within a slot
     assert not segments.covers_all
     assert lora_segments(torch.tensor([2, 2, 2]), torch.device("cpu")).covers_all
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_one_call_for_layers_that_share_x_equals_reference(dtype):
+    """q/k/v-like layers in one call: other output sizes and rank capacities, slots with rank 0 in one layer only,
+    outputs that are column slices of one fused tensor (a row stride wider than the layer)."""
+    if not native_available(dtype):
+        pytest.skip("no C++ compiler: the torch path serves")
+    num_tokens, in_features, num_slots = 45, 96, 6
+    slots, x, _, _, _, _ = make_case(num_tokens, in_features, 8, num_slots, 4, dtype)
+    layers = []
+    for seed, (out_features, rank_cap) in enumerate([(96, 8), (33, 16), (48, 5)], start=1):
+        _, _, a, bt, ranks, _ = make_case(num_tokens, in_features, out_features, num_slots, rank_cap, dtype, seed)
+        layers.append((a, bt, ranks))
+    layers[1][2][1] = 0  # a slot whose adapter skips the middle layer only
+    fused = torch.randn(num_tokens, 96 + 33 + 48, dtype=torch.float64).to(dtype)
+    segments = lora_segments(slots, torch.device("cpu"))
+    got = fused.clone()
+    apply_lora_group(list(got.split([96, 33, 48], dim=1)), x, layers, segments)
+    expected = fused.double()
+    for y, (a, bt, ranks) in zip(expected.split([96, 33, 48], dim=1), layers):
+        apply_lora_reference(y, x.double(), a.double(), bt.double(), ranks, segments)
+    tolerance = TOLERANCE[dtype] * max(1.0, expected.abs().max().item())
+    assert (got.double() - expected).abs().max().item() <= tolerance
+    assert torch.equal(got[slots == -1], fused[slots == -1])
