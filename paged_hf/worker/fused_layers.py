@@ -6,7 +6,8 @@ with its dispatch overhead. During a step:
   concatenated (packed for oneDNN where it can), and each projection's stand-in returns its slice of the output;
 - an MLP whose forward is LlamaMLP's (`down(act(gate(x)) * up(x))`, SiLU) runs SiLU-and-multiply as one compiled
   op on that fused output;
-- an RMSNorm whose forward is LlamaRMSNorm's runs as one compiled op (eight torch ops and two casts in bf16);
+- an RMSNorm whose forward is LlamaRMSNorm's runs as one compiled op (eight torch ops and two casts in bf16;
+  not in float64 models, see `_not_float64`);
 - an attention whose forward is LlamaAttention's rotates q and k in place in the fused q/k/v output, one compiled
   op for the ~12 of `apply_rotary_pos_emb`, then calls the attention function exactly as its own forward does.
 A module qualifies by its forward's code, not its class name: the transformers families copied from Llama
@@ -178,7 +179,7 @@ class FusedLayers:
             for names in PROJECTION_GROUPS:
                 self._add_group(parent, names)
             for name, child in parent._modules.items():
-                if _same_forward(child, LlamaRMSNorm) and _on_cpu(child):
+                if _same_forward(child, LlamaRMSNorm) and _on_cpu(child) and _not_float64(child):
                     self.sites.append((parent, name, child, FusedRMSNorm(child)))
         self._add_mlps(model)
 
@@ -250,6 +251,12 @@ def _runs_llama_attention(module: torch.nn.Module) -> bool:
 def _same_code(function, expected) -> bool:
     code, expected_code = function.__code__, expected.__code__
     return code.co_code == expected_code.co_code and code.co_names == expected_code.co_names
+
+
+def _not_float64(norm: torch.nn.Module) -> bool:
+    """float64 is the reference dtype, where HF's RMSNorm still sums in float32: a reordered float32 sum would
+    show at 1e-7, far above float64's noise, so float64 models keep HF's own norm (bitwise their logits)."""
+    return all(p.dtype != torch.float64 for p in norm.parameters(recurse=False))
 
 
 def _on_cpu(module: torch.nn.Module) -> bool:
