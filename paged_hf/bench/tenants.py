@@ -4,7 +4,9 @@ Tenant A sends `--requests` (default 200) long requests at once; tenant B sends 
 (50 of them by default, all while A's requests run). Each policy gets a fresh engine on the same model: `fcfs`,
 `fair` (A and B are the tenants) and `priority` (B's requests at priority -1); B alone (A absent, fcfs) is the
 reference for B's TTFT. Reported per tenant: TTFT and TPOT percentiles, and per run the total tok/s (every
-generated token over the run's wall time).
+generated token over the run's wall time), the preemptions, and the steps that fair and priority shortened for
+B's first tokens (un-topped: no prefill of A's beside B's; capped: A's prefill at a quarter of the budget;
+paged_hf.core.step_pacing).
 
 The engine runs in this process through its Python API (no HTTP), so the figures are the scheduler's: a
 request's TTFT runs from its planned arrival to the end of the step that gave its first token, so it includes
@@ -172,6 +174,9 @@ def run_tenants_bench(args) -> int:
         records, wall = drive(generator, arrivals(workload, name != "B alone", policy))
         report["runs"][name] = summary = summarize(records, wall)
         summary["num_preemptions"] = generator.stats()["num_preemptions"]
+        pacer = generator.scheduler.pacer  # short steps for first prefills in a hurry (None under fcfs)
+        summary["paced_steps"] = None if pacer is None else {"untopped": pacer.num_untopped_steps,
+                                                             "capped": pacer.num_capped_steps}
         print(f"[paged-hf bench] {name}: {wall:.1f} s", file=sys.stderr, flush=True)
     print(format_table(report), flush=True)
     if args.out:
@@ -187,11 +192,13 @@ def format_table(report: dict) -> str:
 
     lines = [f"tenants: {report['workload']}", f"on {report['host']}", "",
              "| run | tenant | requests | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p99 (ms) | total tok/s "
-             "| preemptions |", "|---|---|---|---|---|---|---|"]
+             "| preemptions | un-topped / capped steps |", "|---|---|---|---|---|---|---|---|"]
     for name, run in report["runs"].items():
+        paced = run.get("paced_steps")
+        paced = "-" if paced is None else f"{paced['untopped']} / {paced['capped']}"
         for tenant, t in run["tenants"].items():
             ttft, tpot = t["ttft_s"], t["tpot_s"]
             lines.append(f"| {name} | {tenant} | {t['num_requests']} | {ms(ttft['p50'])} / {ms(ttft['p90'])} / "
                          f"{ms(ttft['p99'])} | {ms(tpot['p50'])} / {ms(tpot['p99'])} | {run['tok_s']:.1f} | "
-                         f"{run['num_preemptions']} |")
+                         f"{run['num_preemptions']} | {paced} |")
     return "\n".join(lines)

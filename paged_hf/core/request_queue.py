@@ -60,6 +60,23 @@ class RankedQueue:
     def arrive(self, request: Request, running: list[Request]) -> None:
         """A new request is about to be queued (fair: a returning tenant's counter catches up)."""
 
+    # step pacing (step_pacing.py): who may hold back whose prefill. A request's class is what the policy ranks
+    # it by (its priority, its tenant).
+    def class_of(self, request: Request) -> object:
+        raise NotImplementedError
+
+    def in_hurry(self, key: object, running: list[Request]) -> bool:
+        """Whether the class is owed service now by a running request of another class (priority: it outranks one;
+        fair: it holds fewer seats than its share and has been served no more than a running tenant)."""
+        raise NotImplementedError
+
+    def holds_back(self, key: object, other: Request) -> bool:
+        """Whether a first prefill of class `key` may hold back `other`'s prefill chunks (this step)."""
+        raise NotImplementedError
+
+    def begin_step(self) -> None:
+        """A step's scheduling starts (fair: `holds_back` compares the counters as they were now)."""
+
     def appendleft(self, request: Request) -> None:
         self.append(request)
 
@@ -95,6 +112,16 @@ class PriorityQueue(RankedQueue):
         """The lowest-ranked pending request, if the head outranks it (equal priorities never preempt)."""
         return pending[-1] if pending and head.priority < pending[-1].priority else None
 
+    def class_of(self, request: Request) -> object:
+        return request.priority
+
+    def in_hurry(self, key: object, running: list[Request]) -> bool:
+        return any(r.priority > key for r in running)
+
+    def holds_back(self, key: object, other: Request) -> bool:
+        """Only what ranks lower: equal priorities never hold each other back."""
+        return other.priority > key
+
     def append(self, request: Request) -> None:
         bisect.insort_right(self._items, request, key=self.rank)
 
@@ -121,6 +148,7 @@ class FairQueue(RankedQueue):
         self.tenant_weights = dict(tenant_weights)
         self.max_num_seqs = max_num_seqs
         self.served: dict[str | None, float] = {}  # tenant -> virtual tokens (tokens / weight)
+        self._step_served: dict[str | None, float] = {}  # `served` as the step's scheduling started
         self._queues: dict[str | None, deque[Request]] = {}
 
     def weight(self, tenant: str | None) -> float:
@@ -160,6 +188,27 @@ class FairQueue(RankedQueue):
             if request.tenant != head.tenant and seats.get(request.tenant, 0) > self.seat_share(request.tenant, active):
                 return request
         return None
+
+    def class_of(self, request: Request) -> object:
+        return request.tenant
+
+    def in_hurry(self, key: object, running: list[Request]) -> bool:
+        """Below its seat share, and served no more than another running tenant (which it may hold back)."""
+        if not any(self.holds_back(key, r) for r in running):
+            return False
+        active = {t for t, q in self._queues.items() if q} | {r.tenant for r in running} | {key}
+        seats = sum(r.num_seats for r in running if r.tenant == key)
+        return seats < self.seat_share(key, active)
+
+    def holds_back(self, key: object, other: Request) -> bool:
+        """Another tenant's, and only while that tenant has been served as much as this one or more (virtual
+        tokens, at the step's start): a tenant that keeps sending short requests cannot hold the others' prefill
+        back for ever."""
+        served = self._step_served.get
+        return other.tenant != key and served(other.tenant, 0.0) >= served(key, 0.0)
+
+    def begin_step(self) -> None:
+        self._step_served = dict(self.served)
 
     def append(self, request: Request) -> None:
         self._queues.setdefault(request.tenant, deque()).append(request)

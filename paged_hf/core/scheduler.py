@@ -11,7 +11,8 @@ request instead (it still finds the prompt's full blocks in the prefix cache).
 
 Policies (request_queue.py): `fcfs` runs the loop of `schedule` as it always did; `priority` and `fair` rank
 running and waiting requests together (`_schedule_ranked`). What a waiting request waits for besides seats,
-blocks and budget (`is_ready`, an adapter slot, with a bounded wait) is admission.py's.
+blocks and budget (`is_ready`, an adapter slot, with a bounded wait) is admission.py's; short steps while a
+request in a hurry waits for its first token (ranked policies only) are step_pacing.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from paged_hf.core.admission import AdmissionGate
 from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
 from paged_hf.core.request import Request, RequestStatus
 from paged_hf.core.request_queue import RankedQueue, make_waiting_queue
+from paged_hf.core.step_pacing import StepPacer
 from paged_hf.outputs import FinishReason
 
 
@@ -63,6 +65,7 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Request] | RankedQueue = make_waiting_queue(policy, tenant_weights, max_num_seqs)
         self.gate = AdmissionGate(max_loras, is_ready, max_adapter_wait_steps)
+        self.pacer = StepPacer(self.waiting, max_num_batched_tokens) if isinstance(self.waiting, RankedQueue) else None
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.max_num_running = 0  # the most requests that ran at once (after any step's scheduling)
@@ -78,6 +81,7 @@ class Scheduler:
         """Queue a request; its `pending_forks` (siblings of an n > 1 request) come along with it."""
         if isinstance(self.waiting, RankedQueue):
             self.waiting.arrive(request, self.running)
+            self.pacer.arrive(request, self.gate.num_steps)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -173,14 +177,15 @@ class Scheduler:
         this step, lowest-ranked first."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        queue = self.waiting
+        queue, pacer = self.waiting, self.pacer
         self.running.sort(key=queue.rank)
-        pending = list(self.running)  # not yet given tokens this step, best first
+        pacer.begin(self.running, queue, self.gate.num_steps)
+        pending = sorted(self.running, key=pacer.order)  # not yet given tokens this step, best first
         admitting, passed = True, set()  # passed: tenants whose head found no seat (fair: others may go on)
         while budget > 0 and (pending or admitting):
             head = self._next_admissible(passed) if admitting else None
             admitting = head is not None
-            if pending and (head is None or queue.rank(pending[0]) <= queue.rank(head)):
+            if pending and (head is None or pacer.order(pending[0]) <= pacer.order(head)):
                 budget, short = self._schedule_running(pending.pop(0), pending, out, budget)
                 admitting = admitting and not short  # blocks ran short: no admission this step (as fcfs)
             elif head is not None:
@@ -189,6 +194,7 @@ class Scheduler:
                     passed.add(head.tenant)
                 else:
                     admitting = admitted
+        pacer.end()
         if not out.scheduled and self.waiting:
             self._unpark(out, budget)
         out.block_copies = self.kv_cache_manager.take_block_copies()
@@ -198,7 +204,8 @@ class Scheduler:
     def _next_admissible(self, passed: set) -> Request | None:
         """The best-ranked waiting request that may start now (None: none, or one past the adapter bound)."""
         adapters = self.gate.running_adapters(self.running)
-        for request in self.waiting:
+        urgent = [r for r in self.waiting if r in self.pacer.urgent]  # first prefills in a hurry go first
+        for request in (urgent + list(self.waiting) if urgent else self.waiting):
             if request.tenant in passed and self.waiting.others_may_pass:
                 continue
             if self.gate.admissible(request, adapters):
@@ -211,8 +218,8 @@ class Scheduler:
                           budget: int) -> tuple[int, bool]:
         """fcfs's loop body for one running request (victims: `pending`'s tail, then the request itself).
         -> (budget left, whether blocks ran short)."""
-        num_new = min(request.num_tokens_to_compute, budget)
-        if num_new == 0:  # a beam waiting for its siblings' logits
+        num_new = self.pacer.limit(request, min(request.num_tokens_to_compute, budget), budget)
+        if num_new == 0:  # a beam waiting for its siblings' logits, or prefill held back (step_pacing.py)
             return budget, False
         num_spec = min(len(request.spec_token_ids), budget - num_new)
         short = False
@@ -232,7 +239,10 @@ class Scheduler:
     def _admit_ranked(self, request: Request, pending: list[Request], out: SchedulerOutput,
                       budget: int) -> tuple[int, bool]:
         """Start the waiting `request`, preempting the victims the policy names while no seat or blocks are
-        free. -> (budget left, whether it started)."""
+        free. -> (budget left, whether it started; not while the step holds back its prefill)."""
+        allowed = self.pacer.limit(request, budget, budget)
+        if allowed == 0:
+            return budget, False
         seats = min(request.num_seats, self.max_num_seqs)
         while self._num_seats() + seats > self.max_num_seqs:
             if not self._preempt_for(request, pending, out):
@@ -241,7 +251,7 @@ class Scheduler:
         hits = ([] if request.wants_prompt_logprobs or request.pools_every_token else
                 kv_cache_manager.find_cached_prefix(request, request_cache_key(request)))
         num_cached = len(hits) * kv_cache_manager.block_size
-        num_new = min(request.num_tokens_to_compute - num_cached, budget)
+        num_new = min(request.num_tokens_to_compute - num_cached, allowed)
         while not kv_cache_manager.allocate_slots(request, num_new, hits):
             if not self._preempt_for(request, pending, out):
                 return budget, False
@@ -277,6 +287,7 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(request, num_new, num_spec))
         if isinstance(self.waiting, RankedQueue):
             self.waiting.charge(request, num_new)
+            self.pacer.scheduled(request, num_new)
 
     def _count_lookup(self, request: Request, num_hit_tokens: int) -> None:
         if not self.kv_cache_manager.enable_caching:

@@ -29,6 +29,7 @@ def test_tenants_bench_reports_each_tenant_under_each_policy(tmp_path, capsys):
             ttft = run["tenants"][tenant]["ttft_s"]
             assert 0 < ttft["p50"] <= ttft["p99"]
         assert run["tok_s"] > 0
+        assert (run["paced_steps"] is None) == (name == "fcfs")
 
 
 def test_the_arrival_plan_of_each_policy():

@@ -37,8 +37,8 @@ class Sim:
         self.finish_step: dict[str, int] = {}
         self.tokens: dict[str | None, int] = {}  # tenant -> tokens scheduled
 
-    def add(self, name, prompt_len=6, max_new=4, priority=0, tenant=None, adapter_version=None) -> Request:
-        request = Request(name, 0, [3] * prompt_len, SamplingParams(max_new_tokens=max_new), priority=priority,
+    def add(self, name, prompt_len=6, max_new=4, priority=0, tenant=None, adapter_version=None, token=3) -> Request:
+        request = Request(name, 0, [token] * prompt_len, SamplingParams(max_new_tokens=max_new), priority=priority,
                           tenant=tenant, adapter=None if adapter_version is None else f"a{adapter_version}",
                           adapter_version=adapter_version)
         self.scheduler.add(request)
