@@ -27,6 +27,7 @@ from transformers import StoppingCriteriaList
 
 import paged_hf
 from paged_hf import BeamSearchParams, SamplingParams
+from paged_hf.bench.documents import DOCUMENT_SYSTEMS, KV_HOST_GIB, KV_HOST_SYSTEM, generate_in_waves
 from paged_hf.bench.workloads import Workload
 from paged_hf.loader import default_model
 
@@ -35,7 +36,7 @@ KV_SYSTEMS = {"paged_hf_kv_int8": "int8", "paged_hf_kv_fp8_e4m3": "fp8_e4m3", "p
 #: paged_hf writing every computed KV block through to a fresh --kv-cache-dir: the tier's cost when never hit
 KV_DISK_SYSTEM = "paged_hf_kvdisk"
 PAGED_SYSTEMS = ("paged_hf", "paged_hf_base", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS,
-                 KV_DISK_SYSTEM)
+                 KV_DISK_SYSTEM, KV_HOST_SYSTEM)
 SYSTEM_NAMES = (*PAGED_SYSTEMS, "vllm",
                 "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
 #: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
@@ -47,6 +48,7 @@ DEFAULT_SYSTEMS = {
     "structured": ("paged_hf", "paged_hf_noschema"),  # JSON schemas enforced, and the same batch without
     "beam": ("paged_hf", "hf_static_8", "hf_single"),  # HF generate(num_beams=k), 8 prompts a batch or one
     "grounded": ("paged_hf", "paged_hf_spec"),  # the same engine without and with speculative decoding
+    "documents": DOCUMENT_SYSTEMS,  # the same engine without a KV tier, with host memory, with a directory
 }
 #: `bench --workload lora --adapters N`: the adapters' cost, paged_hf beside the same engine on the same requests
 #: with no adapter (paged_hf_base)
@@ -104,6 +106,8 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     if name == KV_DISK_SYSTEM:  # a fresh folder: nothing to hit; removed at exit, after the tier's writes are flushed
         config["kv_cache_dir"] = tempfile.mkdtemp(prefix="paged_hf_bench_kvdisk_")
         atexit.register(shutil.rmtree, config["kv_cache_dir"], True)
+    if name == KV_HOST_SYSTEM:
+        config["kv_offloading_size"] = config.get("kv_offloading_size") or KV_HOST_GIB
     speculate = name == "paged_hf_spec"
     config["speculative"] = (engine_config.get("speculative") or DEFAULT_SPECULATIVE) if speculate else None
     generator = paged_hf.wrap(model, tokenizer, **config).generator
@@ -117,8 +121,7 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
         return _run_paged_beams(generator, workload, name, config)
     before = generator.stats()
     start = time.perf_counter()
-    outputs = generator.generate([r.prompt_token_ids for r in workload.requests], params, adapters=adapters,
-                                 use_tqdm=False)
+    outputs = generate_in_waves(generator, workload, params, adapters)  # one generate() call per wave
     wall = time.perf_counter() - start
     after = generator.stats()
     ttft, tpot = [], []

@@ -48,7 +48,7 @@ QUESTION_TEMPLATES = (
 LORA_ADAPTERS = ("lora_a", "lora_b", "lora_c", "lora_d")
 
 WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora", "structured", "beam", "grounded", "tenants",  # tenants.py
-                  "embed")  # embed.py
+                  "embed", "documents")  # embed.py, documents.py
 
 #: grounded requests: the answer restates, extracts from or edits the passage (what prompt lookup serves)
 GROUNDED_INSTRUCTIONS = (
@@ -65,6 +65,7 @@ class BenchRequest:
     max_new_tokens: int
     adapter: str | None = None
     schema: dict | None = None  # a JSON schema the output must follow (structured outputs)
+    wave: int = 0  # requests of wave k + 1 arrive when those of wave k have finished (documents.py)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Workload:
     seed: int
     requests: list[BenchRequest] = field(default_factory=list)
     num_beams: int = 1  # > 1: every system runs beam search of this width (EOS ignored, the best beam compared)
+    num_blocks: int | None = None  # the engine's pool, when the workload sizes it (documents.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -112,7 +114,8 @@ class Workload:
 
     def to_json(self) -> dict:
         return {"name": self.name, "description": self.description, "seed": self.seed, "num_beams": self.num_beams,
-                "requests": [[r.prompt_token_ids, r.max_new_tokens, r.adapter, r.schema] for r in self.requests]}
+                "requests": [[r.prompt_token_ids, r.max_new_tokens, r.adapter, r.schema, r.wave]
+                             for r in self.requests]}
 
     @classmethod
     def from_json(cls, data: dict) -> Workload:

@@ -103,17 +103,15 @@ def expected_payload(cache: PagedCache) -> dict[str, tuple[torch.dtype, tuple]]:
     return {name: (tensor.dtype, tuple(tensor.shape[1:])) for name, tensor in _layer_tensors(cache)}
 
 
-def gather_blocks(cache: PagedCache, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
-    """Each block's payload, on the CPU (copies: the pool may overwrite the blocks right after)."""
-    payloads = [{} for _ in block_ids]
-    indices = {}
+def gather_blocks(cache: PagedCache, block_ids: list[int]) -> dict[str, torch.Tensor]:
+    """name -> the blocks' rows [len(block_ids), ...] on the CPU: one gather per layer tensor for all the blocks
+    of a step (a copy: the pool may overwrite the blocks right after)."""
+    gathered, indices = {}, {}
     for name, tensor in _layer_tensors(cache):
         if tensor.device not in indices:
             indices[tensor.device] = torch.tensor(block_ids, dtype=torch.long, device=tensor.device)
-        rows = tensor.index_select(0, indices[tensor.device]).cpu()  # [num_blocks, ...]
-        for payload, row in zip(payloads, rows):
-            payload[name] = row.clone()
-    return payloads
+        gathered[name] = tensor.index_select(0, indices[tensor.device]).cpu()
+    return gathered
 
 
 def scatter_blocks(cache: PagedCache, block_ids: list[int], payloads: list[dict[str, torch.Tensor]]) -> None:
@@ -134,13 +132,14 @@ class KVOffloader:
         self.store = store
 
     def save_blocks(self) -> TierTransfers:
-        """Read the blocks to save into the store -> the transfers, whose loads `load_blocks` makes."""
+        """Read the blocks to save into the store -> the transfers, whose loads `load_blocks` makes. Blocks the
+        store would drop (its writer is behind) are not even read: a step never waits for the disk."""
         transfers = self.tier.take_transfers()
         if transfers.saves:
-            block_ids = list(transfers.saves)
-            for block_id, payload in zip(block_ids, gather_blocks(self.cache, block_ids)):
-                key, evicted = transfers.saves[block_id]
-                self.store.put(key, payload, evicted)
+            saves = self.store.admit([(block_id, *save) for block_id, save in transfers.saves.items()])
+            if saves:
+                gathered = gather_blocks(self.cache, [block_id for block_id, _, _ in saves])
+                self.store.put_many([(key, evicted) for _, key, evicted in saves], gathered)
         return transfers
 
     def load_blocks(self, transfers: TierTransfers) -> None:

@@ -1,11 +1,13 @@
 """Where the KV tier keeps blocks: host memory and a directory of safetensors files, each LRU within its bytes.
 
 A payload is one block's K/V for every layer (and a quantized cache's scales), as CPU tensors by name. On disk
-one block is one file, `<key hex>.safetensors`, written by one background thread from a bounded queue (a full
-queue drops the write: a step never waits for the disk) to a temporary name and renamed, so a crash never leaves
-a torn block under a real name. Its metadata holds the format, the namespace, the key and a checksum of the
-tensors; a file that fails any check (truncated, overwritten, another model's, renamed) is deleted and counts as
-a miss, never loaded as K/V. The files' modification times are the LRU order, so it survives a restart.
+one block is one file, `<key hex>.safetensors`: the cache's tensors back to back after a header (`BlockLayout`).
+A step's blocks reach the writer thread as one chunk (name -> [num_blocks, ...], the runner's one gather per
+layer); the thread runs at the lowest OS priority and writes each block to a temporary name and renames it, so a
+crash never leaves a torn block under a real name. Its queue is bounded: blocks past it are dropped, a step
+never waits for the disk. The metadata holds the format, the namespace, the key and a checksum of the bytes; a
+file that fails any check (truncated, overwritten, another model's, renamed) is deleted and counts as a miss,
+never loaded as K/V. The files' modification times are the LRU order, so it survives a restart.
 
 Why not LMCache: it installs on CPU (0.5.6) but its paged-memory connector needs `torch.cuda.Stream` and its
 `cuda_ops` need libc10_cuda; only its no-op mock connector runs without CUDA (docs/prefix_caching.md).
@@ -17,12 +19,14 @@ import atexit
 import json
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
 import zlib
 from pathlib import Path
 
+import numpy as np
 import safetensors.torch
 import torch
 from transformers.utils import logging
@@ -31,31 +35,52 @@ from paged_hf.core.kv_tier import LRUIndex
 
 logger = logging.get_logger(__name__)
 
-FORMAT = "paged_hf-kv/1"
+FORMAT = "paged_hf-kv/2"
 SUFFIX = ".safetensors"
 STALE_TEMP_SECONDS = 600  # temporary files older than this are leftovers of a crash
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.uint8: "U8", torch.int8: "I8"}
 
 
 def payload_nbytes(payload: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in payload.values())
 
 
-def checksum(payload: dict[str, torch.Tensor]) -> str:
-    """CRC-32 of the names and bytes: it finds torn and flipped bytes at ~7 GB/s (blake2b: ~1.4). Not a defence
+class BlockLayout:
+    """One block's file: a safetensors header (the cache's tensors, in the cache's order, their bytes back to
+    back; the metadata) and the bytes. Every block of a cache has the same tensor entries, so a file is written
+    as one header and one row of bytes, with no work per tensor (the writer thread holds the GIL less)."""
+
+    def __init__(self, expected: dict[str, tuple[torch.dtype, tuple]]):
+        self.names = list(expected)
+        self.entries, offset = {}, 0
+        for name, (dtype, shape) in expected.items():
+            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+            self.entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                                  "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        self.nbytes = offset
+
+    def header(self, metadata: dict[str, str]) -> bytes:
+        text = json.dumps({"__metadata__": metadata, **self.entries}, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
+        return len(text).to_bytes(8, "little") + text
+
+    def rows(self, gathered: dict[str, torch.Tensor]):
+        """[num_blocks, nbytes] uint8 (numpy): each block's bytes in file order, one copy for a chunk of blocks
+        (numpy: no torch op, so the writer thread starts no intra-op threads of its own)."""
+        num = next(iter(gathered.values())).shape[0]
+        parts = [gathered[name].reshape(num, -1).view(torch.uint8).numpy() for name in self.names]
+        return np.concatenate(parts, axis=1)
+
+
+def checksum(data) -> str:
+    """CRC-32 of a block's bytes: it finds torn and flipped bytes at ~7 GB/s (blake2b: ~1.4). Not a defence
     against someone who can write the folder: they could as well write a valid file."""
-    crc = 0
-    for name in sorted(payload):
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(payload[name].contiguous().view(torch.uint8).numpy(), crc)
-    return f"{crc:08x}"
+    return f"{zlib.crc32(data):08x}"
 
 
-def encode(payload: dict[str, torch.Tensor], namespace: bytes, key: bytes) -> bytes:
-    metadata = {"format": FORMAT, "namespace": namespace.hex(), "key": key.hex(), "checksum": checksum(payload)}
-    return safetensors.torch.save({n: t.contiguous() for n, t in payload.items()}, metadata=metadata)
-
-
-def decode(data: bytes, namespace: bytes, key: bytes, expected: dict[str, tuple[torch.dtype, tuple]]) -> dict:
+def decode(data: bytes, namespace: bytes, key: bytes, layout: BlockLayout) -> dict:
     """The payload in `data`; ValueError unless it is this namespace's block `key`, whole and of the cache's shapes."""
     if len(data) < 8:
         raise ValueError("shorter than a safetensors header")
@@ -63,17 +88,19 @@ def decode(data: bytes, namespace: bytes, key: bytes, expected: dict[str, tuple[
     if header_len > len(data) - 8:
         raise ValueError("truncated header")
     try:
-        metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
-        payload = safetensors.torch.load(data)
+        header = json.loads(data[8 : 8 + header_len])
+        metadata = header.pop("__metadata__")
     except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
         raise ValueError(f"unreadable: {exc}") from None
     if (metadata.get("format"), metadata.get("namespace"), metadata.get("key")) != (FORMAT, namespace.hex(), key.hex()):
         raise ValueError("another format, model or key")
-    if {n: (t.dtype, tuple(t.shape)) for n, t in payload.items()} != expected:
+    if header != layout.entries:
         raise ValueError("tensors of other names, dtypes or shapes than the cache's")
-    if metadata.get("checksum") != checksum(payload):
+    if len(data) != 8 + header_len + layout.nbytes:
+        raise ValueError("truncated or padded data")
+    if metadata.get("checksum") != checksum(memoryview(data)[8 + header_len :]):
         raise ValueError("checksum mismatch")
-    return payload
+    return safetensors.torch.load(data)
 
 
 class HostStore:
@@ -95,8 +122,9 @@ class HostStore:
     def put(self, key: bytes, payload: dict[str, torch.Tensor]) -> None:
         for old in self.index.add(key, payload_nbytes(payload)):
             self.payloads.pop(old, None)
-        if key in self.index:
-            self.payloads[key] = payload
+        if key in self.index:  # a view of a step's gather is copied: held alone, it would pin the whole gather
+            self.payloads[key] = {name: t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
+                                  for name, t in payload.items()}
 
 
 class DiskStore:
@@ -108,15 +136,18 @@ class DiskStore:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
-        self.expected = expected
+        self.layout = BlockLayout(expected)
         self.index = LRUIndex(capacity)
         self.lock = threading.Lock()
         self.queued: set[bytes] = set()  # keys waiting for the writer
+        # their contents meanwhile (key -> (the step's gathered blocks, row)): a lookup before the write lands hits
+        self.pending: dict[bytes, tuple[dict[str, torch.Tensor], int]] = {}
         self.num_bytes_written = 0
         self.num_writes_dropped = 0
         self.num_bad_files = 0
         self._scan()
-        self.writes: queue.Queue = queue.Queue(max_queued_writes)
+        self.max_queued_writes = max_queued_writes  # blocks queued for the writer at most
+        self.writes: queue.Queue = queue.Queue()  # chunks of blocks (one per step); bounded by max_queued_writes
         # the thread holds the store weakly: once the engine is gone it ends (a None in the queue wakes it)
         self.writer = threading.Thread(target=_write_loop, args=(self.writes, weakref.ref(self)),
                                        name="paged_hf-kv-writer", daemon=True)
@@ -157,27 +188,45 @@ class DiskStore:
         with self.lock:
             return key in self.index or key in self.queued
 
+    def room(self) -> int:
+        """How many more blocks the writer takes now (more are dropped)."""
+        return max(0, self.max_queued_writes - len(self.queued))
+
     def put(self, key: bytes, payload: dict[str, torch.Tensor]) -> None:
-        """Queue a write; dropped (never waited for) when the queue is full."""
+        self.put_many([key], {name: tensor[None] for name, tensor in payload.items()})
+
+    def put_many(self, keys: list[bytes], gathered: dict[str, torch.Tensor]) -> None:
+        """Queue a step's blocks (block i: `keys[i]`, rows i of `gathered`, name -> [num_blocks, ...]) as one
+        chunk for the writer; those past `room()` are dropped (never waited for)."""
         with self.lock:
-            if key in self.index or key in self.queued:
+            rows, seen = [], set()
+            for i, key in enumerate(keys):  # two requests may compute the same block in one step: written once
+                if key not in self.index and key not in self.queued and key not in seen:
+                    rows.append((i, key))
+                    seen.add(key)
+            room = self.room()
+            self.num_writes_dropped += max(0, len(rows) - room)
+            rows = rows[:room]
+            if not rows:
                 return
-            try:
-                self.writes.put_nowait((key, payload))
-            except queue.Full:
-                self.num_writes_dropped += 1
-                return
-            self.queued.add(key)
+            self.queued.update(key for _, key in rows)
+            self.pending.update((key, (gathered, i)) for i, key in rows)
+            self.writes.put_nowait((rows, gathered))
 
     def read(self, key: bytes) -> dict | None:
-        """The block's payload, checked; None (and the file gone) when missing or bad."""
+        """The block's payload, checked; None (and the file gone) when missing or bad. A block still queued for
+        the writer is read from the queue."""
         with self.lock:
+            waiting = self.pending.get(key)
+            if waiting is not None:
+                gathered, row = waiting
+                return {name: tensor[row].clone() for name, tensor in gathered.items()}
             if key not in self.index:
                 return None
             self.index.touch(key)
         path = self.path(key)
         try:
-            payload = decode(path.read_bytes(), self.namespace, key, self.expected)
+            payload = decode(path.read_bytes(), self.namespace, key, self.layout)
             os.utime(path)  # the LRU order on disk, for the next start
             return payload
         except FileNotFoundError:
@@ -190,18 +239,22 @@ class DiskStore:
             self.index.discard(key)
         return None
 
-    def write(self, key: bytes, payload: dict[str, torch.Tensor]) -> None:
-        data = encode(payload, self.namespace, key)
+    def write(self, key: bytes, data: np.ndarray) -> None:
+        """One block's file from its bytes (a row of `BlockLayout.rows`)."""
         path = self.path(key)
         temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        header = self.layout.header({"format": FORMAT, "namespace": self.namespace.hex(), "key": key.hex(),
+                                     "checksum": checksum(data)})
         with open(temp, "wb") as f:
+            f.write(header)
             f.write(data)
+        size = len(header) + data.nbytes
         os.replace(temp, path)  # atomic: the real name only ever holds a whole block
         with self.lock:
-            evicted = self.index.add(key, len(data))
+            evicted = self.index.add(key, size)
         for old in evicted:
             _unlink(self.path(old))
-        self.num_bytes_written += len(data) if key not in evicted else 0
+        self.num_bytes_written += size if key not in evicted else 0
 
     def close(self, timeout: float = 10.0) -> None:
         """Land the queued writes and end the writer thread (a thread that used torch must not outlive the
@@ -221,24 +274,41 @@ class DiskStore:
         return True
 
 
+def lowest_priority() -> None:
+    """Run the calling thread at the lowest OS priority (Linux: a thread's own nice value), so the writer uses
+    the cores only when the step's threads leave them idle. Its work (checksum, serialize, write) runs no torch
+    op, so it starts no intra-op threads of its own."""
+    if not sys.platform.startswith("linux"):
+        return  # elsewhere a thread id is no process id: left as is
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
+
+
 def _write_loop(writes: queue.Queue, store_ref) -> None:
-    """The writer thread: one queued block at a time, until the store is gone."""
+    """The writer thread: one queued chunk (a step's blocks) at a time, until the store is gone."""
+    lowest_priority()
     while True:
-        item = writes.get()
-        store = store_ref() if item is not None else None
+        chunk = writes.get()
+        store = store_ref() if chunk is not None else None
         try:
             if store is None:
                 return
-            key, payload = item
+            rows, gathered = chunk
             try:
-                store.write(key, payload)
-            except Exception as exc:  # noqa: BLE001 - a failed write loses one block, never the engine
-                logger.warning(f"KV tier: writing a block to {store.folder} failed ({exc})")
+                data = store.layout.rows(gathered)
+                for i, key in rows:
+                    store.write(key, data[i])
+            except Exception as exc:  # noqa: BLE001 - a failed write loses its blocks, never the engine
+                logger.warning(f"KV tier: writing blocks to {store.folder} failed ({exc})")
             finally:
                 with store.lock:
-                    store.queued.discard(key)
+                    store.queued.difference_update(key for _, key in rows)
+                    for _, key in rows:
+                        store.pending.pop(key, None)
         finally:
-            del store
+            del store, chunk
             writes.task_done()
 
 
@@ -264,16 +334,41 @@ class TieredStore:
         self.num_host_bytes_written = 0
 
     def wants(self, key: bytes, evicted: bool) -> bool:
-        if evicted and self.host_is_tier and key not in self.host:
+        if self._to_host(key, evicted):
             return True
         return self.disk is not None and not self.disk.contains(key)
 
+    def _to_host(self, key: bytes, evicted: bool) -> bool:
+        return evicted and self.host_is_tier and key not in self.host
+
+    def admit(self, saves: list[tuple[int, bytes, bool]]) -> list[tuple[int, bytes, bool]]:
+        """The saves (block id, key, evicted) worth reading out of the pool now: those for host memory, and as
+        many for the disk as its writer takes; the others are dropped (and counted) before any copy is made."""
+        room = self.disk.room() if self.disk is not None else 0
+        admitted = []
+        for save in saves:
+            if self._to_host(save[1], save[2]):
+                admitted.append(save)
+            elif room > 0:
+                admitted.append(save)
+                room -= 1
+            elif self.disk is not None:
+                self.disk.num_writes_dropped += 1
+        return admitted
+
     def put(self, key: bytes, payload: dict[str, torch.Tensor], evicted: bool) -> None:
-        if evicted and self.host_is_tier and key not in self.host:
-            self.host.put(key, payload)
-            self.num_host_bytes_written += payload_nbytes(payload)
+        self.put_many([(key, evicted)], {name: tensor[None] for name, tensor in payload.items()})
+
+    def put_many(self, saves: list[tuple[bytes, bool]], gathered: dict[str, torch.Tensor]) -> None:
+        """A step's saves (key, evicted), block i in rows i of `gathered` (name -> [num_blocks, ...]): dropped
+        blocks to host memory (when it is a tier), all of them to the disk's writer."""
+        for i, (key, evicted) in enumerate(saves):
+            if self._to_host(key, evicted):
+                payload = {name: tensor[i] for name, tensor in gathered.items()}
+                self.host.put(key, payload)
+                self.num_host_bytes_written += payload_nbytes(payload)
         if self.disk is not None:
-            self.disk.put(key, payload)
+            self.disk.put_many([key for key, _ in saves], gathered)
 
     def fetch(self, key: bytes) -> dict | None:
         payload = self.host.get(key)

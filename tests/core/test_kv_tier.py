@@ -4,6 +4,9 @@ a load dropped when its block is reused before it was made)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from paged_hf import SamplingParams
@@ -12,7 +15,7 @@ from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
 from paged_hf.core.kv_tier import KVTier, LRUIndex, TierHit
 from paged_hf.core.request import Request
 from paged_hf.worker.kv_offload import RequestKeys
-from paged_hf.worker.kv_store import HostStore, TieredStore
+from paged_hf.worker.kv_store import DiskStore, HostStore, TieredStore
 
 BLOCK = 4
 
@@ -106,3 +109,19 @@ def test_a_load_into_a_block_reused_before_the_step_is_dropped():
     assert manager.allocate_slots(greedy, greedy.num_tokens)  # reuses every block, the loaded one too
     transfers = kv_tier.take_transfers()
     assert loaded not in transfers.loads and loaded not in transfers.saves  # never saved as `key`'s content
+
+
+def test_a_steps_chunk_is_written_once_per_key_and_what_the_writer_cannot_take_is_dropped(tmp_path):
+    """put_many: a key twice in one step (two requests computed the same block) is one file; blocks past the
+    writer's room are dropped and counted, never waited for; the writer thread runs at the lowest priority."""
+    expected = {"k.0": (torch.float32, (BLOCK, 1, 2)), "v.0": (torch.float32, (BLOCK, 1, 2))}
+    disk = DiskStore(tmp_path, 1 << 20, b"model-a", expected, max_queued_writes=2)
+    if sys.platform.startswith("linux"):
+        assert os.getpriority(os.PRIO_PROCESS, disk.writer.native_id) == 19
+    gathered = {name: torch.stack([payload(v)[name] for v in (1.0, 2.0, 3.0, 4.0)]) for name in expected}
+    disk.put_many([b"a" * 16, b"a" * 16, b"b" * 16, b"c" * 16], gathered)
+    assert disk.flush(30) and disk.num_writes_dropped == 1
+    assert sorted(p.name[:4] for p in tmp_path.iterdir()) == ["6161", "6262"]
+    assert disk.num_bytes_written == disk.bytes_held == sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert torch.equal(disk.read(b"b" * 16)["v.0"], payload(3.0)["v.0"]) and disk.read(b"c" * 16) is None
+    disk.close()
