@@ -19,7 +19,9 @@ from paged_hf.bench import machine
 from paged_hf.bench import plot as plotting
 from paged_hf.bench import report as reporting
 from paged_hf.bench.adapters import random_adapters
+from paged_hf.bench.documents import build_documents_workload
 from paged_hf.bench.embed import run_embed_bench
+from paged_hf.bench.model_shapes import describe_shape, resolve_model_shape
 from paged_hf.bench.systems import DEFAULT_SYSTEMS, LORA_SCALE_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
 from paged_hf.bench.tenants import run_tenants_bench
 from paged_hf.bench.vllm_system import default_vllm_python, run_vllm
@@ -47,6 +49,8 @@ def sized_engine_config(engine_config: dict, workload: Workload) -> dict:
     comparable with the baselines' (the engine's CPU default would reserve up to 4 GiB of zeros)."""
     if engine_config.get("num_blocks") or engine_config.get("kv_cache_memory"):
         return dict(engine_config)
+    if workload.num_blocks:  # the workload sizes the pool itself (documents: a pool of a few documents)
+        return dict(engine_config, num_blocks=workload.num_blocks)
     block_size = engine_config.get("block_size", PagedConfig.block_size)
     beams = workload.num_beams  # beams share their prompt's full blocks, each holds the rest itself
     needed = sum(len(r.prompt_token_ids) // block_size + beams * (cdiv(len(r.prompt_token_ids) + r.max_new_tokens,
@@ -128,14 +132,20 @@ def measured_where(args) -> dict:
 def run_bench(args) -> int:
     """Run the benchmark described by the parsed ``paged-hf bench`` arguments; 0 if every system ran (or was
     skipped on purpose), 1 if any failed."""
+    if args.workload == "embed":  # texts/s of embeddings against sentence-transformers
+        if getattr(args, "model_shape", None):
+            raise ValueError("--model-shape builds a generative model; --workload embed measures embeddings")
+        return run_embed_bench(args)
+    model_shape = resolve_model_shape(args)  # --model-shape: args.model becomes its folder, built once
     if args.workload == "tenants":  # timed arrivals of two tenants under each scheduling policy
         return run_tenants_bench(args)
-    if args.workload == "embed":  # texts/s of embeddings against sentence-transformers
-        return run_embed_bench(args)
     tokenizer = _load_tokenizer(args.model)
     num_adapters = args.adapters
-    workload = build_workload(args.workload, tokenizer, args.seed, args.requests, args.max_new_tokens_scale,
-                              num_adapters, args.random_adapters)
+    if args.workload == "documents":  # --requests N: the first N documents
+        workload = build_documents_workload(tokenizer, args.seed, args.requests, args.max_new_tokens_scale)
+    else:
+        workload = build_workload(args.workload, tokenizer, args.seed, args.requests, args.max_new_tokens_scale,
+                                  num_adapters, args.random_adapters)
     systems = parse_systems(args.systems, args.workload, scaling_adapters=num_adapters is not None)
     engine_config = sized_engine_config(_with_random_adapters(args), workload)
     summary = workload.summary()
@@ -158,7 +168,8 @@ def run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     limit = None if args.no_machine_limit else _measure_limit(args.model, workload, args.device, args.dtype)
-    settings = {"model": args.model or "SmolLM2-135M-Instruct (default)", "device": args.device, "dtype": args.dtype,
+    model_name = describe_shape(model_shape) if model_shape else args.model or "SmolLM2-135M-Instruct (default)"
+    settings = {"model": model_name, "model_shape": model_shape, "device": args.device, "dtype": args.dtype,
                 "threads": args.threads, "vllm_python": vllm_python if "vllm" in systems else None,
                 "engine_config": engine_config, "systems": systems,
                 "max_new_tokens_scale": args.max_new_tokens_scale, **measured_where(args)}

@@ -68,8 +68,9 @@ def build_report(workload: Workload, runs: dict[str, SystemRun], machine_limit: 
     """The whole benchmark as one JSON-able dict: per-system metrics, ratios, parity, prefix cache, machine."""
     systems = {name: system_metrics(run, workload) for name, run in runs.items()}
     reference = pick_reference(runs)
-    if reference is None and "paged_hf_spec" in runs and runs.get("paged_hf") and runs["paged_hf"].outputs:
-        reference = "paged_hf"  # speculation must not change a single token
+    exact = ("paged_hf_spec", "paged_hf_kvdisk", "paged_hf_kvhost")  # speculation, a KV tier: not a token changes
+    if reference is None and any(s in runs for s in exact) and runs.get("paged_hf") and runs["paged_hf"].outputs:
+        reference = "paged_hf"
     for name, run in runs.items():
         if reference is not None and run.outputs is not None:
             systems[name]["outputs_vs_reference"] = compare_outputs(run, runs[reference], workload)
@@ -153,6 +154,8 @@ def _footer_lines(report: dict) -> list[str]:
     settings = report.get("settings") or {}
     lines = [f"measured on {settings['host']}, {settings.get('dtype')}: {settings.get('command')}"] if settings.get(
         "host") else []
+    if settings.get("model_shape"):  # a --model-shape run: name the shape, its random weights and smaller vocab
+        lines.append(f"model: {settings['model']}")
     loads = {n: (m.get("extra") or {}).get("other_cpu_load") for n, m in report["systems"].items()
              if "tokens_per_s" in m}
     loads = {n: v for n, v in loads.items() if v is not None}
@@ -213,9 +216,12 @@ def spec_decode_line(report: dict) -> str | None:
 
 
 def output_name(report: dict) -> str:
-    """`bench_<workload>`, with `_<dtype>` for other dtypes than float32: both dtypes' files can sit side by side."""
+    """`bench_<workload>`, with `_<shape>` for a --model-shape run and `_<dtype>` for other dtypes than float32: the
+    files of every shape and dtype can sit side by side."""
     dtype = report["settings"].get("dtype") or "float32"
-    return f"bench_{report['workload']['name']}" + ("" if dtype == "float32" else f"_{dtype}")
+    shape = (report["settings"].get("model_shape") or {}).get("name")
+    return (f"bench_{report['workload']['name']}" + (f"_{shape}" if shape else "")
+            + ("" if dtype == "float32" else f"_{dtype}"))
 
 
 def write_json(report: dict, out_dir: str) -> str:

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 
 import paged_hf
 from paged_hf.bench.loadgen import run_load, summarize
+from paged_hf.bench.model_shapes import SERVING_MAX_LEN, describe_shape, resolve_model_shape
 from paged_hf.bench.vllm_system import default_vllm_python
 from paged_hf.loader import default_model
 from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
@@ -169,6 +170,7 @@ def _offline_main(spec_path: str) -> None:
 
 def run_serve_bench(args) -> int:
     """Every system on the same prompts, one after the other; prints the table (and writes JSON to --out)."""
+    model_shape = resolve_model_shape(args)  # --model-shape: args.model becomes its folder, built once
     model_path = str(ensure_default_checkpoint()) if is_default_model(args.model) else args.model
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = random_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
@@ -187,10 +189,11 @@ def run_serve_bench(args) -> int:
                         *engine_flags(args.engine_config)]
                 results.append(serve_system("paged-hf serve", argv, _threads_env(args), args, prompts, workdir))
             elif system == "vllm":
-                results.append(_vllm(args, model_path, prompts, workdir))
+                results.append(_vllm(args, model_path, prompts, workdir, shaped=model_shape is not None))
             else:
                 results.append(offline_system(args, prompts, workdir))
-        report = {"settings": {"model": model_path, "dtype": args.dtype, "num_prompts": args.num_prompts,
+        report = {"settings": {"model": describe_shape(model_shape) if model_shape else model_path,
+                               "model_shape": model_shape, "dtype": args.dtype, "num_prompts": args.num_prompts,
                                "input_len": args.input_len, "output_len": args.output_len,
                                "concurrency": args.concurrency, "request_rate": args.request_rate},
                   "systems": results}
@@ -201,13 +204,15 @@ def run_serve_bench(args) -> int:
     return 1 if any(r.get("error") for r in results) else 0
 
 
-def _vllm(args, model_path: str, prompts, workdir: Path) -> dict:
+def _vllm(args, model_path: str, prompts, workdir: Path, shaped: bool = False) -> dict:
     python = args.vllm_python or default_vllm_python()
     if python is None or not Path(python).exists():
         _log("vllm serve: skipped (no --vllm-python, and no .venv-vllm/bin/python)")
         return {"system": "vllm serve", "skipped": "no vLLM interpreter"}
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name",
             SERVED_NAME, "--dtype", args.dtype, "--host", "127.0.0.1"]
+    if shaped:  # a shape's published context (131072 for Llama-3.2) would not fit vLLM's KV space at start-up
+        argv += ["--max-model-len", str(SERVING_MAX_LEN)]
     return serve_system("vllm serve", argv, _vllm_env(workdir / "vllm_meta"), args, prompts, workdir)
 
 
@@ -233,6 +238,8 @@ def format_serve_table(report: dict) -> str:
         peer = by_name.get(other, {})
         if ours.get("output_tok_s") and peer.get("output_tok_s"):
             lines.append(f"paged-hf serve output tok/s {label}: {ours['output_tok_s'] / peer['output_tok_s']:.2f}x")
+    if (report.get("settings") or {}).get("model_shape"):
+        lines.append(f"model: {report['settings']['model']}")
     return "\n".join(lines)
 
 

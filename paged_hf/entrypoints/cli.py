@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from paged_hf.bench import run_bench
+from paged_hf.bench.model_shapes import MODEL_SHAPES
 from paged_hf.bench.serve import run_serve_bench
 from paged_hf.bench.systems import SYSTEM_NAMES, worker_main
 from paged_hf.bench.workloads import WORKLOAD_NAMES
@@ -178,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "the N adapters are then served from their folders by name, read on first use")
     bench.add_argument("--random-adapters", action="store_true", help="with --adapters: each request on a random "
                        "adapter of the N (seeded), not i %% N; --requests may then exceed 64")
+    bench.add_argument("--model-shape", choices=list(MODEL_SHAPES), default=None,
+                       help="instead of --model: a model of that published architecture with random weights and the "
+                       "default tokenizer (built once in the cache folder; docs/benchmarks.md)")
     bench.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     add_serve_bench_args(bench)
     add_model_args(bench)
