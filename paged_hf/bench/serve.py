@@ -79,7 +79,11 @@ def _vllm_env(workdir: Path) -> dict:
 def start_server(argv: list[str], port: int, env: dict | None, timeout: float, log_path: Path):
     """Start a server process and wait until `/health` answers; -> the process (its output goes to log_path)."""
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process in stop_server
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # run in the output folder: from the repository's root `kernels/` would shadow the `kernels` package that
+    # transformers probes for (and break vLLM's start); a relative interpreter path is resolved first
+    executable = os.path.abspath(argv[0]) if os.sep in argv[0] else argv[0]  # abspath: a venv link kept
+    process = subprocess.Popen([executable, *argv[1:]], stdout=log, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True, cwd=log_path.parent)
     process.log = log
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -172,6 +176,8 @@ def run_serve_bench(args) -> int:
     """Every system on the same prompts, one after the other; prints the table (and writes JSON to --out)."""
     model_shape = resolve_model_shape(args)  # --model-shape: args.model becomes its folder, built once
     model_path = str(ensure_default_checkpoint()) if is_default_model(args.model) else args.model
+    if Path(model_path).exists():  # a local folder: the servers run in the output folder
+        model_path = str(Path(model_path).resolve())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = random_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
     systems = [s.strip() for s in args.serve_systems.split(",") if s.strip()]
