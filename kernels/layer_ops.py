@@ -34,17 +34,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return out
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up for gate_up [..., 2 * inter] holding gate then up in each row, or None."""
-    rows = _row_view(gate_up)
-    if rows is None or rows.shape[1] % 2:
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up, both [..., inter] (rows read in place: e.g. the halves of a fused gate/up output), or None."""
+    gate_rows, up_rows = _row_view(gate), _row_view(up)
+    if gate_rows is None or up_rows is None or gate.shape != up.shape or gate.dtype != up.dtype:
         return None
-    function = _entry_points(gate_up.dtype)
+    function = _entry_points(gate.dtype)
     if function is None:
         return None
-    inter = rows.shape[1] // 2
-    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
-    function[1](rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, rows.shape[0], inter, torch.get_num_threads())
+    inter = gate_rows.shape[1]
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    function[1](gate_rows.data_ptr(), gate_rows.stride(0), up_rows.data_ptr(), up_rows.stride(0), out.data_ptr(), inter,
+                gate_rows.shape[0], inter, torch.get_num_threads())
     return out
 
 
@@ -93,8 +94,8 @@ def _entry_points(dtype: torch.dtype):
                     ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
     silu = getattr(library, f"silu_mul_{suffix}")
     silu.restype = ctypes.c_int
-    silu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                     ctypes.c_int64, ctypes.c_int]
+    silu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     rotary = getattr(library, f"rotary_{suffix}")
     rotary.restype = ctypes.c_int
     rotary.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,

@@ -1,7 +1,7 @@
 // The elementwise ops of a decoder layer, each in one pass over memory instead of a chain of torch ops (HF's
 // RMSNorm is 8 ops with two dtype casts in bf16; SiLU-and-multiply is 2 plus the slices of the fused gate/up):
 //   rms_norm:  out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)      (HF's LlamaRMSNorm)
-//   silu_mul:  out = silu(gate) * up, gate and up the two halves of one row (the fused gate/up projection's output)
+//   silu_mul:  out = silu(gate) * up, row by row (gate and up: often the two halves of the fused gate/up output)
 //   rotary:    x = x * cos + rotate_half(x) * sin, in place, for the first `heads` heads of each row (the q and k
 //              heads of the fused q/k/v projection's output; HF's apply_rotary_pos_emb)
 // Rounding follows the torch ops they replace: bf16 is computed in float and rounded where torch rounds (the
@@ -75,14 +75,12 @@ inline F16x silu16(F16x g) {
 }
 
 template <typename T>
-void silu_mul_row(const T *gate_up, T *out, int64_t cols) {
-  const T *up = gate_up + cols;
+void silu_mul_row(const T *gate, const T *up, T *out, int64_t cols) {
   const int64_t vec = cols - cols % 16;
-  for (int64_t k = 0; k < vec; k += 16)
-    store16(out + k, round_as(gate_up, silu16(load16(gate_up + k))) * load16(up + k));
+  for (int64_t k = 0; k < vec; k += 16) store16(out + k, round_as(gate, silu16(load16(gate + k))) * load16(up + k));
   for (int64_t k = vec; k < cols; ++k) {
-    const float g = load1(gate_up + k);
-    store1(out + k, round_as(gate_up, g / (1.0f + std::exp(-g))) * load1(up + k));
+    const float g = load1(gate + k);
+    store1(out + k, round_as(gate, g / (1.0f + std::exp(-g))) * load1(up + k));
   }
 }
 
@@ -112,8 +110,8 @@ void rms_norm_row(const double *x, double *out, const double *weight, int64_t co
   for (int64_t k = 0; k < cols; ++k) out[k] = weight[k] * static_cast<double>(static_cast<float>(x[k]) * scale);
 }
 
-void silu_mul_row(const double *gate_up, double *out, int64_t cols) {
-  for (int64_t k = 0; k < cols; ++k) out[k] = gate_up[k] / (1.0 + std::exp(-gate_up[k])) * gate_up[cols + k];
+void silu_mul_row(const double *gate, const double *up, double *out, int64_t cols) {
+  for (int64_t k = 0; k < cols; ++k) out[k] = gate[k] / (1.0 + std::exp(-gate[k])) * up[k];
 }
 
 void rotary_row(double *row, const double *cos, const double *sin, int64_t heads, int64_t head_dim) {
@@ -150,11 +148,12 @@ int rms_norm(const void *x, int64_t x_stride, void *out, int64_t out_stride, con
 }
 
 template <typename T>
-int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stride, int64_t rows, int64_t cols,
-             int threads) {
-  const T *in = static_cast<const T *>(gate_up);
+int silu_mul(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, void *out, int64_t out_stride,
+             int64_t rows, int64_t cols, int threads) {
+  const T *g = static_cast<const T *>(gate), *u = static_cast<const T *>(up);
   T *outs = static_cast<T *>(out);
-  for_rows(rows, cols, threads, [&](int64_t i) { silu_mul_row(in + i * in_stride, outs + i * out_stride, cols); });
+  for_rows(rows, cols, threads,
+           [&](int64_t i) { silu_mul_row(g + i * gate_stride, u + i * up_stride, outs + i * out_stride, cols); });
   return 0;
 }
 
@@ -175,9 +174,9 @@ int rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t 
                                  const void *weight, int64_t rows, int64_t cols, double eps, int threads) {     \
     return rms_norm<T>(x, x_stride, out, out_stride, weight, rows, cols, eps, threads);                         \
   }                                                                                                             \
-  extern "C" int silu_mul_##NAME(const void *gate_up, int64_t in_stride, void *out, int64_t out_stride,         \
-                                 int64_t rows, int64_t cols, int threads) {                                     \
-    return silu_mul<T>(gate_up, in_stride, out, out_stride, rows, cols, threads);                               \
+  extern "C" int silu_mul_##NAME(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride,     \
+                                 void *out, int64_t out_stride, int64_t rows, int64_t cols, int threads) {      \
+    return silu_mul<T>(gate, gate_stride, up, up_stride, out, out_stride, rows, cols, threads);                 \
   }                                                                                                             \
   extern "C" int rotary_##NAME(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t cs_stride,  \
                                int64_t rows, int64_t heads, int64_t head_dim, int threads) {                   \

@@ -96,54 +96,62 @@ class ProjectionSlice(torch.nn.Module):
         return self.group.output(x, self.index)
 
 
-class FusedMLP(torch.nn.Module):
+class _AroundGroup(torch.nn.Module):
+    """A module (`owner`) whose forward is rewritten around the projection group of its Linears `names`."""
+
+    def __init__(self, owner: torch.nn.Module, names: tuple[str, ...], group: ProjectionGroup,
+                 slices: tuple[ProjectionSlice, ...]):
+        super().__init__()
+        object.__setattr__(self, "owner", owner)  # not submodules: nothing registered twice
+        object.__setattr__(self, "group", group)
+        self.names, self.slices = names, slices
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """The group's own stand-ins are in place (no LoRA wrappers over them this step) and take x's dtype."""
+        installed = tuple(self.owner._modules[name] for name in self.names)
+        return installed == self.slices and x.dtype == self.group.linears[0].weight.dtype
+
+
+class FusedMLP(_AroundGroup):
     """LlamaMLP's forward with gate/up as one matmul and SiLU-and-multiply as one compiled op."""
 
-    def __init__(self, mlp: torch.nn.Module, group: ProjectionGroup, gate: ProjectionSlice, up: ProjectionSlice):
-        super().__init__()
-        object.__setattr__(self, "mlp", mlp)
-        object.__setattr__(self, "group", group)
-        object.__setattr__(self, "slices", (gate, up))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.mlp
-        # LoRA wrappers installed over gate/up for this step, or another dtype: the MLP's own forward
-        if ((mlp._modules["gate_proj"], mlp._modules["up_proj"]) != self.slices
-                or x.dtype != mlp.gate_proj.base.weight.dtype):
-            return type(mlp).forward(mlp, x)
-        gate_up = self.group(x)
-        hidden = layer_ops.silu_and_mul(gate_up)
+        mlp = self.owner
+        if self.fused(x):
+            gate, up = self.group(x).split(self.group.sizes, dim=-1)
+        else:  # LoRA wrappers over gate/up this step (or an input F.linear refuses): what the installed ones give
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        hidden = layer_ops.silu_and_mul(gate, up)
         if hidden is None:
-            gate, up = gate_up.split(self.group.sizes, dim=-1)
             hidden = mlp.act_fn(gate) * up
         return mlp.down_proj(hidden)
 
 
-class FusedAttention(torch.nn.Module):
+class FusedAttention(_AroundGroup):
     """LlamaAttention's forward with q/k/v as one matmul and the rotary embedding as one in-place compiled op."""
-
-    def __init__(self, attention: torch.nn.Module, group: ProjectionGroup, slices: tuple[ProjectionSlice, ...]):
-        super().__init__()
-        object.__setattr__(self, "attention", attention)
-        object.__setattr__(self, "group", group)
-        object.__setattr__(self, "slices", slices)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 **kwargs):
-        attention = self.attention
-        if (tuple(attention._modules[name] for name in PROJECTION_GROUPS[0]) != self.slices  # LoRA wrappers
-                or hidden_states.dtype != attention.q_proj.base.weight.dtype or "past_key_values" in kwargs):
+        attention = self.owner
+        if "past_key_values" in kwargs:  # the deprecated spelling: the model's own forward renames it
             return type(attention).forward(attention, hidden_states, position_embeddings, attention_mask, cache,
                                            **kwargs)
         input_shape, head_dim = hidden_states.shape[:-1], attention.head_dim
-        qkv = self.group(hidden_states)
         cos, sin = position_embeddings
-        rotated = layer_ops.rotate_in_place(qkv, cos, sin, (self.group.sizes[0] + self.group.sizes[1]) // head_dim,
-                                            head_dim)
+        if self.fused(hidden_states):
+            qkv = self.group(hidden_states)
+            sizes = self.group.sizes
+            rotated = [layer_ops.rotate_in_place(qkv, cos, sin, (sizes[0] + sizes[1]) // head_dim, head_dim)] * 2
+            parts = qkv.split(sizes, dim=-1)
+        else:  # LoRA wrappers over q/k/v this step: their outputs (fresh tensors), q and k rotated one by one
+            parts = [attention._modules[name](hidden_states) for name in self.names]
+            rotated = [layer_ops.rotate_in_place(part, cos, sin, part.shape[-1] // head_dim, head_dim)
+                       for part in parts[:2]]
         hidden_shape = (*input_shape, -1, head_dim)
-        query, key, value = (part.view(hidden_shape).transpose(1, 2) for part in qkv.split(self.group.sizes, dim=-1))
-        if not rotated:
-            query, key = modeling_llama.apply_rotary_pos_emb(query, key, cos, sin)
+        query, key, value = (part.view(hidden_shape).transpose(1, 2) for part in parts)
+        if not all(rotated):  # HF's rotary for what the compiled op did not rotate
+            rotated_query, rotated_key = modeling_llama.apply_rotary_pos_emb(query, key, cos, sin)
+            query, key = (query if rotated[0] else rotated_query), (key if rotated[1] else rotated_key)
         if cache is not None:
             key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
         attention_interface = attention_function(attention, modeling_llama.eager_attention_forward)
@@ -209,11 +217,13 @@ class FusedLayers:
                 gate, up = slices.get((id(child), "gate_proj")), slices.get((id(child), "up_proj"))
                 if (gate is not None and up is not None and gate.group is up.group and _same_forward(child, LlamaMLP)
                         and isinstance(getattr(child, "act_fn", None), SILU_TYPES)):
-                    self.sites.append((parent, name, child, FusedMLP(child, gate.group, gate, up)))
+                    stand_in = FusedMLP(child, PROJECTION_GROUPS[1], gate.group, (gate, up))
+                    self.sites.append((parent, name, child, stand_in))
                 qkv = tuple(slices.get((id(child), projection)) for projection in PROJECTION_GROUPS[0])
                 if (all(qkv) and len({id(s.group) for s in qkv}) == 1 and _runs_llama_attention(child)
                         and all(size % child.head_dim == 0 for size in qkv[0].group.sizes)):
-                    self.sites.append((parent, name, child, FusedAttention(child, qkv[0].group, qkv)))
+                    stand_in = FusedAttention(child, PROJECTION_GROUPS[0], qkv[0].group, qkv)
+                    self.sites.append((parent, name, child, stand_in))
 
     def __enter__(self) -> None:
         for parent, name, _, stand_in in self.sites:

@@ -44,7 +44,7 @@ def test_silu_and_mul_matches_torch(dtype, rows, inter):
     gate_up = (torch.randn(1, rows, 2 * inter) * 4).to(dtype)
     gate, up = gate_up.split([inter, inter], dim=-1)
     expected = torch.nn.functional.silu(gate) * up
-    got = layer_ops.silu_and_mul(gate_up)
+    got = layer_ops.silu_and_mul(gate, up)
     assert got.shape == expected.shape
     if dtype == torch.bfloat16:  # silu's exp may differ by an ulp of float before the bf16 rounding
         torch.testing.assert_close(got, expected, atol=0, rtol=2 ** -7)
@@ -61,7 +61,7 @@ def test_strided_rows_are_read_in_place_and_uneven_ones_are_refused():
     heads = fused[:, :48].view(5, 3, 16)  # per-head rows, not evenly strided across tokens
     assert layer_ops.rms_norm(heads, torch.randn(16), 1e-5) is None
     assert layer_ops.rms_norm(torch.randn(4, 8, dtype=torch.float16), torch.randn(8, dtype=torch.float16), 1e-5) is None
-    assert layer_ops.silu_and_mul(torch.randn(3, 7)) is None  # odd width: no gate/up halves
+    assert layer_ops.silu_and_mul(torch.randn(3, 7), torch.randn(3, 6)) is None  # shapes differ
 
 
 def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
