@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from paged_hf.kernels import layer_ops
 from paged_hf.worker.attention_switch import attention_function
-from paged_hf.worker.packed_linears import packable_dtypes, weight_version
+from paged_hf.worker.packed_linears import ModuleSwaps, packable_dtypes, weight_version
 
 #: sibling Linears that read the same input in the transformers models that follow Llama's layout
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -174,12 +174,12 @@ class FusedRMSNorm(torch.nn.Module):
         return self.norm(x) if out is None else out
 
 
-class FusedLayers:
+class FusedLayers(ModuleSwaps):
     """Every qualifying projection group, MLP and RMSNorm of the model, swapped for its fused stand-in in a step."""
 
     def __init__(self, model: torch.nn.Module, pack: bool = True):
         self.pack = pack
-        self.sites: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]] = []
+        self.sites = []
         self.groups: list[ProjectionGroup] = []
         if (getattr(model, "tp_size", None) or 1) > 1:  # weight shards (DTensors): left to torch
             return
@@ -225,13 +225,8 @@ class FusedLayers:
                     stand_in = FusedAttention(child, PROJECTION_GROUPS[0], qkv[0].group, qkv)
                     self.sites.append((parent, name, child, stand_in))
 
-    def __enter__(self) -> None:
-        for parent, name, _, stand_in in self.sites:
-            parent._modules[name] = stand_in
-
     def __exit__(self, *exc) -> None:
-        for parent, name, original, _ in self.sites:
-            parent._modules[name] = original
+        super().__exit__(*exc)
         for group in self.groups:
             group.release()
 

@@ -51,27 +51,33 @@ class PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.base.bias, "none", [], "")
 
 
-class PackedLinears:
+class ModuleSwaps:
+    """Modules swapped for stand-ins for the duration of a step (`parent._modules[name]`) and always put back."""
+
+    sites: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]  # (parent, name, original, stand-in)
+
+    def __enter__(self) -> None:
+        for parent, name, _, stand_in in self.sites:
+            parent._modules[name] = stand_in
+
+    def __exit__(self, *exc) -> None:
+        for parent, name, original, _ in self.sites:
+            parent._modules[name] = original
+
+
+class PackedLinears(ModuleSwaps):
     """Every plain `nn.Linear` of the model that oneDNN can pack, swapped for its `PackedLinear` in a step."""
 
     def __init__(self, model: torch.nn.Module, skip: set[int] = frozenset()):
         """`skip`: ids of Linears computed elsewhere in a step (the fused projections of `fused_layers`)."""
         dtypes = packable_dtypes()
-        self.sites: list[tuple[torch.nn.Module, str, torch.nn.Linear, PackedLinear]] = []
+        self.sites = []
         if (getattr(model, "tp_size", None) or 1) > 1:  # weight shards (DTensors): left to torch
             return
         for parent in model.modules():
             for name, child in parent._modules.items():
                 if _packable(child, dtypes) and id(child) not in skip:
                     self.sites.append((parent, name, child, PackedLinear(child)))
-
-    def __enter__(self) -> None:
-        for parent, name, _, packed in self.sites:
-            parent._modules[name] = packed
-
-    def __exit__(self, *exc) -> None:
-        for parent, name, original, _ in self.sites:
-            parent._modules[name] = original
 
 
 def weight_version(weight: torch.Tensor) -> int | None:
