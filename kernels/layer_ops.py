@@ -10,11 +10,8 @@ import ctypes
 import functools
 
 import torch
-from transformers.utils import logging
 
 from paged_hf.kernels import native
-
-logger = logging.get_logger(__name__)
 
 #: dtypes the compiled ops compute (bf16 in float32), by entry-point suffix
 NATIVE_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
@@ -67,13 +64,20 @@ def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads
 
 
 def _row_view(x: torch.Tensor) -> torch.Tensor | None:
-    """x as [rows, cols] with contiguous rows an even stride apart (a view, no copy), or None."""
+    """x as [rows, cols] with contiguous rows an even stride apart (a view, no copy), or None. Checked on the
+    strides, not by trying `view`: a refused view raises, and this runs per layer."""
     if x.device.type != "cpu" or x.dim() == 0 or x.stride(-1) != 1 or x.requires_grad:
         return None
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:  # rows not evenly strided
-        return None
+    row_stride, expected = x.shape[-1], None
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 1:
+            continue
+        if expected is None:
+            row_stride = stride
+        elif stride != expected:
+            return None
+        expected = stride * size
+    return x.as_strided((x.numel() // max(x.shape[-1], 1), x.shape[-1]), (row_stride, 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,23 +85,14 @@ def _entry_points(dtype: torch.dtype):
     """(rms_norm, silu_mul, rotary) compiled for `dtype`, or None (other dtypes; no compiler: logged once)."""
     if dtype not in NATIVE_DTYPES:
         return None
-    try:
-        library = native.load_layer_ops()
-    except native.NativeBuildError as error:
-        logger.warning(f"paged_hf: the decoder layers' elementwise ops run on torch, the compiled ones are "
-                       f"unavailable: {error}")
+    library = native.load_or_warn(native.load_layer_ops, "the decoder layers' elementwise code")
+    if library is None:
         return None
-    suffix = NATIVE_DTYPES[dtype]
-    rms = getattr(library, f"rms_norm_{suffix}")
-    rms.restype = ctypes.c_int
-    rms.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                    ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
-    silu = getattr(library, f"silu_mul_{suffix}")
-    silu.restype = ctypes.c_int
-    silu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    rotary = getattr(library, f"rotary_{suffix}")
-    rotary.restype = ctypes.c_int
-    rotary.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    suffix, pointer, size = NATIVE_DTYPES[dtype], ctypes.c_void_p, ctypes.c_int64
+    rms = native.entry_point(library, f"rms_norm_{suffix}", [pointer, size, pointer, size, pointer, size, size,
+                                                            ctypes.c_double, ctypes.c_int])
+    silu = native.entry_point(library, f"silu_mul_{suffix}", [pointer, size, pointer, size, pointer, size, size,
+                                                             size, ctypes.c_int])
+    rotary = native.entry_point(library, f"rotary_{suffix}", [pointer, size, pointer, pointer, size, size, size,
+                                                             size, ctypes.c_int])
     return rms, silu, rotary

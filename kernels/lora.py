@@ -16,11 +16,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from transformers.utils import logging
 
 from paged_hf.kernels import native
-
-logger = logging.get_logger(__name__)
 
 #: dtypes the compiled kernel computes (bf16 in float32), by entry-point suffix
 NATIVE_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
@@ -161,14 +158,11 @@ def _native_function(dtype: torch.dtype):
     """The compiled kernel's entry point for `dtype`, or None (other dtypes; no compiler: logged once)."""
     if dtype not in NATIVE_DTYPES:
         return None
-    try:
-        library = native.load_lora()
-    except native.NativeBuildError as error:
-        logger.warning(f"paged_hf: multi-LoRA runs on torch ops, the compiled kernel is unavailable: {error}")
+    library = native.load_or_warn(native.load_lora, "multi-LoRA")
+    if library is None:
         return None
-    function = getattr(library, f"lora_sgmv_{NATIVE_DTYPES[dtype]}")
-    function.restype = ctypes.c_int
     # (members, num_members, segments, x, x_stride, in, num_threads): kernels/csrc/lora_sgmv.cpp
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                         ctypes.c_int64, ctypes.c_int]
+    function = native.entry_point(library, f"lora_sgmv_{NATIVE_DTYPES[dtype]}", [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int])
     return function

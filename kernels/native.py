@@ -138,6 +138,24 @@ def _build(compiler: str, flags: tuple[str, ...], source: Path, target: Path) ->
         os.replace(built, target)
 
 
+def entry_point(library: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+    """`library.name` typed: `argtypes` in, an int status out (0: done)."""
+    function = getattr(library, name)
+    function.restype = ctypes.c_int
+    function.argtypes = argtypes
+    return function
+
+
+def load_or_warn(load, what: str) -> ctypes.CDLL | None:
+    """`load()`'s library, or None with a warning that `what` runs on torch ops instead (no compiler, a failed
+    build); callers cache the answer, so it is said once."""
+    try:
+        return load()
+    except NativeBuildError as error:
+        logger.warning(f"paged_hf: {what} runs on torch ops, the compiled kernel is unavailable: {error}")
+        return None
+
+
 def head_dim_fits(dtype: torch.dtype, head_dim: int) -> bool:
     """The kernel computes in 64-byte vectors of the compute dtype: head_dim must be a whole number of them."""
     return dtype in DTYPES and head_dim % (64 // COMPUTE_DTYPES[dtype].itemsize) == 0

@@ -19,16 +19,22 @@ BUDGET = 32
 CAP = BUDGET // 4
 
 
+def tenant_a_busy(policy: str, prompt_len: int, decode_len: int) -> Sim:
+    """Tenant A (priority 0): one decoding request and three distinct long prompts, three steps in."""
+    sim = Sim(policy, max_num_seqs=4, budget=BUDGET, num_blocks=256)
+    sim.add("d0", prompt_len=6, max_new=decode_len, tenant="A")
+    for i in range(3):
+        sim.add(f"p{i}", prompt_len=prompt_len, max_new=4, tenant="A", token=10 + i)
+    for _ in range(3):
+        sim.step()
+    return sim
+
+
 def flood_then_urgent(policy: str):
     """A (priority 0) runs a decode and three long prompts (distinct, no prefix hits); after 3 steps B (priority
     -1 under `priority`, another tenant under `fair`) sends a short one. -> (sim, per-step schedules from B's
     arrival on: [(request id, tokens, whether a prefill chunk)], the requests that decoded at B's arrival)."""
-    sim = Sim(policy, max_num_seqs=4, budget=BUDGET, num_blocks=256)
-    sim.add("d0", prompt_len=6, max_new=60, tenant="A")
-    for i in range(3):
-        sim.add(f"p{i}", prompt_len=160, max_new=4, tenant="A", token=10 + i)
-    for _ in range(3):
-        sim.step()
+    sim = tenant_a_busy(policy, prompt_len=160, decode_len=60)
     sim.add("B", prompt_len=6, max_new=2, priority=-1, tenant="B", token=9)
     steps, decoding = [], {r.request_id for r in sim.scheduler.running if r.num_tokens_to_compute == 1}
     for _ in range(ARRIVAL_WINDOW_STEPS + 4):
@@ -72,12 +78,7 @@ def test_fcfs_tops_every_step_up():
 @pytest.mark.parametrize("policy", ["priority", "fair"])
 def test_equals_do_not_pace_each_other(policy):
     """The same scenario with B of A's class (priority 0; tenant A): no un-topped, no capped step."""
-    sim = Sim(policy, max_num_seqs=4, budget=BUDGET, num_blocks=256)
-    sim.add("d0", prompt_len=6, max_new=30, tenant="A")
-    for i in range(3):
-        sim.add(f"p{i}", prompt_len=80, max_new=4, tenant="A", token=10 + i)
-    for _ in range(3):
-        sim.step()
+    sim = tenant_a_busy(policy, prompt_len=80, decode_len=30)
     sim.add("late", prompt_len=6, max_new=2, tenant="A", token=9)
     sim.run()
     assert sim.scheduler.pacer.num_untopped_steps == sim.scheduler.pacer.num_capped_steps == 0
