@@ -30,7 +30,7 @@ from paged_hf.config import PagedConfig
 from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
 from paged_hf.utils import cdiv, cpu_model_name, describe_host
 
-__all__ = ["DEFAULT_SYSTEMS", "SYSTEM_NAMES", "WORKLOAD_NAMES", "Workload", "build_workload", "run_bench"]
+__all__ = ["DEFAULT_SYSTEMS", "SYSTEM_NAMES", "WORKLOAD_NAMES", "Workload", "build_workload", "median_run", "run_bench"]
 
 
 def parse_systems(value: str | None, workload: str, scaling_adapters: bool = False) -> list[str]:
@@ -129,6 +129,49 @@ def measured_where(args) -> dict:
             "command": "paged-hf " + shlex.join(argv) if argv is not None else "paged-hf bench"}
 
 
+def _run_system(args, system: str, workload: Workload, engine_config: dict, tokenizer, vllm_python: str) -> SystemRun:
+    """One system, in a fresh process, with how busy other processes kept the machine meanwhile."""
+    _log(f"running {system} in a fresh process ...")
+    start, other_load = time.perf_counter(), _OtherLoad()
+    if system == "vllm":
+        run = run_vllm(workload, args.model, tokenizer, args.dtype, vllm_python, args.device, args.system_timeout,
+                       args.threads)
+    else:
+        run = run_in_subprocess(system, workload, args.model, engine_config, args.device, args.dtype,
+                                args.system_timeout, args.threads)
+    run.extra["other_cpu_load"] = other_load.fraction()
+    status = run.skipped or run.error or f"{run.wall_s:.1f} s timed"
+    _log(f"{system}: {status} ({time.perf_counter() - start:.1f} s with start-up)")
+    return run
+
+
+def _run_rounds(args, systems: list[str], workload: Workload, engine_config: dict, tokenizer,
+                vllm_python: str) -> dict[str, SystemRun]:
+    """Every system `--rounds` times, taking turns (A B A B ...), so that a slow spell of a shared machine falls on
+    all of them alike -> each system's median run by wall time, with every round's wall time in its extra. A
+    system that was skipped or failed is not run again."""
+    rounds: dict[str, list[SystemRun]] = {system: [] for system in systems}
+    num_rounds = max(1, getattr(args, "rounds", 1) or 1)
+    for number in range(num_rounds):
+        for system in systems:
+            if rounds[system] and (rounds[system][0].skipped or rounds[system][0].error):
+                continue
+            if num_rounds > 1:
+                _log(f"round {number + 1} of {num_rounds}")
+            rounds[system].append(_run_system(args, system, workload, engine_config, tokenizer, vllm_python))
+    return {system: median_run(runs) for system, runs in rounds.items()}
+
+
+def median_run(runs: list[SystemRun]) -> SystemRun:
+    """The run of median wall time (the lower middle of an even count), every run's wall time in its extra."""
+    if len(runs) == 1 or runs[0].wall_s is None:
+        return runs[0]
+    ordered = sorted(runs, key=lambda run: run.wall_s)
+    chosen = ordered[(len(ordered) - 1) // 2]
+    chosen.extra["rounds_wall_s"] = [run.wall_s for run in runs]
+    return chosen
+
+
 def run_bench(args) -> int:
     """Run the benchmark described by the parsed ``paged-hf bench`` arguments; 0 if every system ran (or was
     skipped on purpose), 1 if any failed."""
@@ -151,20 +194,8 @@ def run_bench(args) -> int:
     summary = workload.summary()
     _log(f"workload {workload.name}: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt + "
          f"{summary['new_tokens']} new tokens; systems: {', '.join(systems)}")
-    runs: dict[str, SystemRun] = {}
     vllm_python = getattr(args, "vllm_python", None) or default_vllm_python()
-    for system in systems:
-        _log(f"running {system} in a fresh process ...")
-        start, other_load = time.perf_counter(), _OtherLoad()
-        if system == "vllm":
-            runs[system] = run_vllm(workload, args.model, tokenizer, args.dtype, vllm_python, args.device,
-                                    args.system_timeout, args.threads)
-        else:
-            runs[system] = run_in_subprocess(system, workload, args.model, engine_config, args.device, args.dtype,
-                                             args.system_timeout, args.threads)
-        runs[system].extra["other_cpu_load"] = other_load.fraction()
-        status = runs[system].skipped or runs[system].error or f"{runs[system].wall_s:.1f} s timed"
-        _log(f"{system}: {status} ({time.perf_counter() - start:.1f} s with start-up)")
+    runs = _run_rounds(args, systems, workload, engine_config, tokenizer, vllm_python)
     if args.threads:
         torch.set_num_threads(args.threads)
     limit = None if args.no_machine_limit else _measure_limit(args.model, workload, args.device, args.dtype)

