@@ -27,6 +27,7 @@ from transformers.activations import SiLUActivation
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
+from paged_hf.integrations.lora import updates_over
 from paged_hf.kernels import layer_ops
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.packed_linears import ModuleSwaps, packable_dtypes, weight_version
@@ -106,10 +107,21 @@ class _AroundGroup(torch.nn.Module):
         object.__setattr__(self, "group", group)
         self.names, self.slices = names, slices
 
-    def fused(self, x: torch.Tensor) -> bool:
-        """The group's own stand-ins are in place (no LoRA wrappers over them this step) and take x's dtype."""
+    def packed_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The group's one matmul of x [..., sum of the out_features], with the step's LoRA updates added where
+        wrappers are over the stand-ins; None where the installed modules must compute themselves (an input
+        F.linear refuses, LoRA wrappers that record or are not grouped yet)."""
+        if x.dtype != self.group.linears[0].weight.dtype:
+            return None
         installed = tuple(self.owner._modules[name] for name in self.names)
-        return installed == self.slices and x.dtype == self.group.linears[0].weight.dtype
+        if installed == self.slices:
+            return self.group(x)
+        add_updates = updates_over(installed, self.slices)
+        if add_updates is None:
+            return None
+        output = self.group(x)
+        add_updates(output.split(self.group.sizes, dim=-1), x)
+        return output
 
 
 class FusedMLP(_AroundGroup):
@@ -117,9 +129,10 @@ class FusedMLP(_AroundGroup):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.owner
-        if self.fused(x):
-            gate, up = self.group(x).split(self.group.sizes, dim=-1)
-        else:  # LoRA wrappers over gate/up this step (or an input F.linear refuses): what the installed ones give
+        packed = self.packed_output(x)
+        if packed is not None:
+            gate, up = packed.split(self.group.sizes, dim=-1)
+        else:  # what the installed modules give (LoRA wrappers computing alone, an input F.linear refuses)
             gate, up = mlp.gate_proj(x), mlp.up_proj(x)
         hidden = layer_ops.silu_and_mul(gate, up)
         if hidden is None:
@@ -138,12 +151,12 @@ class FusedAttention(_AroundGroup):
                                            **kwargs)
         input_shape, head_dim = hidden_states.shape[:-1], attention.head_dim
         cos, sin = position_embeddings
-        if self.fused(hidden_states):
-            qkv = self.group(hidden_states)
+        qkv = self.packed_output(hidden_states)
+        if qkv is not None:
             sizes = self.group.sizes
             rotated = [layer_ops.rotate_in_place(qkv, cos, sin, (sizes[0] + sizes[1]) // head_dim, head_dim)] * 2
             parts = qkv.split(sizes, dim=-1)
-        else:  # LoRA wrappers over q/k/v this step: their outputs (fresh tensors), q and k rotated one by one
+        else:  # what the installed modules give (fresh tensors), q and k rotated one by one
             parts = [attention._modules[name](hidden_states) for name in self.names]
             rotated = [layer_ops.rotate_in_place(part, cos, sin, part.shape[-1] // head_dim, head_dim)
                        for part in parts[:2]]

@@ -12,7 +12,8 @@ from conftest import assert_no_leak, hf_greedy, make_adapter, random_prompts, ti
 
 import paged_hf
 from paged_hf import PagedConfig, SamplingParams
-from paged_hf.integrations.lora import LoRAContext, LoRAGroup, LoRALinear, LoRARouting
+from paged_hf.integrations.lora import LoRAContext, LoRAGroup, LoRALinear, LoRARouting, updates_over
+from paged_hf.worker import fused_layers
 
 
 def group_names(generator) -> list[list[str]]:
@@ -21,9 +22,18 @@ def group_names(generator) -> list[list[str]]:
     return sorted(sorted(path_of[id(m)].rsplit(".", 1)[1] for m in g.members) for g in manager.groups)
 
 
-def test_groups_with_an_unwrapped_sibling_and_rank_zero_slots_match_peft(tmp_path):
+def test_groups_with_an_unwrapped_sibling_and_rank_zero_slots_match_peft(tmp_path, monkeypatch):
     """'qv' wraps q and v only (k is no wrapper: the group is q/v); 'qkv' adds k, where 'qv' has rank 0; 'mlp'
-    targets gate/up/down. Mixed in one batch with base-model requests, each output equals peft's alone."""
+    targets gate/up/down. Mixed in one batch with base-model requests, each output equals peft's alone. Once the
+    groups are known, the fused layers add them to their one packed matmul (no wrapper call per projection)."""
+    fused_adds = []
+
+    def counted(installed, bases):
+        add = updates_over(installed, bases)
+        fused_adds.append(add is not None)
+        return add
+
+    monkeypatch.setattr(fused_layers, "updates_over", counted)
     base = tiny_model("llama")
     configs = {"qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
                "qkv": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"]),
@@ -42,10 +52,12 @@ def test_groups_with_an_unwrapped_sibling_and_rank_zero_slots_match_peft(tmp_pat
 
     check(["qv", None, "qv", None])
     assert group_names(generator) == [["q_proj", "v_proj"]] * 2  # k_proj has no wrapper
+    assert True in fused_adds and False in fused_adds  # the first adapter step's wrappers ran, later ones did not
     generator.load_adapter("qkv", tmp_path / "qkv")
     generator.load_adapter("mlp", tmp_path / "mlp")
     check(["qv", "qkv", None, "mlp"])
     assert group_names(generator) == [["gate_proj", "up_proj"]] * 2 + [["k_proj", "q_proj", "v_proj"]] * 2
+    assert fused_adds[-1] is True
     assert_no_leak(generator)
 
 
