@@ -133,6 +133,7 @@ class LoRALinear(torch.nn.Module):
         super().__init__()
         self.base = base
         self.packed_base = None  # set for each step (LoRAManager.step)
+        self.wrapped = None  # the module this wrapper stood in for in the last step (packed_base follows it)
         self.context = context
         # rank of each slot's adapter at this module (0: the adapter skips it); read by the kernel, so on CPU
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
@@ -228,6 +229,8 @@ class LoRAManager:
         self.adapters: dict[str, LoRAAdapter] = {}  # in host memory, by name: what new requests get
         self.wrappers: dict[str, LoRALinear] = {}  # module path -> wrapper
         self._sites: dict[str, tuple[torch.nn.Module, str]] = {}  # module path -> (parent, attribute)
+        # what a step swaps, as (parent's module dict, attribute, wrapper): the per-step loop does no lookup
+        self._installs: list[tuple[dict, str, LoRALinear]] = []
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter version -> slot, least recent first
         # the resident adapters' names, replaced whole on each swap: what another thread may read (the Ray
         # replica's routing stats) while the engine thread reorders `resident` every step
@@ -287,6 +290,7 @@ class LoRAManager:
         device = execution_device(modules, module_path) or base.weight.device
         self.wrappers[module_path] = LoRALinear(base, self.context, self.max_loras, device)
         self._sites[module_path] = (parent, attribute)
+        self._installs.append((parent._modules, attribute, self.wrappers[module_path]))
         self._probe = True
 
     def unload(self, name: str) -> None:
@@ -339,30 +343,35 @@ class LoRAManager:
         if token_slots is None:
             yield
             return
-        originals = {}
+        originals = []
+        probing = self._probe
         try:
-            for module_path, (parent, attribute) in self._sites.items():
-                originals[module_path] = original = parent._modules[attribute]
-                wrapper = self.wrappers[module_path]
-                # the engine's packed stand-in of the base layer (paged_hf.worker.packed_linears), when one is in place;
-                # a plain attribute, not a registered submodule (state_dict and forward's lookups stay as they are)
-                object.__setattr__(wrapper, "packed_base",
-                                   original if getattr(original, "base", None) is wrapper.base else None)
-                parent._modules[attribute] = wrapper
+            for modules, attribute, wrapper in self._installs:
+                original = modules[attribute]
+                originals.append(original)
+                if original is not wrapper.wrapped:  # the stand-ins in place change rarely: looked at then only
+                    # the engine's packed stand-in of the base layer (paged_hf.worker.packed_linears or
+                    # fused_layers), when one is in place; a plain attribute, not a registered submodule
+                    # (state_dict and forward's lookups stay as they are)
+                    object.__setattr__(wrapper, "packed_base",
+                                       original if getattr(original, "base", None) is wrapper.base else None)
+                    object.__setattr__(wrapper, "wrapped", original)
+                modules[attribute] = wrapper
             self.context.routing = LoRARouting(token_slots)
-            self.context.probing = self._probe
+            self.context.probing = probing
             yield
-            if self._probe:
+            if probing:
                 self._form_groups()
         finally:
             self.context.routing = None
             self.context.probing = False
             for group in self.groups:
                 group.release()
-            for module_path, original in originals.items():
-                parent, attribute = self._sites[module_path]
-                parent._modules[attribute] = original
-                self.wrappers[module_path].seen_input = None
+            for (modules, attribute, wrapper), original in zip(self._installs, originals):
+                modules[attribute] = original
+            if probing:
+                for wrapper in self.wrappers.values():
+                    wrapper.seen_input = None
 
     def _form_groups(self) -> None:
         """Group the wrappers of one parent module that read the same input tensor in the step just run."""
