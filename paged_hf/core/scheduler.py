@@ -17,6 +17,7 @@ request in a hurry waits for its first token (ranked policies only) are step_pac
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,7 +58,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int | None = None, policy: str = "fcfs", tenant_weights: dict | None = None,
-                 is_ready: Callable[[Request], bool] | None = None, max_adapter_wait_steps: int = 64):
+                 is_ready: Callable[[Request], bool] | None = None, max_adapter_wait_steps: int = 64,
+                 clock: Callable[[], float] = time.perf_counter):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,7 +67,9 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Request] | RankedQueue = make_waiting_queue(policy, tenant_weights, max_num_seqs)
         self.gate = AdmissionGate(max_loras, is_ready, max_adapter_wait_steps)
-        self.pacer = StepPacer(self.waiting, max_num_batched_tokens) if isinstance(self.waiting, RankedQueue) else None
+        ranked = isinstance(self.waiting, RankedQueue)
+        # clock: the pacer times the steps to size its capped prefill (step_pacing.py); tests inject one
+        self.pacer = StepPacer(self.waiting, max_num_batched_tokens, clock=clock) if ranked else None
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.max_num_running = 0  # the most requests that ran at once (after any step's scheduling)

@@ -11,8 +11,13 @@ steps. Two rules make both steps short, at no cost to the running requests' deco
   hold back (lower priorities; other tenants served as much or more), and starts none of them. Their decodes
   stay in: such first prefills go first in the step, but leave the budget's room for the decodes.
 - Capped prefill: while a class in a hurry had an arrival in the last `window_steps` steps (another one may come
-  any moment), the prefill chunks of the requests it may hold back share `max_num_batched_tokens // 4` tokens a
-  step, so the step in flight when the next one comes is short too.
+  any moment), the prefill chunks of the requests it may hold back share a capped number of tokens a step, so the
+  step in flight when the next one comes is short too. The cap adapts to the hardware: the pacer times its steps
+  (`StepCost`: seconds = fixed + per_token * tokens, fitted over recent steps) and caps a step at what lasts
+  `CAPPED_STEP_FACTOR` (2) times the hurried class's own first step (the decodes and its first prefill). Where a
+  step's fixed cost dominates (a GPU, or tiny steps), that lifts the cap: a full step costs little more than the
+  short one, and a capped step would only add steps. It never goes below `max_num_batched_tokens // 4` (the cap
+  before any step was timed).
 - Whatever the ranks' order, a prefill chunk leaves the budget's room for the running requests' decodes.
 
 All of it only holds back, never preempts, so nothing starves that did not before: fair's `holds_back` lets a
@@ -21,20 +26,60 @@ tenant that keeps sending short requests hold the others back only while it has 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from paged_hf.core.request import Request
 from paged_hf.core.request_queue import RankedQueue
 
 ARRIVAL_WINDOW_STEPS = 16  # how long an arrival of a class in a hurry keeps the others' prefill capped
-CAPPED_BUDGET_DIVISOR = 4  # the capped prefill: max_num_batched_tokens // 4 tokens a step
+CAPPED_BUDGET_DIVISOR = 4  # the least capped prefill, and the cap before any step was timed: budget // 4 a step
+CAPPED_STEP_FACTOR = 2.0  # a capped step lasts at most this many times the hurried class's own first step
+COST_DECAY = 0.9  # StepCost: the weight of a step's timing decays by this factor a step (recent steps count most)
+
+
+class StepCost:
+    """A step's seconds as `fixed + per_token * tokens`, fitted by exponentially weighted least squares over the
+    timed steps (the fit follows the load of a shared host); none until steps of different sizes were timed."""
+
+    def __init__(self, decay: float = COST_DECAY):
+        self.decay = decay
+        self.sums = [0.0] * 5  # weighted: 1, tokens, seconds, tokens^2, tokens * seconds
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        x, y = float(num_tokens), float(seconds)
+        self.sums = [self.decay * s + v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
+
+    def fit(self) -> tuple[float, float] | None:
+        """-> (fixed seconds, seconds per token), or None while the timings say nothing (too few, all of one size,
+        or no cost per token)."""
+        w, sx, sy, sxx, sxy = self.sums
+        if w <= 0 or sx <= 0:
+            return None
+        var = sxx / w - (sx / w) ** 2
+        if var <= 1e-9 * (sxx / w):
+            return None
+        per_token = (sxy / w - sx * sy / w / w) / var
+        fixed = sy / w - per_token * sx / w
+        if per_token <= 0:
+            return None
+        if fixed < 0:  # no fixed cost visible: proportional
+            return 0.0, sy / sx
+        return fixed, per_token
 
 
 class StepPacer:
-    def __init__(self, queue: RankedQueue, max_num_batched_tokens: int, window_steps: int = ARRIVAL_WINDOW_STEPS):
+    def __init__(self, queue: RankedQueue, max_num_batched_tokens: int, window_steps: int = ARRIVAL_WINDOW_STEPS,
+                 clock: Callable[[], float] = time.perf_counter):
         self.queue = queue
-        self.capped_budget = max(1, max_num_batched_tokens // CAPPED_BUDGET_DIVISOR)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.capped_budget = max(1, max_num_batched_tokens // CAPPED_BUDGET_DIVISOR)  # the least cap
         self.window_steps = window_steps
+        self.clock = clock
+        self.cost = StepCost()
+        self.hurried_prefill_tokens = 0  # the tokens of the last first prefill in a hurry that a step carried
+        self._step_start: float | None = None  # when the last step's scheduling began
+        self._step_tokens = 0  # the tokens the last step scheduled
         self.arrivals: dict[object, int] = {}  # class -> the last step it had an arrival in (oldest first)
         self.num_untopped_steps = 0  # steps that carried a first prefill in a hurry and held a prefill chunk back
         self.num_capped_steps = 0  # other steps in which the cap limited a prefill chunk
@@ -45,6 +90,7 @@ class StepPacer:
         self._cap_left = 0
         self._decodes: set[Request] = set()  # this step: running requests that decode and have no token yet
         self._capped: set[Request] = set()  # this step: requests whose prefill the cap limits
+        self._cap_limited = False  # this step: the cap cut a prefill chunk short
 
     def arrive(self, request: Request, step: int) -> None:
         key = self.queue.class_of(request)
@@ -57,6 +103,7 @@ class StepPacer:
         """Before a step's scheduling: which first prefills are in a hurry, and whether prefill is capped."""
         queue, hurry = self.queue, {}
         queue.begin_step()
+        self._time_last_step(running)
 
         def hurried(key: object) -> bool:
             if key not in hurry:
@@ -68,13 +115,32 @@ class StepPacer:
         self._untopped_by, self._held_back = set(), False
         self._decodes = {r for r in running if r.num_tokens_to_compute == 1}
         self._cap_keys = [k for k, s in self.arrivals.items() if s >= step - self.window_steps and hurried(k)]
-        self._cap_left = self.capped_budget
-        self._capped = set()
+        self._cap_left = self.cap(len(self._decodes))
+        self._capped, self._cap_limited = set(), False
+
+    def _time_last_step(self, running: list[Request]) -> None:
+        """The time since the last step's scheduling began is that step's (scheduling, forward, outputs), unless
+        the engine idled in between: only timed while requests ran on from it."""
+        now = self.clock()
+        if self._step_start is not None and self._step_tokens and running:
+            self.cost.observe(self._step_tokens, now - self._step_start)
+        self._step_start, self._step_tokens = now, 0
+
+    def cap(self, num_decodes: int) -> int:
+        """The capped prefill's tokens this step: what keeps the step within CAPPED_STEP_FACTOR times the hurried
+        class's own first step (the same decodes plus its first prefill), at least the least cap."""
+        fit = self.cost.fit()
+        if fit is None:
+            return self.capped_budget
+        fixed, per_token = fit
+        own_step = fixed + per_token * (num_decodes + self.hurried_prefill_tokens)
+        step_tokens = (CAPPED_STEP_FACTOR * own_step - fixed) / per_token
+        return max(self.capped_budget, min(self.max_num_batched_tokens, int(step_tokens) - num_decodes))
 
     def end(self) -> None:
         if self._held_back:
             self.num_untopped_steps += 1
-        elif self._capped:
+        elif self._cap_limited:
             self.num_capped_steps += 1
         self.urgent, self._capped, self._decodes = set(), set(), set()
 
@@ -96,13 +162,16 @@ class StepPacer:
             return 0
         if any(holds_back(key, request) for key in self._cap_keys):
             self._capped.add(request)
+            self._cap_limited = self._cap_limited or num_new > self._cap_left
             return min(num_new, self._cap_left)
         return num_new
 
     def scheduled(self, request: Request, num_new: int) -> None:
         """A request got `num_new` tokens this step: a first prefill in a hurry un-tops the step."""
         self._decodes.discard(request)
+        self._step_tokens += num_new
         if num_new and request in self.urgent:
             self._untopped_by.add(self.queue.class_of(request))
+            self.hurried_prefill_tokens = num_new
         elif request in self._capped:
             self._cap_left -= num_new

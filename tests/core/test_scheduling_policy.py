@@ -26,11 +26,13 @@ BLOCK = 4
 
 
 class Sim:
-    """A scheduler and its pool, stepped as the engine steps them (token id 7 for every sampled token)."""
+    """A scheduler and its pool, stepped as the engine steps them (token id 7 for every sampled token). The
+    scheduler's clock stands still unless a test passes one (`clock`)."""
 
     def __init__(self, policy="fcfs", num_blocks=64, max_num_seqs=4, budget=32, **kwargs):
         pool = BlockPool(num_blocks, enable_caching=True)
         self.pool = pool
+        kwargs.setdefault("clock", lambda: 0.0)  # steps take no time: the step pacer keeps its least cap
         self.scheduler = Scheduler(KVCacheManager(pool, BLOCK), max_num_seqs, budget, policy=policy, **kwargs)
         self.steps = 0
         self.first_token_step: dict[str, int] = {}
