@@ -16,6 +16,7 @@ Why not LMCache: it installs on CPU (0.5.6) but its paged-memory connector needs
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -38,6 +39,11 @@ logger = logging.get_logger(__name__)
 FORMAT = "paged_hf-kv/2"
 SUFFIX = ".safetensors"
 STALE_TEMP_SECONDS = 600  # temporary files older than this are leftovers of a crash
+#: the writer's queue (it runs at the lowest OS priority and falls behind while steps run): at most these bytes
+#: of blocks wait in memory, and blocks just computed (still in the pool) only while fewer than
+#: WRITE_THROUGH_QUEUED wait; a block the pool drops is its only copy and may use it all. Past it, dropped.
+MAX_QUEUED_BYTES = 768 << 20
+WRITE_THROUGH_QUEUED = 256
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.uint8: "U8", torch.int8: "I8"}
 
@@ -132,7 +138,7 @@ class DiskStore:
     The engine thread reads; one writer thread writes and deletes. The index is shared under a lock."""
 
     def __init__(self, folder: str | os.PathLike, capacity: int, namespace: bytes,
-                 expected: dict[str, tuple[torch.dtype, tuple]], max_queued_writes: int = 256):
+                 expected: dict[str, tuple[torch.dtype, tuple]], max_queued_writes: int | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
@@ -146,7 +152,7 @@ class DiskStore:
         self.num_writes_dropped = 0
         self.num_bad_files = 0
         self._scan()
-        self.max_queued_writes = max_queued_writes  # blocks queued for the writer at most
+        self.max_queued_writes = max_queued_writes or max(16, MAX_QUEUED_BYTES // max(1, self.layout.nbytes))
         self.writes: queue.Queue = queue.Queue()  # chunks of blocks (one per step); bounded by max_queued_writes
         # the thread holds the store weakly: once the engine is gone it ends (a None in the queue wakes it)
         self.writer = threading.Thread(target=_write_loop, args=(self.writes, weakref.ref(self)),
@@ -188,9 +194,10 @@ class DiskStore:
         with self.lock:
             return key in self.index or key in self.queued
 
-    def room(self) -> int:
-        """How many more blocks the writer takes now (more are dropped)."""
-        return max(0, self.max_queued_writes - len(self.queued))
+    def room(self, evicted: bool = True) -> int:
+        """How many more blocks the writer takes now, of blocks the pool drops or just computed (MAX_QUEUED_BYTES)."""
+        limit = self.max_queued_writes if evicted else min(self.max_queued_writes, WRITE_THROUGH_QUEUED)
+        return max(0, limit - len(self.queued))
 
     def put(self, key: bytes, payload: dict[str, torch.Tensor]) -> None:
         self.put_many([key], {name: tensor[None] for name, tensor in payload.items()})
@@ -280,10 +287,8 @@ def lowest_priority() -> None:
     op, so it starts no intra-op threads of its own."""
     if not sys.platform.startswith("linux"):
         return  # elsewhere a thread id is no process id: left as is
-    try:
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
-        pass
 
 
 def _write_loop(writes: queue.Queue, store_ref) -> None:
@@ -344,14 +349,14 @@ class TieredStore:
     def admit(self, saves: list[tuple[int, bytes, bool]]) -> list[tuple[int, bytes, bool]]:
         """The saves (block id, key, evicted) worth reading out of the pool now: those for host memory, and as
         many for the disk as its writer takes; the others are dropped (and counted) before any copy is made."""
-        room = self.disk.room() if self.disk is not None else 0
+        room = {evicted: self.disk.room(evicted) for evicted in (False, True)} if self.disk is not None else {}
         admitted = []
         for save in saves:
             if self._to_host(save[1], save[2]):
                 admitted.append(save)
-            elif room > 0:
+            elif room and room[save[2]] > 0:
                 admitted.append(save)
-                room -= 1
+                room = {evicted: left - 1 for evicted, left in room.items()}
             elif self.disk is not None:
                 self.disk.num_writes_dropped += 1
         return admitted
@@ -385,13 +390,11 @@ class TieredStore:
 
     def stats(self) -> dict:
         disk = self.disk
-        return {
-            "kv_tier_host_bytes": self.host.index.bytes_held,
+        return {"kv_tier_host_bytes": self.host.index.bytes_held,
             "kv_tier_disk_bytes": disk.bytes_held if disk is not None else 0,
             "kv_tier_bytes_written": self.num_host_bytes_written + (disk.num_bytes_written if disk else 0),
             "kv_tier_bytes_read": self.num_bytes_read,
             "kv_tier_disk_reads": self.num_disk_reads,
             "kv_tier_read_seconds": self.read_seconds,
             "kv_tier_writes_dropped": disk.num_writes_dropped if disk is not None else 0,
-            "kv_tier_bad_files": disk.num_bad_files if disk is not None else 0,
-        }
+            "kv_tier_bad_files": disk.num_bad_files if disk is not None else 0}

@@ -15,7 +15,7 @@ from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
 from paged_hf.core.kv_tier import KVTier, LRUIndex, TierHit
 from paged_hf.core.request import Request
 from paged_hf.worker.kv_offload import RequestKeys
-from paged_hf.worker.kv_store import DiskStore, HostStore, TieredStore
+from paged_hf.worker.kv_store import MAX_QUEUED_BYTES, WRITE_THROUGH_QUEUED, DiskStore, HostStore, TieredStore
 
 BLOCK = 4
 
@@ -109,6 +109,21 @@ def test_a_load_into_a_block_reused_before_the_step_is_dropped():
     assert manager.allocate_slots(greedy, greedy.num_tokens)  # reuses every block, the loaded one too
     transfers = kv_tier.take_transfers()
     assert loaded not in transfers.loads and loaded not in transfers.saves  # never saved as `key`'s content
+
+
+def test_blocks_the_pool_drops_may_fill_the_writers_queue_and_just_computed_ones_only_part_of_it(tmp_path):
+    """A block the pool drops is its only copy: it may queue up to MAX_QUEUED_BYTES; a block just computed (still
+    in the pool, saved again when dropped) only while fewer than WRITE_THROUGH_QUEUED wait."""
+    expected = {"k.0": (torch.float32, (BLOCK, 1, 2)), "v.0": (torch.float32, (BLOCK, 1, 2))}
+    disk = DiskStore(tmp_path, 1 << 30, b"model-a", expected)
+    assert disk.max_queued_writes == MAX_QUEUED_BYTES // (2 * BLOCK * 2 * 4) > WRITE_THROUGH_QUEUED
+    store = TieredStore(HostStore(0), disk, host_is_tier=False)
+    with disk.lock:  # the writer takes nothing meanwhile: WRITE_THROUGH_QUEUED - 1 blocks already wait
+        disk.queued.update(i.to_bytes(16, "little") for i in range(WRITE_THROUGH_QUEUED - 1))
+        saves = [(1, b"x" * 16, False), (2, b"y" * 16, False), (3, b"z" * 16, True)]
+        assert store.admit(saves) == [saves[0], saves[2]] and disk.num_writes_dropped == 1
+        disk.queued.clear()
+    disk.close()
 
 
 def test_a_steps_chunk_is_written_once_per_key_and_what_the_writer_cannot_take_is_dropped(tmp_path):
