@@ -153,11 +153,11 @@ def _run_rounds(args, systems: list[str], workload: Workload, engine_config: dic
     rounds: dict[str, list[SystemRun]] = {system: [] for system in systems}
     num_rounds = max(1, getattr(args, "rounds", 1) or 1)
     for number in range(num_rounds):
+        if num_rounds > 1:
+            _log(f"round {number + 1} of {num_rounds}")
         for system in systems:
             if rounds[system] and (rounds[system][0].skipped or rounds[system][0].error):
                 continue
-            if num_rounds > 1:
-                _log(f"round {number + 1} of {num_rounds}")
             rounds[system].append(_run_system(args, system, workload, engine_config, tokenizer, vllm_python))
     return {system: median_run(runs) for system, runs in rounds.items()}
 

@@ -349,14 +349,14 @@ class TieredStore:
     def admit(self, saves: list[tuple[int, bytes, bool]]) -> list[tuple[int, bytes, bool]]:
         """The saves (block id, key, evicted) worth reading out of the pool now: those for host memory, and as
         many for the disk as its writer takes; the others are dropped (and counted) before any copy is made."""
-        room = {evicted: self.disk.room(evicted) for evicted in (False, True)} if self.disk is not None else {}
-        admitted = []
+        rooms = (self.disk.room(evicted=False), self.disk.room(evicted=True)) if self.disk is not None else (0, 0)
+        admitted, taken = [], 0
         for save in saves:
             if self._to_host(save[1], save[2]):
                 admitted.append(save)
-            elif room and room[save[2]] > 0:
+            elif taken < rooms[save[2]]:
                 admitted.append(save)
-                room = {evicted: left - 1 for evicted, left in room.items()}
+                taken += 1
             elif self.disk is not None:
                 self.disk.num_writes_dropped += 1
         return admitted
