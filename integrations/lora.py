@@ -1,17 +1,18 @@
 """Per-token multi-LoRA routing: many adapters, one base model, one packed step.
 
-- `LoRALinear` wraps one targeted nn.Linear with stacked, zero-padded slot buffers
-  A [max_loras, rank_cap, in] and B transposed, Bt [max_loras, rank_cap, out]. In a step it computes
+- `LoRALinear` wraps one targeted nn.Linear with its adapters by slot (`SlotWeights`: A [r, in] and B transposed,
+  Bt [r, out], read where they lie: on a CPU the adapter's host copy, on a GPU a copy there). In a step it computes
   `y = base(x) + B[slot] @ (A[slot] @ x)` for each token with one call for all adapters (`kernels/lora.py`: the
   compiled SGMV kernel on CPU, torch ops per slot elsewhere); the tokens are grouped by slot once per step. Without
   routing it is exactly the base Linear, and the base weights are never modified.
 - `LoRAGroup`: the wrappers of one module that read the same input tensor (q/k/v, gate/up; learnt from the first
   adapter step) share that call: the first one called computes all their outputs.
-- `LoRAManager` holds the adapters in host memory (what new requests get, by name), copies the ones a step needs
-  into the `max_loras` device slots (least recently used slot evicted first) and installs the wrappers around the
-  forward. An adapter's version follows its content: the same files read again are the same version (the same
-  slot, the same prefix-cache blocks), changed files a new one. Which adapters stay in host memory, and reading
-  them from disk off the engine thread, is the engine's adapter store (`paged_hf.engine.adapter_store`).
+- `LoRAManager` holds the adapters in host memory (what new requests get, by name), takes the ones a step needs
+  into its slots (least recently used slot reused first; on a GPU that is a copy to the device) and installs the
+  wrappers around the forward. An adapter's version follows its content: the same files read again are the same
+  version (the same slot, the same prefix-cache blocks), changed files a new one. Which adapters stay in host
+  memory, and reading them from disk off the engine thread, is the engine's adapter store
+  (`paged_hf.engine.adapter_store`).
 
 The wrappers are installed lazily, only for the duration of an engine step that has adapter tokens
 (`LoRAManager.step`), by swapping entries of the parents' `_modules` (cheap: a dict assignment per module).
@@ -37,12 +38,11 @@ from paged_hf.integrations.peft import (
     read_adapter_files,
 )
 from paged_hf.kernels.lora import (
-    KernelCall,
     LoRASegments,
+    SlotWeights,
     apply_lora,
     apply_lora_group,
     kernel_call,
-    kernel_weights,
     lora_segments,
 )
 
@@ -84,8 +84,8 @@ class LoRAGroup:
 
     def __init__(self, members: list[LoRALinear]):
         self.members = members
-        self._call: KernelCall | None = None
-        self._call_for: list | None = None  # the members' kernel_weights the call was made for
+        self.weights = [m.weights for m in members]
+        self.kernel_call = kernel_call([w.kernel for w in self.weights])
         self._input: torch.Tensor | None = None
         self._pending: dict[LoRALinear, torch.Tensor] = {}  # outputs computed for `_input`, not yet returned
 
@@ -105,16 +105,8 @@ class LoRAGroup:
 
     def add_updates(self, outputs: list[torch.Tensor], x: torch.Tensor, routing: LoRARouting) -> None:
         """outputs[i] [..., out_i] += member i's update of x, in place, in one kernel call for all members."""
-        layers = [(m.lora_a, m.lora_bt, m.ranks) for m in self.members]
-        apply_lora_group([y.view(-1, y.shape[-1]) for y in outputs], self.members[0].rows(x, routing), layers,
-                         routing.segments(x.device), self._kernel_call())
-
-    def _kernel_call(self) -> KernelCall | None:
-        """Made again when a member's buffers grew (a larger rank)."""
-        weights = [m.kernel_weights for m in self.members]
-        if self._call_for is None or any(a is not b for a, b in zip(weights, self._call_for)):
-            self._call, self._call_for = kernel_call(weights), weights
-        return self._call
+        apply_lora_group([y.view(-1, y.shape[-1]) for y in outputs], self.members[0].rows(x, routing), self.weights,
+                         routing.segments(x.device), self.kernel_call)
 
     def release(self) -> None:
         """Hold no tensor past the step."""
@@ -127,42 +119,23 @@ class LoRAGroup:
 
 
 class LoRALinear(torch.nn.Module):
-    def __init__(self, base: torch.nn.Linear, context: LoRAContext, max_loras: int, device: torch.device):
+    def __init__(self, base: torch.nn.Linear, context: LoRAContext, num_slots: int, device: torch.device):
         """`device`: where the base Linear computes (its weights' device, or accelerate's execution device
-        when the weights are offloaded)."""
+        when the weights are offloaded): where the slots' factors are read."""
         super().__init__()
         self.base = base
         self.packed_base = None  # set for each step (LoRAManager.step)
         self.wrapped = None  # the module this wrapper stood in for in the last step (packed_base follows it)
         self.context = context
-        # rank of each slot's adapter at this module (0: the adapter skips it); read by the kernel, so on CPU
-        self.ranks = torch.zeros(max_loras, dtype=torch.int64)
-        dtype = base.weight.dtype
-        self.lora_a = torch.zeros(max_loras, 0, base.in_features, dtype=dtype, device=device)  # [slots, r, in]
-        self.lora_bt = torch.zeros(max_loras, 0, base.out_features, dtype=dtype, device=device)  # [slots, r, out]
-        self._update_kernel_call()
+        self.weights = SlotWeights(num_slots, base.in_features, base.out_features, base.weight.dtype, device)
+        self.kernel_call = kernel_call([self.weights.kernel])
         self.group: LoRAGroup | None = None  # siblings that read the same x (LoRAManager forms them)
         self.seen_input: torch.Tensor | None = None  # the first x of a probing step
 
-    def _update_kernel_call(self) -> None:
-        """What the compiled kernel reads of the buffers (kernels.lora), made again when they grow."""
-        self.kernel_weights = kernel_weights(self.lora_a, self.lora_bt, self.ranks)
-        self.kernel_call = kernel_call([self.kernel_weights])
-
     def set_slot(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Copy an adapter's (A [r, in], B [out, r]) into `slot` (None: this adapter does not touch the module).
-        The rank capacity grows to the largest rank seen; smaller ranks are zero-padded."""
-        rank = 0 if pair is None else pair[0].shape[0]
-        if rank > self.lora_a.shape[1]:
-            self.lora_a = torch.nn.functional.pad(self.lora_a, (0, 0, 0, rank - self.lora_a.shape[1]))
-            self.lora_bt = torch.nn.functional.pad(self.lora_bt, (0, 0, 0, rank - self.lora_bt.shape[1]))
-            self._update_kernel_call()
-        self.lora_a[slot].zero_()
-        self.lora_bt[slot].zero_()
-        if pair is not None:
-            self.lora_a[slot, :rank].copy_(pair[0])
-            self.lora_bt[slot, :rank].copy_(pair[1].T)
-        self.ranks[slot] = rank
+        """`slot` computes with an adapter's (A [r, in], Bt [r, out]) from now on (None: this adapter does not
+        touch the module)."""
+        self.weights.set(slot, pair)
 
     def base_output(self, x: torch.Tensor) -> torch.Tensor:
         return (self.packed_base or self.base)(x)  # [..., out]
@@ -189,8 +162,8 @@ class LoRALinear(torch.nn.Module):
 
     def add_update(self, y: torch.Tensor, x: torch.Tensor, routing: LoRARouting) -> None:
         """y [..., out] (this Linear's base output of x) += the update of x, in place."""
-        apply_lora(y.view(-1, y.shape[-1]), self.rows(x, routing), self.lora_a, self.lora_bt, self.ranks,
-                   routing.segments(x.device), self.kernel_call)
+        apply_lora(y.view(-1, y.shape[-1]), self.rows(x, routing), self.weights, routing.segments(x.device),
+                   self.kernel_call)
 
 
 def updates_over(installed: tuple[torch.nn.Module, ...], bases: tuple[torch.nn.Module, ...]):
@@ -221,9 +194,10 @@ def updates_over(installed: tuple[torch.nn.Module, ...], bases: tuple[torch.nn.M
 class LoRAManager:
     """Loaded adapters (CPU), device slots (LRU), the wrappers, and installing them around a step."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int):
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int):
+        """num_slots: distinct adapters a step can hold (`paged_hf.engine.adapters.adapter_slots`)."""
         self.model = model
-        self.max_loras = max_loras
+        self.num_slots = num_slots
         self.max_rank = max_rank
         self.context = LoRAContext()
         self.adapters: dict[str, LoRAAdapter] = {}  # in host memory, by name: what new requests get
@@ -288,7 +262,7 @@ class LoRAManager:
         module = parent._modules[attribute]
         base = module.base_layer if is_peft_lora_layer(module) else module
         device = execution_device(modules, module_path) or base.weight.device
-        self.wrappers[module_path] = LoRALinear(base, self.context, self.max_loras, device)
+        self.wrappers[module_path] = LoRALinear(base, self.context, self.num_slots, device)
         self._sites[module_path] = (parent, attribute)
         self._installs.append((parent._modules, attribute, self.wrappers[module_path]))
         self._probe = True
@@ -302,11 +276,11 @@ class LoRAManager:
     # --- slots ----------------------------------------------------------------------------------------
     def assign_slots(self, adapters: list[LoRAAdapter | None]) -> list[int] | None:
         """The device slot of each scheduled request's adapter (-1 = base), swapping adapters in as needed;
-        None when the step has no adapter at all. The scheduler guarantees <= max_loras distinct adapters."""
+        None when the step has no adapter at all. The scheduler guarantees <= num_slots distinct adapters."""
         needed = {a.version: a for a in adapters if a is not None}  # one adapter (the weights) per version
         if not needed:
             return [-1] * len(adapters) if self.always_route else None
-        assert len(needed) <= self.max_loras, f"{len(needed)} adapters in one step, max_loras={self.max_loras}"
+        assert len(needed) <= self.num_slots, f"{len(needed)} adapters in one step, {self.num_slots} slots"
         slot_of = {}
         for version, adapter in needed.items():
             slot = self.resident.get(version)
@@ -320,7 +294,7 @@ class LoRAManager:
     def _swap_in(self, adapter: LoRAAdapter, keep: set) -> int:
         """A free slot, else the least recently used one whose adapter this step does not need."""
         taken = set(self.resident.values())
-        free = [slot for slot in range(self.max_loras) if slot not in taken]
+        free = [slot for slot in range(self.num_slots) if slot not in taken]
         if free:
             slot = free[0]
         else:
@@ -380,7 +354,7 @@ class LoRAManager:
         by_input: dict[tuple, list[LoRALinear]] = {}
         for module_path, wrapper in self.wrappers.items():
             if wrapper.seen_input is not None:  # held until the step's end: its id is not reused before
-                key = (id(self._sites[module_path][0]), id(wrapper.seen_input), wrapper.lora_a.device)
+                key = (id(self._sites[module_path][0]), id(wrapper.seen_input), wrapper.weights.device)
                 by_input.setdefault(key, []).append(wrapper)
         self.groups = [LoRAGroup(members) for members in by_input.values() if len(members) > 1]
         for group in self.groups:

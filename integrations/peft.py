@@ -45,7 +45,8 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.lora_(?P<ab>[AB])(?:\
 
 @dataclass(eq=False)
 class LoRAAdapter:
-    """One loaded adapter, held in CPU memory; copied into a device slot while requests use it.
+    """One loaded adapter, held in CPU memory, in the served model's dtype; read in place while requests use it
+    (a CPU model), or copied into a device slot (a GPU).
 
     Compared by identity: a re-load under the same name is a new adapter (new `version`), so requests that
     started with the old weights keep them, and prefix-cache keys (which include the version) never mix them.
@@ -54,8 +55,8 @@ class LoRAAdapter:
     name: str
     version: int
     path: str
-    # module path in the served model -> (A [r, in_features], B [out_features, r]); B has the scaling
-    # (alpha / r, or alpha / sqrt(r) with rsLoRA) folded in, so the forward is x @ A.T @ B.T
+    # module path in the served model -> (A [r, in_features], Bt [r, out_features]), both contiguous; Bt is B
+    # transposed, with the scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) folded in: the update is x @ A.T @ Bt
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     content_hash: str | None = None  # of the folder's config and weights files (None: read from a PeftModel)
 
@@ -243,7 +244,7 @@ def _match_weights(name: str, config, targets: dict[str, torch.nn.Linear], tenso
             raise ValueError(f"adapter {name!r} has rank {rank} at {path!r}, above max_lora_rank={max_rank}")
         scaling = _scaling(config, path, rank)
         dtype = linear.weight.dtype
-        weights[path] = (a.to(dtype).contiguous(), (b.double() * scaling).to(dtype).contiguous())
+        weights[path] = (a.to(dtype).contiguous(), (b.double() * scaling).to(dtype).T.contiguous())
     return weights
 
 
@@ -286,7 +287,8 @@ def adapters_from_peft_model(peft_model, max_rank: int, first_version: int) -> l
                     raise ValueError(f"adapter {name!r} has rank {a.shape[0]} at {path!r}, above "
                                      f"max_lora_rank={max_rank}")
                 dtype = layer.base_layer.weight.dtype
-                weights[path] = (a.to("cpu", dtype).clone(), (b.double() * layer.scaling[name]).to("cpu", dtype))
+                weights[path] = (a.to("cpu", dtype).clone(),
+                                 (b.double() * layer.scaling[name]).to("cpu", dtype).T.contiguous())
         if not weights:
             raise ValueError(f"adapter {name!r} of the PeftModel has no LoRA weights on Linear layers")
         adapters.append(LoRAAdapter(name, first_version + len(adapters), f"<PeftModel adapter {name}>", weights))

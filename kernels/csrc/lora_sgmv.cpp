@@ -11,9 +11,12 @@
 // linears replaces one call each (a call's fixed cost, ctypes and checks in Python, is several us: 210 calls a
 // step on the default model).
 //
+// Each slot's A and B are read where they lie, through a table of addresses per member (on a CPU the adapter's
+// host copy is the slot: taking an adapter into a slot copies nothing).
+//
 // Layouts (row-major, contiguous but for the token strides of x and y):
 //   x [num_tokens, in] (row stride x_stride); per member: y [num_tokens, out] (row stride y_stride),
-//   A [num_slots, rank_cap, in], Bt [num_slots, rank_cap, out] (B transposed: the expand runs along `out`),
+//   a_table[slot] -> A [rank, in], bt_table[slot] -> Bt [rank, out] (B transposed: the expand runs along `out`),
 //   ranks [num_slots] (0: the slot's adapter skips this linear); order [num_ordered], seg_slots [num_segments],
 //   seg_starts [num_segments + 1] (offsets into order).
 #include <omp.h>
@@ -129,24 +132,57 @@ void shrink(const T *const *rows, const T *const *arows, int64_t in, F (&dots)[k
 }
 
 #if defined(__AVX512BF16__)
+// Per 128-bit lane L: the four partial sums of v[0..3] over L's four floats, in that order (unpacks, shuffles and
+// adds across four vectors at once: the first steps of a transposed reduction)
+inline __m512 lane_sums4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  const __m512 p01 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+  const __m512 p23 = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+  return _mm512_add_ps(_mm512_shuffle_ps(p01, p23, 0x44), _mm512_shuffle_ps(p01, p23, 0xEE));
+}
+
+// out[i] = the sum of v[i]'s 16 floats, for 16 vectors: ~45 instructions where 16 horizontal reductions take ~150
+inline void sums16(const __m512 (&v)[16], float *out) {
+  __m512 quad[4];
+  for (int q = 0; q < 4; ++q) quad[q] = lane_sums4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+  // 128-bit lanes (0, 2) plus (1, 3) of two vectors at once, twice: lane q of the result holds quad[q]'s four totals
+  const auto halves = [](__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  };
+  _mm512_storeu_ps(out, halves(halves(quad[0], quad[1]), halves(quad[2], quad[3])));
+}
+
+// out[i] = the sum of v[i]'s 16 floats, for 4 vectors
+inline void sums4(__m512 v0, __m512 v1, __m512 v2, __m512 v3, float *out) {
+  const __m512 quad = lane_sums4(v0, v1, v2, v3);
+  const __m128 sum = _mm_add_ps(_mm_add_ps(_mm512_extractf32x4_ps(quad, 0), _mm512_extractf32x4_ps(quad, 1)),
+                                _mm_add_ps(_mm512_extractf32x4_ps(quad, 2), _mm512_extractf32x4_ps(quad, 3)));
+  _mm_storeu_ps(out, sum);
+}
+
 // bf16 with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs into 16 float sums, no widening of x and A first
 template <int NT>
 void shrink_bf16(const uint16_t *const *rows, const uint16_t *const *arows, int64_t in, float (&dots)[kTile][kRanks]) {
+  static_assert(kRanks == 4 && (NT == 1 || NT == kTile) && kTile == 4, "the reductions below sum 4 or 16 vectors");
   const int64_t vec_in = in - in % 32;
-  __m512 acc[NT][kRanks];
-  for (int j = 0; j < NT; ++j)
-    for (int i = 0; i < kRanks; ++i) acc[j][i] = _mm512_setzero_ps();
+  __m512 acc[NT * kRanks];  // token j, rank i at j * kRanks + i
+  for (int n = 0; n < NT * kRanks; ++n) acc[n] = _mm512_setzero_ps();
   for (int64_t k = 0; k < vec_in; k += 32) {
     __m512bh xv[NT];
     for (int j = 0; j < NT; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(rows[j] + k);
     for (int i = 0; i < kRanks; ++i) {
       const __m512bh av = (__m512bh)_mm512_loadu_si512(arows[i] + k);
-      for (int j = 0; j < NT; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], av, xv[j]);
+      for (int j = 0; j < NT; ++j) acc[j * kRanks + i] = _mm512_dpbf16_ps(acc[j * kRanks + i], av, xv[j]);
     }
+  }
+  float sums[NT * kRanks];
+  if constexpr (NT == 1) {
+    sums4(acc[0], acc[1], acc[2], acc[3], sums);
+  } else {
+    sums16(acc, sums);
   }
   for (int j = 0; j < NT; ++j) {
     for (int i = 0; i < kRanks; ++i) {
-      float sum = _mm512_reduce_add_ps(acc[j][i]);
+      float sum = sums[j * kRanks + i];
       for (int64_t k = vec_in; k < in; ++k) sum += load1<uint16_t, float>(arows[i], k) * load1<uint16_t, float>(rows[j], k);
       dots[j][i] = sum;
     }
@@ -171,7 +207,7 @@ inline void shrink_tokens(const T *const *rows, const T *const *arows, int64_t i
 // 16 outputs and one pair per vdpbf16ps (rows 2p and 2p+1 interleaved in a register, the pair of t broadcast).
 // The rank vector t is rounded to bf16 here (as a bf16 matmul rounds its output); the sums stay in float.
 template <int NT>
-void expand_bf16(const float (&t)[kTile][kMaxRank], int64_t rank, int64_t rank_cap, const uint16_t *bslot,
+void expand_bf16(const float (&t)[kTile][kMaxRank], int64_t rank, const uint16_t *bslot,
                  int64_t out, uint16_t *const *outs, int count) {
   const int64_t pairs = (rank + 1) / 2;
   uint32_t tp[kTile][kMaxRank / 2 + 1];  // (bf16 t[2p], bf16 t[2p + 1]) as one 32-bit lane
@@ -190,7 +226,7 @@ void expand_bf16(const float (&t)[kTile][kMaxRank], int64_t rank, int64_t rank_c
     for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t q = 0; q < pairs; ++q) {
       const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bslot + 2 * q * out + o));
-      const __m256i odd = 2 * q + 1 < rank_cap
+      const __m256i odd = 2 * q + 1 < rank
                               ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bslot + (2 * q + 1) * out + o))
                               : _mm256_setzero_si256();
       const __m512bh both = (__m512bh)_mm512_permutex2var_epi16(_mm512_castsi256_si512(even), interleave,
@@ -210,7 +246,7 @@ void expand_bf16(const float (&t)[kTile][kMaxRank], int64_t rank, int64_t rank_c
 #endif
 
 struct Step {
-  int64_t in, out, rank_cap, x_stride, y_stride;
+  int64_t in, out, x_stride, y_stride;
   const int64_t *ranks, *order, *seg_slots, *seg_starts;
 };
 
@@ -254,7 +290,8 @@ void expand(const F (&t)[kTile][kMaxRank], int64_t rank, const T *bslot, int64_t
 
 // tokens order[first .. first + count) (count <= kTile), all on `slot`
 template <typename T, typename F>
-void apply_tile(const Step &s, const T *x, T *y, const T *a, const T *bt, int64_t slot, int64_t first, int count) {
+void apply_tile(const Step &s, const T *x, T *y, const T *const *a_table, const T *const *bt_table, int64_t slot,
+                int64_t first, int count) {
   using V = typename Vec<F>::V;
   constexpr int L = Vec<F>::kLanes;
   const int64_t rank = s.ranks[slot];
@@ -270,7 +307,7 @@ void apply_tile(const Step &s, const T *x, T *y, const T *a, const T *bt, int64_
     for (int64_t r = 0; r < rank; ++r) t[j][r] = 0;
   for (int64_t r0 = 0; r0 < rank; r0 += kRanks) {
     const T *arows[kRanks];
-    for (int i = 0; i < kRanks; ++i) arows[i] = a + (slot * s.rank_cap + std::min<int64_t>(r0 + i, rank - 1)) * s.in;
+    for (int i = 0; i < kRanks; ++i) arows[i] = a_table[slot] + std::min<int64_t>(r0 + i, rank - 1) * s.in;
     F dots[kTile][kRanks];
     if (count == 1) {  // a decode token alone on its adapter: no padded rows
       shrink_tokens<1, T, F>(rows, arows, s.in, dots);
@@ -280,13 +317,13 @@ void apply_tile(const Step &s, const T *x, T *y, const T *a, const T *bt, int64_
     for (int j = 0; j < count; ++j)
       for (int i = 0; i < kRanks && r0 + i < rank; ++i) t[j][r0 + i] = dots[j][i];
   }
-  const T *bslot = bt + slot * s.rank_cap * s.out;
+  const T *bslot = bt_table[slot];
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (count == 1) {
-      expand_bf16<1>(t, rank, s.rank_cap, bslot, s.out, outs, count);
+      expand_bf16<1>(t, rank, bslot, s.out, outs, count);
     } else {
-      expand_bf16<kTile>(t, rank, s.rank_cap, bslot, s.out, outs, count);
+      expand_bf16<kTile>(t, rank, bslot, s.out, outs, count);
     }
     return;
   }
@@ -298,21 +335,22 @@ void apply_tile(const Step &s, const T *x, T *y, const T *a, const T *bt, int64_
   }
 }
 
-// One wrapped linear of a call: its slot buffers and its output (what `members` holds, 7 int64 per member)
+// One wrapped linear of a call: its slots' tables and its output (what `members` holds, kFields int64 per member)
+constexpr int kFields = 6;
 template <typename T>
 struct Member {
-  const T *a, *bt;
+  const T *const *a_table, *const *bt_table;
   const int64_t *ranks;
-  int64_t out, rank_cap;
+  int64_t out;
   T *y;
   int64_t y_stride;
 };
 
 template <typename T>
 Member<T> member_at(const int64_t *members, int64_t m) {
-  const int64_t *p = members + 7 * m;
-  return Member<T>{reinterpret_cast<const T *>(p[0]), reinterpret_cast<const T *>(p[1]),
-                   reinterpret_cast<const int64_t *>(p[2]), p[3], p[4], reinterpret_cast<T *>(p[5]), p[6]};
+  const int64_t *p = members + kFields * m;
+  return Member<T>{reinterpret_cast<const T *const *>(p[0]), reinterpret_cast<const T *const *>(p[1]),
+                   reinterpret_cast<const int64_t *>(p[2]), p[3], reinterpret_cast<T *>(p[4]), p[5]};
 }
 
 // Every member (linears that read the same x: q/k/v, gate/up, or one linear alone) in one parallel region: the
@@ -324,8 +362,6 @@ int apply(const int64_t *members, int64_t num_members, const int64_t *segments, 
   const int64_t *seg_slots = reinterpret_cast<const int64_t *>(segments[1]);
   const int64_t *seg_starts = reinterpret_cast<const int64_t *>(segments[2]);
   const int64_t num_segments = segments[3];
-  for (int64_t m = 0; m < num_members; ++m)
-    if (members[7 * m + 4] > kMaxRank) return 1;
   static thread_local std::vector<int64_t> items;  // (segment, first ordered index, member) triples, flattened;
   items.clear();                                   // no malloc per call once it has grown
   int64_t work = 0;  // multiply-adds, to leave small calls on one thread (a fork and join cost ~ a few us)
@@ -333,9 +369,10 @@ int apply(const int64_t *members, int64_t num_members, const int64_t *segments, 
     const int64_t slot = seg_slots[g], count = seg_starts[g + 1] - seg_starts[g];
     for (int64_t i = seg_starts[g]; i < seg_starts[g + 1]; i += kTile)
       for (int64_t m = 0; m < num_members; ++m) {
-        const int64_t *p = members + 7 * m;
+        const int64_t *p = members + kFields * m;
         const int64_t rank = reinterpret_cast<const int64_t *>(p[2])[slot];
         if (rank == 0) continue;
+        if (rank > kMaxRank) return 1;  // before any work: the caller's torch path then does it all
         items.insert(items.end(), {g, i, m});
         if (i == seg_starts[g]) work += count * rank * (in + p[3]);
       }
@@ -346,9 +383,9 @@ int apply(const int64_t *members, int64_t num_members, const int64_t *segments, 
   auto run = [&](int64_t i) {
     const int64_t g = item[3 * i], first = item[3 * i + 1];
     const Member<T> mb = member_at<T>(members, item[3 * i + 2]);
-    const Step s{in, mb.out, mb.rank_cap, x_stride, mb.y_stride, mb.ranks, order, seg_slots, seg_starts};
+    const Step s{in, mb.out, x_stride, mb.y_stride, mb.ranks, order, seg_slots, seg_starts};
     const int count = static_cast<int>(std::min<int64_t>(kTile, seg_starts[g + 1] - first));
-    apply_tile<T, F>(s, x, mb.y, mb.a, mb.bt, seg_slots[g], first, count);
+    apply_tile<T, F>(s, x, mb.y, mb.a_table, mb.bt_table, seg_slots[g], first, count);
   };
   if (threads <= 1) {  // no parallel region at all: even an inactive one costs a runtime call
     for (int64_t i = 0; i < num_items; ++i) run(i);
@@ -361,9 +398,10 @@ int apply(const int64_t *members, int64_t num_members, const int64_t *segments, 
 
 }  // namespace
 
-// members: 7 int64 per member (A, Bt, ranks pointers, out, rank_cap, y pointer, y row stride); segments: 4 int64
-// (order, seg_slots, seg_starts pointers, num_segments). Returns 0 on success, 1 when a rank capacity exceeds
-// kMaxRank (the caller then takes the torch path). Few arguments: ctypes converts each one on every call.
+// members: kFields int64 per member (A table, Bt table, ranks pointers, out, y pointer, y row stride); segments:
+// 4 int64 (order, seg_slots, seg_starts pointers, num_segments). Returns 0 on success, 1 (nothing done) when a
+// slot's rank exceeds kMaxRank (the caller then takes the torch path). Few arguments: ctypes converts each one on
+// every call.
 #define PAGED_HF_LORA_ENTRY(NAME, T, F)                                                                          \
   extern "C" int lora_sgmv_##NAME(const int64_t *members, int64_t num_members, const int64_t *segments,         \
                                   const T *x, int64_t x_stride, int64_t in, int num_threads) {                  \

@@ -28,7 +28,8 @@ class PagedConfig:
     # one scale per (block, KV head) holds 2x the tokens of a bf16 cache in the same memory (docs/kv_cache_dtype.md)
     kv_cache_dtype: str = "auto"
     adapters: dict[str, str] = field(default_factory=dict)
-    max_loras: int = 4  # adapters in device slots at once (so in one step)
+    # adapters in device slots at once (so in one step); on a CPU model a step holds max(max_loras, max_cpu_loras)
+    max_loras: int = 4
     max_lora_rank: int = 64
     # adapters kept in host memory, least recently used dropped (read again from their folder when named);
     # None: all (vLLM's max_cpu_loras), paged_hf.engine.adapter_store

@@ -4,7 +4,8 @@
    the first time a request names it).
 2. In host memory: the LoRAManager's `adapters`, the least recently used dropped beyond `max_cpu_loras` (read
    again from its folder when a request names it again: same files, same version, same prefix-cache blocks).
-3. In a device slot: `max_loras` of them, swapped in per step by the LoRAManager.
+3. In a slot: what a step reads (`adapter_slots`: on a GPU `max_loras` copies in device memory, swapped in per
+   step by the LoRAManager; on a CPU the host copy itself, read in place).
 
 Reading a folder runs on a background thread and starts as soon as a queued request names an adapter that is
 not in host memory (prefetch), so no step waits on disk: the request is queued unbound (`lora` None) and the
@@ -190,7 +191,7 @@ class AdapterStore:
             "lora_wait_seconds_p99": percentile(self.counters.wait_seconds, 99) or 0.0,
             "lora_running_adapters": sorted({r.adapter for r in running if r.adapter is not None}),
             "lora_waiting_adapters": sorted({r.adapter for r in waiting if r.adapter is not None}),
-            "max_loras": manager.max_loras,
+            "max_loras": manager.num_slots,
         }
 
     def _record_load(self, start: float, read_seconds: float = 0.0) -> None:

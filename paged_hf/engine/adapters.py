@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from paged_hf.config import PagedConfig
+from paged_hf.worker.model_info import ModelInfo
 from paged_hf.worker.model_runner import ModelRunner
 
 
@@ -16,11 +17,20 @@ def split_peft_model(model: torch.nn.Module):
     return None, model
 
 
+def adapter_slots(config: PagedConfig, info: ModelInfo) -> int:
+    """Distinct adapters one step can hold. On a GPU a slot is a copy of the adapter in device memory: `max_loras`
+    of them. On a CPU the adapter's host copy is its slot (the kernel reads it in place, nothing is copied), so
+    every adapter in host memory can be in a step: `max_cpu_loras` where that is larger."""
+    if config.max_cpu_loras is not None and all(device.type == "cpu" for device in info.layer_devices):
+        return max(config.max_loras, config.max_cpu_loras)
+    return config.max_loras
+
+
 def lora_manager(runner: ModelRunner, config: PagedConfig):
     """The runner's LoRAManager, created with the first adapter (peft is imported only for LoRA); with no
     adapter loaded it only costs a check per step."""
     if runner.lora is None:
         from paged_hf.integrations.lora import LoRAManager  # noqa: PLC0415
 
-        runner.lora = LoRAManager(runner.model, config.max_loras, config.max_lora_rank)
+        runner.lora = LoRAManager(runner.model, adapter_slots(config, runner.info), config.max_lora_rank)
     return runner.lora

@@ -24,7 +24,7 @@ from paged_hf.core.scheduler import Scheduler
 from paged_hf.engine import beam_search as _beam_search
 from paged_hf.engine.adapter_store import AdapterStore
 from paged_hf.engine.adapter_store import is_ready as adapter_is_ready
-from paged_hf.engine.adapters import lora_manager, split_peft_model
+from paged_hf.engine.adapters import adapter_slots, lora_manager, split_peft_model
 from paged_hf.engine.embedding import embedding_group
 from paged_hf.engine.request_builder import RequestBuilder
 from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
@@ -61,7 +61,7 @@ class ContinuousBatchGenerator:
         self.block_pool = BlockPool(num_blocks, self.config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size, self.runner.kv_tier)
         self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   max_loras=self.config.max_loras, is_ready=adapter_is_ready,
+                                   max_loras=adapter_slots(self.config, self.info), is_ready=adapter_is_ready,
                                    policy=self.config.scheduling_policy, tenant_weights=self.config.tenant_weights)
         self.sampler = Sampler(self.info.eos_token_ids)
         self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len)

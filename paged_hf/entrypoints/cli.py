@@ -89,7 +89,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "bytes of stored responses (JSON; default: 64 MiB)")
     parser.add_argument("--responses-store-dir", default=None, metavar="DIR", help="/v1/responses: keep stored "
                         "responses as files in DIR, so they survive a restart (default: in memory)")
-    parser.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident on the device at once")
+    parser.add_argument("--max-loras", type=int, default=None,
+                        help="LoRA adapters in device slots at once (on a CPU, where adapters are read in place "
+                        "from host memory, a step holds up to --max-cpu-loras when that is larger)")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
     parser.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory, least "
                         "recently used dropped and read again from their folder on use (default: all)")

@@ -7,13 +7,16 @@ from __future__ import annotations
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import LORA_CONFIGS as CONFIGS
 from conftest import assert_no_leak, hf_greedy, make_adapter, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import PagedConfig, SamplingParams
+from paged_hf.engine.adapters import adapter_slots
 
 MAX_NEW = 6
 
@@ -69,6 +72,42 @@ def test_folders_under_the_root_are_served_by_name_through_fewer_slots_and_host_
     assert stats["lora_in_memory"] <= 2 and stats["lora_in_slots"] <= 2
     assert stats["lora_loads"] >= 3 and stats["lora_load_seconds_p99"] > 0
     assert_no_leak(generator)
+
+
+def test_a_cpu_step_holds_every_adapter_in_host_memory_read_in_place(setup):
+    """On a CPU the host copy is the slot: with max_loras 1 and max_cpu_loras 3, three adapters run in the same
+    steps, their slots point at the adapters' own tensors (nothing copied), and the outputs are peft's."""
+    base, root, oracles = setup
+    generator = engine(base, root, max_loras=1, max_cpu_loras=3)
+    assert generator.scheduler.max_loras == 3
+    prompts = random_prompts([12, 7, 19], seed=5)
+    adapters = ["qv", "all", "down"]
+    ids = [generator.add_request(p, greedy(), adapter=a) for p, a in zip(prompts, adapters)]
+    most_at_once, finals = 0, {}
+    while generator.has_unfinished_requests():
+        for output in generator.step():
+            if output.finished:
+                finals[output.request_id] = output
+        most_at_once = max(most_at_once, len(generator.stats()["lora_running_adapters"]))
+    assert most_at_once == 3
+    assert [finals[i].outputs[0].token_ids for i in ids] == expected(base, oracles, prompts, adapters)
+    manager = generator.runner.lora
+    for adapter in manager.adapters.values():
+        slot = manager.resident[adapter.version]
+        for path, (a, bt) in adapter.weights.items():
+            pair = manager.wrappers[path].weights.pairs[slot]
+            assert pair[0] is a and pair[1] is bt
+    assert_no_leak(generator)
+
+
+def test_a_gpu_slot_count_stays_max_loras():
+    """Only a model computing on CPU reads adapters in place; elsewhere a step holds max_loras adapters."""
+    cpu, gpu = SimpleNamespace(layer_devices=[torch.device("cpu")] * 2), SimpleNamespace(
+        layer_devices=[torch.device("cpu"), torch.device("cuda", 0)])
+    assert adapter_slots(PagedConfig(max_loras=2, max_cpu_loras=8), cpu) == 8
+    assert adapter_slots(PagedConfig(max_loras=2, max_cpu_loras=8), gpu) == 2
+    assert adapter_slots(PagedConfig(max_loras=16, max_cpu_loras=8), cpu) == 16
+    assert adapter_slots(PagedConfig(max_loras=2), cpu) == 2  # host memory unbounded: max_loras caps a step
 
 
 def test_names_that_leave_the_root_or_hold_no_adapter_are_refused(setup, tmp_path):

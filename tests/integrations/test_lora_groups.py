@@ -72,7 +72,7 @@ def test_members_called_with_other_inputs_compute_alone():
         for slot in (0, 2):
             rank = 2 + slot
             layer.set_slot(slot, (torch.randn(rank, 16, dtype=torch.float64),
-                                  torch.randn(layer.base.out_features, rank, dtype=torch.float64)))
+                                  torch.randn(rank, layer.base.out_features, dtype=torch.float64)))
     layers[1].set_slot(2, None)  # slot 2's adapter skips the second layer
     group = LoRAGroup(layers)
     for layer in layers:
@@ -83,8 +83,9 @@ def test_members_called_with_other_inputs_compute_alone():
     def expected(layer, x):
         y = layer.base(x)
         for t, slot in enumerate(token_slots.tolist()):
-            if slot >= 0 and layer.ranks[slot] > 0:
-                y[t] += layer.lora_bt[slot].T @ (layer.lora_a[slot] @ x[t])
+            if slot >= 0 and layer.weights.pairs[slot] is not None:
+                a, bt = layer.weights.pairs[slot]
+                y[t] += bt.T @ (a @ x[t])
         return y
 
     with torch.inference_mode():
