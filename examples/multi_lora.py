@@ -70,7 +70,7 @@ def main() -> None:
         num_generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         print(f"\n{len(prompts)} requests on {len(ADAPTERS)} adapters + base, {num_generated} tokens in "
               f"{elapsed:.1f} s ({num_generated / elapsed:.1f} tokens/s), max_loras={args.max_loras}, "
-              f"{engine.runner.lora.num_swaps} adapter swaps into device slots")
+              f"{engine.runner.lora.num_swaps} adapter swaps into slots")
         for i, name in enumerate(ADAPTERS, start=1):
             same = outputs[i].outputs[0].token_ids == oracle(model, folders[name], prompts[i], args.max_new_tokens)
             print(f"{name}: {'same tokens as' if same else 'DIFFERS from'} peft + HF generate on its own")
