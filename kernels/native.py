@@ -23,7 +23,7 @@ import torch
 from transformers.utils import logging
 
 from paged_hf.kernels.quant import KV_CACHE_DTYPES
-from paged_hf.utils import cache_root
+from paged_hf.utils import cache_root, cpu_flags, cpu_model_name
 
 logger = logging.get_logger(__name__)
 
@@ -56,13 +56,9 @@ def _compiler() -> str:
 
 
 def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            lines = [line for line in cpuinfo if line.startswith(("model name", "flags"))]
-        return "".join(dict.fromkeys(lines))
-    except OSError:
-        return platform.processor()
+    """What -march=native depends on: the CPU's model and feature flags (the processor's name where unknown)."""
+    flags = cpu_flags()
+    return f"{cpu_model_name()}\n{' '.join(sorted(flags))}" if flags else platform.processor()
 
 
 def _cache_dir() -> Path:

@@ -210,8 +210,9 @@ def kv_cache_line(report: dict) -> str | None:
     if not any(n.startswith("paged_hf_kv_") for n in systems):
         return None
     return "KV cache: " + "; ".join(
-        f"{n} {e.get('kv_cache_dtype', 'auto')} {e.get('num_blocks', '-')} blocks, at most {e.get('max_num_running', '-')}"
-        f" running, {e.get('num_preemptions', '-')} preemptions" for n, e in systems.items() if "num_blocks" in e)
+        f"{n} {e.get('kv_cache_dtype', 'auto')} {e.get('num_blocks', '-')} blocks, at most "
+        f"{e.get('max_num_running', '-')} running, {e.get('num_preemptions', '-')} preemptions"
+        for n, e in systems.items() if "num_blocks" in e)
 
 
 def spec_decode_line(report: dict) -> str | None:
