@@ -203,40 +203,32 @@ inline void shrink_tokens(const T *const *rows, const T *const *arows, int64_t i
 }
 
 #if defined(__AVX512BF16__)
-// The bf16 expand with AVX512-BF16: y[j][o] += sum over rank pairs of t[j][2p] B[2p][o] + t[j][2p+1] B[2p+1][o],
-// 16 outputs and one pair per vdpbf16ps (rows 2p and 2p+1 interleaved in a register, the pair of t broadcast).
-// The rank vector t is rounded to bf16 here (as a bf16 matmul rounds its output); the sums stay in float.
-template <int NT>
-void expand_bf16(const float (&t)[kTile][kMaxRank], int64_t rank, const uint16_t *bslot,
-                 int64_t out, uint16_t *const *outs, int count) {
-  const int64_t pairs = (rank + 1) / 2;
-  uint32_t tp[kTile][kMaxRank / 2 + 1];  // (bf16 t[2p], bf16 t[2p + 1]) as one 32-bit lane
-  for (int j = 0; j < NT; ++j)
-    for (int64_t q = 0; q < pairs; ++q) {
-      const uint32_t lo = j < count ? to_bf16(t[j][2 * q]) : 0;
-      const uint32_t hi = j < count && 2 * q + 1 < rank ? to_bf16(t[j][2 * q + 1]) : 0;
-      tp[j][q] = lo | hi << 16;
-    }
-  alignas(64) int16_t order[32];  // lane 2i: row 2p's element i, lane 2i + 1: row 2p + 1's
+// (bf16 t[2q], bf16 t[2q + 1]) as one 32-bit lane, the odd half 0 past the rank: what vdpbf16ps broadcasts
+inline uint32_t rank_pair(const float *t, int64_t q, int64_t rank) {
+  const uint32_t lo = to_bf16(t[2 * q]), hi = 2 * q + 1 < rank ? to_bf16(t[2 * q + 1]) : 0;
+  return lo | hi << 16;
+}
+
+// the permutation that interleaves two rows' 16 elements: lane 2i row 2q's element i, lane 2i + 1 row 2q + 1's
+inline __m512i pair_interleave() {
+  alignas(64) int16_t order[32];
   for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(32 + i);
-  const __m512i interleave = _mm512_load_si512(order);
-  const int64_t vec_out = out - out % 16;
-  for (int64_t o = 0; o < vec_out; o += 16) {
-    __m512 acc[NT];
-    for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t q = 0; q < pairs; ++q) {
-      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bslot + 2 * q * out + o));
-      const __m256i odd = 2 * q + 1 < rank
-                              ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bslot + (2 * q + 1) * out + o))
-                              : _mm256_setzero_si256();
-      const __m512bh both = (__m512bh)_mm512_permutex2var_epi16(_mm512_castsi256_si512(even), interleave,
-                                                                _mm512_castsi256_si512(odd));
-      for (int j = 0; j < NT; ++j)
-        acc[j] = _mm512_dpbf16_ps(acc[j], both, (__m512bh)_mm512_set1_epi32(static_cast<int>(tp[j][q])));
-    }
-    for (int j = 0; j < count; ++j) addv<uint16_t, float>(outs[j] + o, acc[j]);
-  }
-  for (int64_t o = vec_out; o < out; ++o)
+  return _mm512_load_si512(order);
+}
+
+// Bt's rows 2q and 2q + 1 at outputs o .. o + 15, interleaved for vdpbf16ps (the odd row zero past the rank)
+inline __m512bh row_pair(const uint16_t *bslot, int64_t q, int64_t rank, int64_t out, int64_t o, __m512i interleave) {
+  const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bslot + 2 * q * out + o));
+  const __m256i odd = 2 * q + 1 < rank
+                          ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bslot + (2 * q + 1) * out + o))
+                          : _mm256_setzero_si256();
+  return (__m512bh)_mm512_permutex2var_epi16(_mm512_castsi256_si512(even), interleave, _mm512_castsi256_si512(odd));
+}
+
+// the outputs from `first` on (past the last full vector), one at a time
+inline void expand_tail_bf16(const float (&t)[kTile][kMaxRank], int64_t rank, const uint16_t *bslot, int64_t first,
+                             int64_t out, uint16_t *const *outs, int count) {
+  for (int64_t o = first; o < out; ++o)
     for (int j = 0; j < count; ++j) {
       float sum = 0;
       for (int64_t r = 0; r < rank; ++r) sum += t[j][r] * load1<uint16_t, float>(bslot + r * out, o);
@@ -244,41 +236,52 @@ void expand_bf16(const float (&t)[kTile][kMaxRank], int64_t rank, const uint16_t
     }
 }
 
+// The bf16 expand with AVX512-BF16: y[j][o] += sum over rank pairs of t[j][2p] B[2p][o] + t[j][2p+1] B[2p+1][o],
+// 16 outputs and one pair per vdpbf16ps (rows 2p and 2p+1 interleaved in a register, the pair of t broadcast).
+// The rank vector t is rounded to bf16 here (as a bf16 matmul rounds its output); the sums stay in float.
+void expand_bf16(const float (&t)[kTile][kMaxRank], int64_t rank, const uint16_t *bslot, int64_t out,
+                 uint16_t *const *outs, int count) {
+  const int64_t pairs = (rank + 1) / 2;
+  uint32_t tp[kTile][kMaxRank / 2 + 1];
+  for (int j = 0; j < kTile; ++j)
+    for (int64_t q = 0; q < pairs; ++q) tp[j][q] = j < count ? rank_pair(t[j], q, rank) : 0;
+  const __m512i interleave = pair_interleave();
+  const int64_t vec_out = out - out % 16;
+  for (int64_t o = 0; o < vec_out; o += 16) {
+    __m512 acc[kTile];
+    for (int j = 0; j < kTile; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < pairs; ++q) {
+      const __m512bh both = row_pair(bslot, q, rank, out, o, interleave);
+      for (int j = 0; j < kTile; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], both, (__m512bh)_mm512_set1_epi32(static_cast<int>(tp[j][q])));
+    }
+    for (int j = 0; j < count; ++j) addv<uint16_t, float>(outs[j] + o, acc[j]);
+  }
+  expand_tail_bf16(t, rank, bslot, vec_out, out, outs, count);
+}
+
 // The bf16 expand of one token (a decode token alone on its adapter): the rank pairs outer, so each pair's two
 // rows of Bt stream from memory once, in order, while the float sums of the whole output row stay in L1. The
 // factors of a decode step's adapters come cold from memory (each adapter is read once a step); eight rows read
 // side by side, 32 bytes at a time, kept the hardware prefetcher from running ahead. Same sums as expand_bf16.
 void expand_bf16_one(const float (&t)[kTile][kMaxRank], int64_t rank, const uint16_t *bslot, int64_t out,
-                     uint16_t *y) {
+                     uint16_t *const *outs) {
   const int64_t vec_out = out - out % 16;
   static thread_local std::vector<float> sums;
   sums.assign(vec_out, 0.0f);
-  alignas(64) int16_t order[32];  // as expand_bf16: lane 2i row 2p's element i, lane 2i + 1 row 2p + 1's
-  for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(32 + i);
-  const __m512i interleave = _mm512_load_si512(order);
+  const __m512i interleave = pair_interleave();
   for (int64_t q = 0; q < (rank + 1) / 2; ++q) {
-    const uint32_t lo = to_bf16(t[0][2 * q]), hi = 2 * q + 1 < rank ? to_bf16(t[0][2 * q + 1]) : 0;
-    const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo | hi << 16));
-    const uint16_t *even_row = bslot + 2 * q * out, *odd_row = bslot + (2 * q + 1) * out;
-    for (int64_t o = 0; o < vec_out; o += 16) {
-      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(even_row + o));
-      const __m256i odd = 2 * q + 1 < rank ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(odd_row + o))
-                                           : _mm256_setzero_si256();
-      const __m512bh both = (__m512bh)_mm512_permutex2var_epi16(_mm512_castsi256_si512(even), interleave,
-                                                                _mm512_castsi256_si512(odd));
-      _mm512_storeu_ps(sums.data() + o, _mm512_dpbf16_ps(_mm512_loadu_ps(sums.data() + o), both, pair));
-    }
+    const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(rank_pair(t[0], q, rank)));
+    for (int64_t o = 0; o < vec_out; o += 16)
+      _mm512_storeu_ps(sums.data() + o, _mm512_dpbf16_ps(_mm512_loadu_ps(sums.data() + o),
+                                                         row_pair(bslot, q, rank, out, o, interleave), pair));
   }
   for (int64_t o = 0; o < vec_out; o += 16) {
     Vec<float>::V v;
     std::memcpy(&v, sums.data() + o, sizeof(v));
-    addv<uint16_t, float>(y + o, v);
+    addv<uint16_t, float>(outs[0] + o, v);
   }
-  for (int64_t o = vec_out; o < out; ++o) {
-    float sum = 0;
-    for (int64_t r = 0; r < rank; ++r) sum += t[0][r] * load1<uint16_t, float>(bslot + r * out, o);
-    add1<uint16_t, float>(y + o, sum);
-  }
+  expand_tail_bf16(t, rank, bslot, vec_out, out, outs, 1);
 }
 #endif
 
@@ -358,9 +361,9 @@ void apply_tile(const Step &s, const T *x, T *y, const T *const *a_table, const 
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (count == 1) {
-      expand_bf16_one(t, rank, bslot, s.out, outs[0]);
+      expand_bf16_one(t, rank, bslot, s.out, outs);
     } else {
-      expand_bf16<kTile>(t, rank, bslot, s.out, outs, count);
+      expand_bf16(t, rank, bslot, s.out, outs, count);
     }
     return;
   }
