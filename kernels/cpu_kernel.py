@@ -7,7 +7,8 @@ sums in float32); an int8/fp8 cache likewise, with its per-(block, KV head) scal
 softmax weight. The same kernel serves multi-token queries (prompt chunks, speculative decoding's last token
 plus drafts) computed in float32, in tiles with the query rows in the vector lanes: 1.7-2.5x torch's float32
 SDPA on SmolLM2's shapes (17 to 512 tokens, with and without a past), and no gathered copy. In bf16, on a CPU
-with AVX512-BF16, prompt chunks go to `csrc/paged_prefill.cpp` instead (bf16 dot products into float32 sums).
+with AVX512-BF16, prompt chunks go to `csrc/paged_prefill.cpp` instead (bf16 dot products into float32 sums), on
+AMX tiles where the CPU has them (`prefill_isa`).
 float64 (tests) keeps SDPA for queries longer than MAX_FLOAT64_QUERY_LEN.
 The torch kernel remains the reference this one is tested against.
 """
@@ -54,11 +55,14 @@ class CpuPlan(TorchPlan):
 class CpuKernel(TorchKernel):
     name = "cpu"
 
-    def __init__(self, dtype: torch.dtype, head_dims: list[int], kv_dtype: torch.dtype | None = None):
+    def __init__(self, dtype: torch.dtype, head_dims: list[int], kv_dtype: torch.dtype | None = None,
+                 prefill_isa: str | None = None):
         """Builds (or loads the cached build of) the decode library for each head_dim, and for a bf16 model and
         cache the prefill library (used where the CPU has AVX512-BF16); raises native.NativeBuildError when that
         is impossible here, ValueError for what it cannot serve.
-        `kv_dtype`: the cache's storage dtype when it differs from the model's `dtype` (int8/fp8)."""
+        `kv_dtype`: the cache's storage dtype when it differs from the model's `dtype` (int8/fp8).
+        `prefill_isa`: the prefill kernel's instructions, "amx_bf16" or "avx512_bf16" (None: the fastest this CPU
+        has), or "amx_bf16_emulated" (AMX's tiles in plain C++, for tests); ValueError where unavailable."""
         reason = self.unsupported_reason(torch.device("cpu"), dtype, head_dims, kv_dtype)
         if reason is not None:
             raise ValueError(reason)
@@ -69,10 +73,21 @@ class CpuKernel(TorchKernel):
             head_dim: getattr(native.load_paged_decode(head_dim), f"paged_decode_{suffix}") for head_dim in set(head_dims)
         }
         self._prefill_functions = {}  # head_dim -> the compiled bf16 prefill kernel, where it serves the model
+        self.prefill_isa = None  # the instructions it computes with
         if dtype == torch.bfloat16 and kv_dtype == dtype and all(native.prefill_head_dim_fits(d) for d in head_dims):
-            libraries = {head_dim: native.load_paged_prefill(head_dim) for head_dim in set(head_dims)}
+            emulate = prefill_isa == "amx_bf16_emulated"
+            flags = native.EMULATE_AMX if emulate else ()
+            libraries = {head_dim: native.load_paged_prefill(head_dim, flags) for head_dim in set(head_dims)}
             if all(libraries.values()):  # None: this CPU has no AVX512-BF16
-                self._prefill_functions = {d: library.paged_prefill_bfloat16 for d, library in libraries.items()}
+                by_isa = {d: native.prefill_isas(library) for d, library in libraries.items()}
+                available = next(iter(by_isa.values()))  # the same for every head_dim: one CPU
+                isa = "amx_bf16" if emulate else prefill_isa or next(iter(available))
+                if isa in available:
+                    self.prefill_isa = isa
+                    self._prefill_functions = {d: functions[isa] for d, functions in by_isa.items()}
+        if prefill_isa is not None and prefill_isa.removesuffix("_emulated") != self.prefill_isa:
+            raise ValueError(f"the prefill kernel cannot compute with {prefill_isa} here "
+                             f"(this CPU, this dtype and head_dim: {self.prefill_isa})")
 
     @staticmethod
     def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dims: list[int],

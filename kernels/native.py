@@ -32,7 +32,7 @@ SOURCE = CSRC / "paged_decode.cpp"
 PREFILL_SOURCE = CSRC / "paged_prefill.cpp"
 LORA_SOURCE = CSRC / "lora_sgmv.cpp"
 LAYER_OPS_SOURCE = CSRC / "layer_ops.cpp"
-HEADERS = (CSRC / "vec_math.h",)  # included by the sources: part of every build's cache key
+HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h")  # included by the sources: part of every build's cache key
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 #: the cache dtypes the kernel reads, by entry-point suffix; bf16/fp16 are computed in float32
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -77,18 +77,35 @@ def load_paged_decode(head_dim: int) -> ctypes.CDLL:
     return library
 
 
+#: build flags for the prefill library: AMX's tiles emulated in plain C++ (tests on any CPU), and AMX's
+#: instructions compiled in whatever the CPU (tests that the AMX build compiles and refuses to run without AMX)
+EMULATE_AMX = ("-DPAGED_HF_AMX_EMULATE",)
+TARGET_AMX = ("-mamx-tile", "-mamx-bf16")
+
+
 @functools.lru_cache(maxsize=None)
-def load_paged_prefill(head_dim: int) -> ctypes.CDLL | None:
+def load_paged_prefill(head_dim: int, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The bf16 prefill attention library for `head_dim` (a multiple of 32), built on first use; None where the
-    CPU lacks AVX512-BF16 (the library then only says so). Raises NativeBuildError when it cannot be built."""
-    library = _load(PREFILL_SOURCE, head_dim)
+    CPU lacks AVX512-BF16 (the library then only says so). Raises NativeBuildError when it cannot be built.
+    Its AMX entry point exists where the CPU has AMX, or with EMULATE_AMX among `extra_flags`."""
+    library = _load(PREFILL_SOURCE, head_dim, extra_flags)
     if not library.paged_prefill_available():
         return None
-    function = library.paged_prefill_bfloat16
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [
-        ctypes.c_int64] * 7 + [ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
+    argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [
+        ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
+    entry_point(library, "paged_prefill_bfloat16", argtypes)
+    if library.paged_prefill_amx_available():
+        entry_point(library, "paged_prefill_amx_bfloat16", argtypes)
     return library
+
+
+def prefill_isas(library: ctypes.CDLL) -> dict[str, ctypes._CFuncPtr]:
+    """The prefill library's entry points by the instructions they compute with, fastest first: AMX tiles where
+    the CPU has them and Linux lets this process use them, then AVX512-BF16."""
+    isas = {"avx512_bf16": library.paged_prefill_bfloat16}
+    if library.paged_prefill_amx_available():
+        isas = {"amx_bf16": library.paged_prefill_amx_bfloat16, **isas}
+    return isas
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,11 +122,11 @@ def load_layer_ops() -> ctypes.CDLL:
     return _load(LAYER_OPS_SOURCE, None)
 
 
-def _load(source: Path, head_dim: int | None) -> ctypes.CDLL:
+def _load(source: Path, head_dim: int | None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """`source` built for `head_dim` (None: a kernel without one; cached by source, headers, compiler, flags and
     CPU) and loaded."""
     compiler = _compiler()
-    flags = COMPILE_FLAGS if head_dim is None else (*COMPILE_FLAGS, f"-DPAGED_HF_HEAD_DIM={head_dim}")
+    flags = (*COMPILE_FLAGS, *extra_flags, *(() if head_dim is None else (f"-DPAGED_HF_HEAD_DIM={head_dim}",)))
     texts = [source.read_text(), *(header.read_text() for header in HEADERS)]
     key = hashlib.sha256(
         "\0".join([*texts, compiler, *flags, _cpu_signature(), platform.machine()]).encode()

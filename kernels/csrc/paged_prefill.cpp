@@ -12,6 +12,11 @@
 // and every softmax step (max, exp, sums) runs across keys lane-wise: no horizontal sums. Values are packed per
 // block of 32 keys as (key 2i, key 2i+1) pairs of each dimension, the layout `vdpbf16ps` sums over.
 //
+// Where the CPU has AMX (`paged_prefill_amx_bfloat16`), the same tiles' two products run on AMX tiles instead
+// (amx_tiles.h): scores as keys x queries (the keys' rows straight from the cache, the packed queries as the
+// right operand), so they land in the same layout and the same softmax serves both; the output as weights x
+// values, with the weights transposed to one row per query row and the output kept row-major.
+//
 // Built at run time by kernels/native.py for the model's head_dim (-DPAGED_HF_HEAD_DIM), with -march=native.
 // Without AVX512-BF16 only `paged_prefill_available` (returning 0) exists, and the caller keeps torch's SDPA.
 //
@@ -36,11 +41,15 @@ extern "C" int paged_prefill_available() { return 0; }
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "vec_math.h"
 
 namespace {
 
 using paged_hf::exp_nonpositive;
+#ifdef PAGED_HF_AMX
+namespace amx = paged_hf::amx;
+#endif
 
 constexpr int kDim = PAGED_HF_HEAD_DIM;
 constexpr int kPairs = kDim / 2;  // bf16 pairs per query/key row
@@ -79,6 +88,11 @@ struct alignas(64) Scratch {
   __m512i lo[kMaxVectors], hi[kMaxVectors];  // each row's allowed key positions [lo, hi]
   __mmask16 allowed[kKeyBlock][kMaxVectors];
   uint16_t zeros[kDim];  // stands in for the keys past a chunk's end
+  // AMX only: the block's keys (the scores' left operand), each query row's weights as key pairs (the output's
+  // left operand) and the running output, row-major
+  uint16_t key_rows[kKeyBlock][kDim];
+  uint32_t weights_by_row[kMaxVectors][kLanes][kKeyBlock / 2];
+  float out_rows[kMaxVectors * kLanes][kDim];
 };
 
 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
@@ -229,9 +243,121 @@ template <int R> void write_rows(const Chunks &c, const Tile &t, Scratch &w) {
   }
 }
 
+// The AVX512-BF16 path: the functions above.
+struct VectorPath {
+  static bool usable() { return true; }
+  static void begin_thread() {}
+  static void end_thread() {}
+  template <int R> static void start(Scratch &) {}
+  template <int R> static void score(const Chunks &c, const uint16_t *const *keys, Scratch &w) {
+    score_block<R>(c, keys, w);
+  }
+  template <int R> static void accumulate(int pairs, Scratch &w) { accumulate_block<R>(pairs, w); }
+  template <int R> static void write(const Chunks &c, const Tile &t, Scratch &w) { write_rows<R>(c, t, w); }
+};
+
+#ifdef PAGED_HF_AMX
+// 16 x 16 32-bit elements: dst row j = column j of src (rows `src_stride` vectors apart).
+inline void transpose16(const __m512i *src, int64_t src_stride, __m512i *dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3)
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // per lane L: r[i + j] holds column 4 L + j of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // column 4 L + j: lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
+    const __m512i low = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), high = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i low2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i high2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    _mm512_store_si512(dst + j, _mm512_shuffle_i32x4(low, low2, 0x88));
+    _mm512_store_si512(dst + 4 + j, _mm512_shuffle_i32x4(low, low2, 0xDD));
+    _mm512_store_si512(dst + 8 + j, _mm512_shuffle_i32x4(high, high2, 0x88));
+    _mm512_store_si512(dst + 12 + j, _mm512_shuffle_i32x4(high, high2, 0xDD));
+  }
+}
+
+// The AMX path: tiles 0-2 sum the scores of 16 keys for each row vector (keys in the tile's rows, query rows in
+// its columns: the layout of `scores`), then tiles 0-1 add weights x values into 16 rows x 32 dimensions.
+struct AmxPath {
+  static bool usable() { return amx::enable(); }
+  static void begin_thread() { amx::configure(); }
+  static void end_thread() { amx::release(); }
+
+  template <int R> static void start(Scratch &w) { std::memset(w.out_rows, 0, sizeof(float) * R * kLanes * kDim); }
+
+  template <int R> static void score(const Chunks &c, const uint16_t *const *keys, Scratch &w) {
+    for (int i = 0; i < kKeyBlock; ++i) std::memcpy(w.key_rows[i], keys[i], sizeof(w.key_rows[i]));
+    for (int first = 0; first < kKeyBlock; first += amx::kRows) {
+      for (int v = 0; v < R; ++v) amx::zero(v);
+      for (int p = 0; p < kPairs; p += amx::kRowBytes / 4) {  // 16 pairs (32 dimensions) a product
+        amx::load(4, &w.key_rows[first][2 * p], sizeof(w.key_rows[0]));
+        for (int v = 0; v < R; ++v) {
+          amx::load(5 + v, &w.queries[p][v], sizeof(w.queries[0]));
+          amx::dot(v);
+        }
+      }
+      for (int v = 0; v < R; ++v) amx::store(v, &w.scores[first][v], sizeof(w.scores[0]));
+    }
+    for (int i = 0; i < kKeyBlock; ++i)
+      for (int v = 0; v < R; ++v) {
+        __m512 s = w.scores[i][v] * c.scale;
+        if (c.softcap > 0) s = paged_hf::soft_cap(s, c.softcap);
+        w.scores[i][v] = s;
+      }
+  }
+
+  // out_rows = out_rows * correction + weights x values; every pair of the block (the weights past its keys are 0).
+  template <int R> static void accumulate(int, Scratch &w) {
+    for (int v = 0; v < R; ++v) {
+      transpose16(&w.weights[0][v], kMaxVectors, reinterpret_cast<__m512i *>(w.weights_by_row[v]));
+      alignas(64) float correction[kLanes];
+      _mm512_store_ps(correction, w.correction[v]);
+      for (int lane = 0; lane < kLanes; ++lane) {
+        float *row = w.out_rows[v * kLanes + lane];
+        for (int d = 0; d < kDim; d += kLanes)
+          _mm512_store_ps(row + d, _mm512_load_ps(row + d) * correction[lane]);
+      }
+    }
+    constexpr int64_t kRowStride = sizeof(w.out_rows[0]);
+    for (int v = 0; v < R; ++v) {
+      float *rows = w.out_rows[v * kLanes];
+      amx::load(4, w.weights_by_row[v], sizeof(w.weights_by_row[v][0]));
+      for (int d = 0; d < kDim; d += 2 * kLanes) {
+        for (int j = 0; j < 2; ++j) {
+          amx::load(j, rows + d + j * kLanes, kRowStride);
+          amx::load(5 + j, &w.values[0][d + j * kLanes], sizeof(w.values[0]));
+          amx::dot(j);
+        }
+        for (int j = 0; j < 2; ++j) amx::store(j, rows + d + j * kLanes, kRowStride);
+      }
+    }
+  }
+
+  template <int R> static void write(const Chunks &c, const Tile &t, Scratch &w) {
+    const int64_t group = c.num_heads / c.num_kv_heads, rows = t.tokens * group;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inverse = 1.0f / w.sum[r / kLanes][r % kLanes];
+      const int64_t token = t.first_token + r / group, head = t.kv_head * group + r % group;
+      uint16_t *dst = c.out + (c.query_starts[t.chunk] + token) * c.out_token_stride + head * c.out_head_stride;
+      for (int d = 0; d < kDim; d += kLanes) {
+        const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_load_ps(w.out_rows[r] + d) * inverse);
+        std::memcpy(dst + d, &rounded, sizeof(rounded));
+      }
+    }
+  }
+};
+#endif
+
 // One tile: its rows against the keys any of them may see, block by block.
-template <int R> void attend_tile(const Chunks &c, const Tile &t, Scratch &w) {
+template <int R, typename Path> void attend_tile(const Chunks &c, const Tile &t, Scratch &w) {
   pack_queries<R>(c, t, w);
+  Path::template start<R>(w);
   const int64_t offset = c.context_lens[t.chunk] - c.query_lens[t.chunk];
   const int64_t first = offset + t.first_token, last = first + t.tokens - 1;  // the tile's first and last positions
   const int64_t begin = c.window > 0 ? std::max<int64_t>(0, first - c.window + 1) : 0, end = last + 1;
@@ -251,12 +377,12 @@ template <int R> void attend_tile(const Chunks &c, const Tile &t, Scratch &w) {
         keys[i] = values[i] = w.zeros;
       }
     }
-    score_block<R>(c, keys, w);
+    Path::template score<R>(c, keys, w);
     softmax_block<R>(b0, b0 < lo_max || b0 + kKeyBlock - 1 > first, w);
     pack_values(values, w);
-    accumulate_block<R>(static_cast<int>((count + 1) / 2), w);
+    Path::template accumulate<R>(static_cast<int>((count + 1) / 2), w);
   }
-  write_rows<R>(c, t, w);
+  Path::template write<R>(c, t, w);
 }
 
 // The step's tiles: each chunk's tokens in runs of 48 / G (one KV head's rows of a tile), costliest first.
@@ -277,25 +403,11 @@ std::vector<Tile> make_tiles(const Chunks &c, int64_t num_chunks) {
   return tiles;
 }
 
-}  // namespace
-
-extern "C" int paged_prefill_available() { return 1; }
-
-// Returns 0 on success, 1 when scratch memory could not be allocated, 2 when a KV head's query heads do not
-// fit in a tile (more than 48).
-extern "C" int paged_prefill_bfloat16(const uint16_t *q, int64_t q_token_stride, int64_t q_head_stride,
-                                      const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *block_tables,
-                                      const int64_t *query_starts, const int64_t *query_lens,
-                                      const int64_t *context_lens, uint16_t *out, int64_t out_token_stride,
-                                      int64_t out_head_stride, int64_t num_chunks, int64_t max_blocks,
-                                      int64_t num_heads, int64_t num_kv_heads, int64_t block_size, double scale,
-                                      int64_t window, double softcap, int num_threads) {
-  const Chunks c{q, q_token_stride, q_head_stride, k_cache, v_cache, block_tables, query_starts, query_lens,
-                 context_lens, out, out_token_stride, out_head_stride, max_blocks, num_heads, num_kv_heads,
-                 block_size, window, static_cast<float>(scale), static_cast<float>(softcap)};
-  if (num_heads / num_kv_heads > kMaxVectors * kLanes) return 2;
+// The step's tiles over the threads, each thread with its scratch (and, on AMX, its tile configuration).
+template <typename Path> int attend(const Chunks &c, int64_t num_chunks, int num_threads) {
+  if (c.num_heads / c.num_kv_heads > kMaxVectors * kLanes) return 2;
   const std::vector<Tile> tiles = make_tiles(c, num_chunks);
-  const int64_t group = num_heads / num_kv_heads;
+  const int64_t group = c.num_heads / c.num_kv_heads;
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -305,19 +417,61 @@ extern "C" int paged_prefill_bfloat16(const uint16_t *q, int64_t q_token_stride,
       failed = 1;
     } else {
       std::memset(w->zeros, 0, sizeof(w->zeros));
+      Path::begin_thread();
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()); ++i) {
       if (!w) continue;
       const Tile &t = tiles[i];
       switch ((t.tokens * group + kLanes - 1) / kLanes) {
-        case 1: attend_tile<1>(c, t, *w); break;
-        case 2: attend_tile<2>(c, t, *w); break;
-        default: attend_tile<3>(c, t, *w); break;
+        case 1: attend_tile<1, Path>(c, t, *w); break;
+        case 2: attend_tile<2, Path>(c, t, *w); break;
+        default: attend_tile<3, Path>(c, t, *w); break;
       }
     }
+    if (w) Path::end_thread();
     std::free(w);
   }
   return failed;
 }
+
+}  // namespace
+
+extern "C" int paged_prefill_available() { return 1; }
+
+// 1 where the AMX entry point exists and this process may use the tiles (asking Linux for them once).
+extern "C" int paged_prefill_amx_available() {
+#ifdef PAGED_HF_AMX
+  static const bool usable = AmxPath::usable();
+  return usable ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+#define PAGED_HF_PREFILL_ARGUMENTS                                                                               \
+  const uint16_t *q, int64_t q_token_stride, int64_t q_head_stride, const uint16_t *k_cache,                       \
+      const uint16_t *v_cache, const int64_t *block_tables, const int64_t *query_starts, const int64_t *query_lens, \
+      const int64_t *context_lens, uint16_t *out, int64_t out_token_stride, int64_t out_head_stride,              \
+      int64_t num_chunks, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,        \
+      double scale, int64_t window, double softcap, int num_threads
+#define PAGED_HF_CHUNKS                                                                                           \
+  Chunks {                                                                                                        \
+    q, q_token_stride, q_head_stride, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, out, \
+        out_token_stride, out_head_stride, max_blocks, num_heads, num_kv_heads, block_size, window,               \
+        static_cast<float>(scale), static_cast<float>(softcap)                                                    \
+  }
+
+// Returns 0 on success, 1 when scratch memory could not be allocated, 2 when a KV head's query heads do not
+// fit in a tile (more than 48).
+extern "C" int paged_prefill_bfloat16(PAGED_HF_PREFILL_ARGUMENTS) {
+  return attend<VectorPath>(PAGED_HF_CHUNKS, num_chunks, num_threads);
+}
+
+#ifdef PAGED_HF_AMX
+// The same on AMX tiles; call only where paged_prefill_amx_available() said 1.
+extern "C" int paged_prefill_amx_bfloat16(PAGED_HF_PREFILL_ARGUMENTS) {
+  return attend<AmxPath>(PAGED_HF_CHUNKS, num_chunks, num_threads);
+}
+#endif
 #endif
