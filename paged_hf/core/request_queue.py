@@ -74,6 +74,14 @@ class RankedQueue:
         """Whether a first prefill of class `key` may hold back `other`'s prefill chunks (this step)."""
         raise NotImplementedError
 
+    def owed_seats(self, key: object, running: list[Request]) -> bool:
+        """Whether the class holds fewer seats than its share (fair); priorities have no shares."""
+        return False
+
+    def budget_share(self, key: object, running: list[Request]) -> float:
+        """The class's share of a step's token budget (fair: its weight among the active tenants')."""
+        return 1.0
+
     def begin_step(self) -> None:
         """A step's scheduling starts (fair: `holds_back` compares the counters as they were now)."""
 
@@ -149,6 +157,7 @@ class FairQueue(RankedQueue):
         self.max_num_seqs = max_num_seqs
         self.served: dict[str | None, float] = {}  # tenant -> virtual tokens (tokens / weight)
         self._step_served: dict[str | None, float] = {}  # `served` as the step's scheduling started
+        self._step_backlog: dict[str | None, int] = {}  # tenant -> tokens its waiting requests will compute
         self._queues: dict[str | None, deque[Request]] = {}
 
     def weight(self, tenant: str | None) -> float:
@@ -193,22 +202,37 @@ class FairQueue(RankedQueue):
         return request.tenant
 
     def in_hurry(self, key: object, running: list[Request]) -> bool:
-        """Below its seat share, and served no more than another running tenant (which it may hold back)."""
-        if not any(self.holds_back(key, r) for r in running):
+        """Below its seat share, and served no more than another tenant with a request running or waiting (which
+        it may hold back): a short request that comes with a flood is owed its first token before the flood's."""
+        heads = [q[0] for tenant, q in self._queues.items() if q and tenant != key]
+        if not any(self.holds_back(key, r) for group in (running, heads) for r in group):
             return False
-        active = {t for t, q in self._queues.items() if q} | {r.tenant for r in running} | {key}
+        return self.owed_seats(key, running)
+
+    def _active(self, key: object, running: list[Request]) -> set:
+        return {t for t, q in self._queues.items() if q} | {r.tenant for r in running} | {key}
+
+    def owed_seats(self, key: object, running: list[Request]) -> bool:
         seats = sum(r.num_seats for r in running if r.tenant == key)
-        return seats < self.seat_share(key, active)
+        return seats < self.seat_share(key, self._active(key, running))
+
+    def budget_share(self, key: object, running: list[Request]) -> float:
+        return self.weight(key) / sum(self.weight(t) for t in self._active(key, running))
 
     def holds_back(self, key: object, other: Request) -> bool:
-        """Another tenant's, and only while that tenant has been served as much as this one or more (virtual
-        tokens, at the step's start): a tenant that keeps sending short requests cannot hold the others' prefill
-        back for ever."""
-        served = self._step_served.get
-        return other.tenant != key and served(other.tenant, 0.0) >= served(key, 0.0)
+        """Another tenant's, and only while that tenant has been served more than this one (virtual tokens, at the
+        step's start), or as much with as much or more still waiting: a tenant that keeps sending short requests
+        cannot hold the others' prefill back for ever, and of two tenants level (at the start, or one back from
+        idle at the other's count) the one with the smaller backlog goes first, not both."""
+        served, backlog = self._step_served.get, self._step_backlog.get
+        if other.tenant == key:
+            return False
+        mine, theirs = served(key, 0.0), served(other.tenant, 0.0)
+        return theirs > mine or (theirs == mine and backlog(other.tenant, 0) >= backlog(key, 0))
 
     def begin_step(self) -> None:
         self._step_served = dict(self.served)
+        self._step_backlog = {t: sum(r.num_tokens_to_compute for r in q) for t, q in self._queues.items()}
 
     def append(self, request: Request) -> None:
         self._queues.setdefault(request.tenant, deque()).append(request)

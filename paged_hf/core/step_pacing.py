@@ -14,10 +14,13 @@ steps. Two rules make both steps short, at no cost to the running requests' deco
   any moment), the prefill chunks of the requests it may hold back share a capped number of tokens a step, so the
   step in flight when the next one comes is short too. The cap adapts to the hardware: the pacer times its steps
   (`StepCost`: seconds = fixed + per_token * tokens, fitted over recent steps) and caps a step at what lasts
-  `CAPPED_STEP_FACTOR` (2) times the hurried class's own first step (the decodes and its first prefill). Where a
+  `CAPPED_STEP_FACTOR` (1.5) times the hurried class's own first step (the decodes and its first prefill). Where a
   step's fixed cost dominates (a GPU, or tiny steps), that lifts the cap: a full step costs little more than the
   short one, and a capped step would only add steps. It never goes below `max_num_batched_tokens // 4` (the cap
-  before any step was timed).
+  before any step was timed). Under `fair`, while another tenant below its seat share had an arrival in the
+  window, a hurried tenant's own first prefills take at most its share of the budget a step (or the cap, if
+  more): both are owed service, and the other's next request must not wait out a whole step of this one's
+  prefill (two tenants that arrive together: the smaller backlog goes first, then the flood's share).
 - Whatever the ranks' order, a prefill chunk leaves the budget's room for the running requests' decodes.
 
 All of it only holds back, never preempts, so nothing starves that did not before: fair's `holds_back` lets a
@@ -34,7 +37,7 @@ from paged_hf.core.request_queue import RankedQueue
 
 ARRIVAL_WINDOW_STEPS = 16  # how long an arrival of a class in a hurry keeps the others' prefill capped
 CAPPED_BUDGET_DIVISOR = 4  # the least capped prefill, and the cap before any step was timed: budget // 4 a step
-CAPPED_STEP_FACTOR = 2.0  # a capped step lasts at most this many times the hurried class's own first step
+CAPPED_STEP_FACTOR = 1.5  # a capped step lasts at most this many times the hurried class's own first step
 COST_DECAY = 0.9  # StepCost: the weight of a step's timing decays by this factor a step (recent steps count most)
 
 
@@ -87,6 +90,7 @@ class StepPacer:
         self._untopped_by: set[object] = set()  # this step: classes whose first prefill it carries
         self._held_back = False  # this step: a prefill chunk was held back for them
         self._cap_keys: list[object] = []
+        self._share_left: dict[object, int] = {}  # this step: hurried classes' prefill tokens left (fair, see above)
         self._cap_left = 0
         self._decodes: set[Request] = set()  # this step: running requests that decode and have no token yet
         self._capped: set[Request] = set()  # this step: requests whose prefill the cap limits
@@ -114,8 +118,12 @@ class StepPacer:
                        if not r.output_token_ids and r.num_tokens_to_compute > 0 and hurried(queue.class_of(r))}
         self._untopped_by, self._held_back = set(), False
         self._decodes = {r for r in running if r.num_tokens_to_compute == 1}
-        self._cap_keys = [k for k, s in self.arrivals.items() if s >= step - self.window_steps and hurried(k)]
+        recent = [k for k, s in self.arrivals.items() if s >= step - self.window_steps]
+        self._cap_keys = [k for k in recent if hurried(k)]
         self._cap_left = self.cap(len(self._decodes))
+        owed = [k for k in recent if queue.owed_seats(k, running)]
+        self._share_left = {k: max(self._cap_left, int(self.max_num_batched_tokens * queue.budget_share(k, running)))
+                            for k in {queue.class_of(r) for r in self.urgent} if any(o != k for o in owed)}
         self._capped, self._cap_limited = set(), False
 
     def _time_last_step(self, running: list[Request]) -> None:
@@ -154,7 +162,8 @@ class StepPacer:
         if request.num_tokens_to_compute <= 1:
             return num_new  # decodes stay in
         if request in self.urgent:  # it goes first, but the decodes keep their tokens
-            return min(num_new, max(1, budget - len(self._decodes)))
+            num_new = min(num_new, max(1, budget - len(self._decodes)))
+            return min(num_new, self._share_left.get(self.queue.class_of(request), num_new))
         num_new = min(num_new, max(0, budget - len(self._decodes)))  # whatever the order of the ranks
         holds_back = self.queue.holds_back
         if any(holds_back(key, request) for key in self._untopped_by):
@@ -171,7 +180,10 @@ class StepPacer:
         self._decodes.discard(request)
         self._step_tokens += num_new
         if num_new and request in self.urgent:
-            self._untopped_by.add(self.queue.class_of(request))
+            key = self.queue.class_of(request)
+            self._untopped_by.add(key)
             self.hurried_prefill_tokens = num_new
+            if key in self._share_left:
+                self._share_left[key] -= num_new
         elif request in self._capped:
             self._cap_left -= num_new
