@@ -82,8 +82,8 @@ class RankedQueue:
         """The class's share of a step's token budget (fair: its weight among the active tenants')."""
         return 1.0
 
-    def begin_step(self) -> None:
-        """A step's scheduling starts (fair: `holds_back` compares the counters as they were now)."""
+    def begin_step(self, running: list[Request]) -> None:
+        """A step's scheduling starts (fair: `holds_back` compares the counters and backlogs as they were now)."""
 
     def appendleft(self, request: Request) -> None:
         self.append(request)
@@ -157,7 +157,7 @@ class FairQueue(RankedQueue):
         self.max_num_seqs = max_num_seqs
         self.served: dict[str | None, float] = {}  # tenant -> virtual tokens (tokens / weight)
         self._step_served: dict[str | None, float] = {}  # `served` as the step's scheduling started
-        self._step_backlog: dict[str | None, int] = {}  # tenant -> tokens its waiting requests will compute
+        self._step_backlog: dict[str | None, int] = {}  # tenant -> tokens its requests have left, at most
         self._queues: dict[str | None, deque[Request]] = {}
 
     def weight(self, tenant: str | None) -> float:
@@ -230,9 +230,12 @@ class FairQueue(RankedQueue):
         mine, theirs = served(key, 0.0), served(other.tenant, 0.0)
         return theirs > mine or (theirs == mine and backlog(other.tenant, 0) >= backlog(key, 0))
 
-    def begin_step(self) -> None:
+    def begin_step(self, running: list[Request]) -> None:
         self._step_served = dict(self.served)
-        self._step_backlog = {t: sum(r.num_tokens_to_compute for r in q) for t, q in self._queues.items()}
+        self._step_backlog = {}
+        for request in [*running, *(r for q in self._queues.values() for r in q)]:
+            left = request.num_tokens_to_compute + request.sampling_params.max_new_tokens - len(request.output_token_ids)
+            self._step_backlog[request.tenant] = self._step_backlog.get(request.tenant, 0) + left
 
     def append(self, request: Request) -> None:
         self._queues.setdefault(request.tenant, deque()).append(request)

@@ -16,11 +16,14 @@ steps. Two rules make both steps short, at no cost to the running requests' deco
   (`StepCost`: seconds = fixed + per_token * tokens, fitted over recent steps) and caps a step at what lasts
   `CAPPED_STEP_FACTOR` (1.5) times the hurried class's own first step (the decodes and its first prefill). Where a
   step's fixed cost dominates (a GPU, or tiny steps), that lifts the cap: a full step costs little more than the
-  short one, and a capped step would only add steps. It never goes below `max_num_batched_tokens // 4` (the cap
-  before any step was timed). Under `fair`, while another tenant below its seat share had an arrival in the
+  short one, and a capped step would only add steps. It never goes below `max_num_batched_tokens // 16`; before
+  any step was timed it is `max_num_batched_tokens // 4`. Under `fair`, while another tenant below its seat share had an arrival in the
   window, a hurried tenant's own first prefills take at most its share of the budget a step (or the cap, if
   more): both are owed service, and the other's next request must not wait out a whole step of this one's
   prefill (two tenants that arrive together: the smaller backlog goes first, then the flood's share).
+- Split decodes: while the cap holds, the decodes of the requests it limits run in alternate halves (at most
+  half of them, rounded up, a step; those left out the step before go first), so that both the step in flight
+  and the hurried request's own step are short. None waits more than one step for its token.
 - Whatever the ranks' order, a prefill chunk leaves the budget's room for the running requests' decodes.
 
 All of it only holds back, never preempts, so nothing starves that did not before: fair's `holds_back` lets a
@@ -36,7 +39,8 @@ from paged_hf.core.request import Request
 from paged_hf.core.request_queue import RankedQueue
 
 ARRIVAL_WINDOW_STEPS = 16  # how long an arrival of a class in a hurry keeps the others' prefill capped
-CAPPED_BUDGET_DIVISOR = 4  # the least capped prefill, and the cap before any step was timed: budget // 4 a step
+CAPPED_BUDGET_DIVISOR = 4  # the cap before any step was timed: budget // 4 a step
+LEAST_CAP_DIVISOR = 16  # the least timed cap: budget // 16 a step
 CAPPED_STEP_FACTOR = 1.5  # a capped step lasts at most this many times the hurried class's own first step
 COST_DECAY = 0.9  # StepCost: the weight of a step's timing decays by this factor a step (recent steps count most)
 
@@ -76,7 +80,8 @@ class StepPacer:
                  clock: Callable[[], float] = time.perf_counter):
         self.queue = queue
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.capped_budget = max(1, max_num_batched_tokens // CAPPED_BUDGET_DIVISOR)  # the least cap
+        self.capped_budget = max(1, max_num_batched_tokens // CAPPED_BUDGET_DIVISOR)  # the cap before timings
+        self.least_cap = max(1, max_num_batched_tokens // LEAST_CAP_DIVISOR)
         self.window_steps = window_steps
         self.clock = clock
         self.cost = StepCost()
@@ -93,6 +98,10 @@ class StepPacer:
         self._share_left: dict[object, int] = {}  # this step: hurried classes' prefill tokens left (fair, see above)
         self._cap_left = 0
         self._decodes: set[Request] = set()  # this step: running requests that decode and have no token yet
+        self._split: set[Request] = set()  # this step: decodes that run in alternate halves (split decodes)
+        self._split_left = 0  # this step: how many of them may still run
+        self._left_out: set[Request] = set()  # this step: split decodes left out (they go first the next step)
+        self._left_out_before: set[Request] = set()  # the step before's
         self._capped: set[Request] = set()  # this step: requests whose prefill the cap limits
         self._cap_limited = False  # this step: the cap cut a prefill chunk short
 
@@ -106,7 +115,7 @@ class StepPacer:
     def begin(self, running: list[Request], waiting: Iterable[Request], step: int) -> None:
         """Before a step's scheduling: which first prefills are in a hurry, and whether prefill is capped."""
         queue, hurry = self.queue, {}
-        queue.begin_step()
+        queue.begin_step(running)
         self._time_last_step(running)
 
         def hurried(key: object) -> bool:
@@ -120,7 +129,10 @@ class StepPacer:
         self._decodes = {r for r in running if r.num_tokens_to_compute == 1}
         recent = [k for k, s in self.arrivals.items() if s >= step - self.window_steps]
         self._cap_keys = [k for k in recent if hurried(k)]
-        self._cap_left = self.cap(len(self._decodes))
+        holds_back = queue.holds_back
+        self._split = {r for r in self._decodes if any(holds_back(k, r) for k in self._cap_keys)}
+        self._split_left = (len(self._split) + 1) // 2
+        self._cap_left = self.cap(len(self._decodes) - len(self._split) + self._split_left)
         owed = [k for k in recent if queue.owed_seats(k, running)]
         self._share_left = {k: max(self._cap_left, int(self.max_num_batched_tokens * queue.budget_share(k, running)))
                             for k in {queue.class_of(r) for r in self.urgent} if any(o != k for o in owed)}
@@ -143,24 +155,31 @@ class StepPacer:
         fixed, per_token = fit
         own_step = fixed + per_token * (num_decodes + self.hurried_prefill_tokens)
         step_tokens = (CAPPED_STEP_FACTOR * own_step - fixed) / per_token
-        return max(self.capped_budget, min(self.max_num_batched_tokens, int(step_tokens) - num_decodes))
+        return max(self.least_cap, min(self.max_num_batched_tokens, int(step_tokens) - num_decodes))
 
     def end(self) -> None:
         if self._held_back:
             self.num_untopped_steps += 1
         elif self._cap_limited:
             self.num_capped_steps += 1
-        self.urgent, self._capped, self._decodes = set(), set(), set()
+        self.urgent, self._capped, self._decodes, self._split = set(), set(), set(), set()
+        self._left_out_before, self._left_out = self._left_out, set()
 
     def order(self, request: Request) -> tuple:
         """Rank within the step: first prefills in a hurry go first, so that the step is un-topped before any
         request it holds back is given its tokens."""
-        return request not in self.urgent, self.queue.rank(request)
+        return request not in self.urgent, request not in self._left_out_before, self.queue.rank(request)
 
     def limit(self, request: Request, num_new: int, budget: int) -> int:
         """The tokens of `num_new` the request may compute this step, `budget` left (0: none, it waits)."""
         if request.num_tokens_to_compute <= 1:
-            return num_new  # decodes stay in
+            if request in self._split:
+                if not self._split_left:
+                    self._left_out.add(request)
+                    self._decodes.discard(request)  # no room kept for it
+                    return 0
+                self._split_left -= 1
+            return num_new  # decodes stay in (split ones in alternate halves)
         if request in self.urgent:  # it goes first, but the decodes keep their tokens
             num_new = min(num_new, max(1, budget - len(self._decodes)))
             return min(num_new, self._share_left.get(self.queue.class_of(request), num_new))

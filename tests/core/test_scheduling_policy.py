@@ -123,12 +123,14 @@ def test_equal_priority_never_preempts():
 
 
 def test_priority_preempts_for_blocks_too():
-    """Seats are free but the pool is not: the urgent request takes a low-ranked request's blocks."""
+    """Seats are free but the pool is not: the urgent request takes a low-ranked request's blocks (its prompt
+    shares no block with theirs, and even with one of their decodes left out for a step, split decodes, its 2
+    blocks and the other decode's 1 exceed the 2 free)."""
     sim = Sim("priority", num_blocks=6, max_num_seqs=8, budget=64)
     sim.add("bulk0", prompt_len=8, max_new=8)
     sim.add("bulk1", prompt_len=8, max_new=8)
     sim.step()
-    sim.add("urgent", prompt_len=8, max_new=2, priority=-3)
+    sim.add("urgent", prompt_len=8, max_new=2, priority=-3, token=5)
     out = sim.step()
     assert out.preempted and "urgent" in sim.first_token_step
     sim.run()

@@ -15,7 +15,7 @@ from test_scheduling_policy import Sim, greedy
 
 import paged_hf
 from paged_hf import PagedConfig
-from paged_hf.core.step_pacing import ARRIVAL_WINDOW_STEPS, CAPPED_STEP_FACTOR, StepCost
+from paged_hf.core.step_pacing import ARRIVAL_WINDOW_STEPS, CAPPED_STEP_FACTOR, LEAST_CAP_DIVISOR, StepCost
 from paged_hf.utils import percentile
 
 BUDGET = 32
@@ -132,7 +132,31 @@ def test_the_cap_keeps_a_step_within_a_factor_of_the_hurried_first_step():
                for prefill, decodes in capped[:-1]), capped
     assert pacer.cap(num_decodes=1) == 9  # 1.5 * 7 = 10.5 tokens a step, 1 of them the decode
     pacer.hurried_prefill_tokens = 2
-    assert pacer.cap(num_decodes=1) == CAP  # 1.5 * 3 - 1: never below the least cap
+    assert pacer.cap(num_decodes=1) == 3  # 1.5 * 3 = 4.5 tokens a step, 1 of them the decode
+    pacer.hurried_prefill_tokens = 0
+    assert pacer.cap(num_decodes=1) == BUDGET // LEAST_CAP_DIVISOR  # never below the least cap
+    sim.run()
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_split_decodes_run_in_alternate_halves_while_the_cap_holds(policy):
+    """A has 6 requests decoding when B's first request comes: B's own step carries 3 of A's decodes, and for the
+    cap's window those left out go first the next step (none waits two steps in a row). Under priority every step
+    of the window runs 3 of them; under fair, in the steps where A is the tenant served less (the two take turns,
+    their counters being close), A's decodes run whole. After the window all 6 run each step again."""
+    sim = Sim(policy, max_num_seqs=16, budget=BUDGET, num_blocks=512)
+    for i in range(6):
+        sim.add(f"A{i}", prompt_len=4, max_new=60, tenant="A", token=10 + i)
+    sim.step()
+    sim.add("B", prompt_len=6, max_new=2, priority=-1, tenant="B", token=9)
+    decoding = []
+    for _ in range(ARRIVAL_WINDOW_STEPS + 3):
+        decoding.append({s.request.request_id for s in sim.step().scheduled if s.request.request_id != "B"})
+    window, after = decoding[:ARRIVAL_WINDOW_STEPS], decoding[ARRIVAL_WINDOW_STEPS + 1:]
+    assert len(window[0]) == 3 and sim.first_token_step["B"] == 2
+    assert all(len(step) == 3 for step in window) if policy == "priority" else sum(len(s) == 3 for s in window) > 4
+    assert all(before | now == {f"A{i}" for i in range(6)} for before, now in zip(window, window[1:])), window
+    assert all(len(step) == 6 for step in after), after
     sim.run()
 
 
