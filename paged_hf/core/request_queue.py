@@ -234,8 +234,9 @@ class FairQueue(RankedQueue):
         self._step_served = dict(self.served)
         self._step_backlog = {}
         for request in [*running, *(r for q in self._queues.values() for r in q)]:
-            left = request.num_tokens_to_compute + request.sampling_params.max_new_tokens - len(request.output_token_ids)
-            self._step_backlog[request.tenant] = self._step_backlog.get(request.tenant, 0) + left
+            new_left = request.sampling_params.max_new_tokens - len(request.output_token_ids)
+            self._step_backlog[request.tenant] = (self._step_backlog.get(request.tenant, 0) + new_left
+                                                  + request.num_tokens_to_compute)
 
     def append(self, request: Request) -> None:
         self._queues.setdefault(request.tenant, deque()).append(request)

@@ -17,10 +17,11 @@ steps. Two rules make both steps short, at no cost to the running requests' deco
   `CAPPED_STEP_FACTOR` (1.5) times the hurried class's own first step (the decodes and its first prefill). Where a
   step's fixed cost dominates (a GPU, or tiny steps), that lifts the cap: a full step costs little more than the
   short one, and a capped step would only add steps. It never goes below `max_num_batched_tokens // 16`; before
-  any step was timed it is `max_num_batched_tokens // 4`. Under `fair`, while another tenant below its seat share had an arrival in the
-  window, a hurried tenant's own first prefills take at most its share of the budget a step (or the cap, if
-  more): both are owed service, and the other's next request must not wait out a whole step of this one's
-  prefill (two tenants that arrive together: the smaller backlog goes first, then the flood's share).
+  any step was timed it is `max_num_batched_tokens // 4`. Under `fair`, while another tenant below its seat
+  share had an arrival in the window, a hurried tenant's own first prefills take at most its share of the
+  budget a step (or the cap, if more): both are owed service, and the other's next request must not wait out a
+  whole step of this one's prefill (two tenants that arrive together: the smaller backlog goes first, then the
+  flood's share).
 - Split decodes: while the cap holds, the decodes of the requests it limits run in alternate halves (at most
   half of them, rounded up, a step; those left out the step before go first), so that both the step in flight
   and the hurried request's own step are short. None waits more than one step for its token.
