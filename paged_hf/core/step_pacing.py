@@ -3,7 +3,7 @@ comes here).
 
 A request that arrives while a step runs waits for that step, then for its own. Under a flood of long prompts both
 are full of the flood's prefill chunks (the whole token budget), so the newcomer's first token costs two long
-steps. Two rules make both steps short, at no cost to the running requests' decodes:
+steps. These rules make both steps short; the running requests' decodes wait at most one step:
 
 - Un-topped step: a step that carries the first prefill (the chunks before its first token) of a request whose
   class is in a hurry (`priority`: it outranks a running request; `fair`: its tenant holds fewer seats than its
@@ -183,7 +183,7 @@ class StepPacer:
             return num_new  # decodes stay in (split ones in alternate halves)
         if request in self.urgent:  # it goes first, but the decodes keep their tokens
             num_new = min(num_new, max(1, budget - len(self._decodes)))
-            return min(num_new, self._share_left.get(self.queue.class_of(request), num_new))
+            return min(num_new, max(0, self._share_left.get(self.queue.class_of(request), num_new)))
         num_new = min(num_new, max(0, budget - len(self._decodes)))  # whatever the order of the ranks
         holds_back = self.queue.holds_back
         if any(holds_back(key, request) for key in self._untopped_by):
