@@ -78,6 +78,11 @@ class RankedQueue:
         """Whether the class holds fewer seats than its share (fair); priorities have no shares."""
         return False
 
+    def owed_tokens(self, key: object, others: list[object]) -> int:
+        """How many tokens the class may compute before it has been served as much as the most served of
+        `others` (fair: the gap between their virtual counters, in its tokens); priorities owe none."""
+        return 0
+
     def budget_share(self, key: object, running: list[Request]) -> float:
         """The class's share of a step's token budget (fair: its weight among the active tenants')."""
         return 1.0
@@ -218,6 +223,11 @@ class FairQueue(RankedQueue):
 
     def budget_share(self, key: object, running: list[Request]) -> float:
         return self.weight(key) / sum(self.weight(t) for t in self._active(key, running))
+
+    def owed_tokens(self, key: object, others: list[object]) -> int:
+        served = self._step_served.get
+        gap = max((served(other, 0.0) for other in others), default=0.0) - served(key, 0.0)
+        return max(0, int(gap * self.weight(key)))
 
     def holds_back(self, key: object, other: Request) -> bool:
         """Another tenant's, and only while that tenant has been served more than this one (virtual tokens, at the

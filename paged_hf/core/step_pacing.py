@@ -18,10 +18,11 @@ steps. These rules make both steps short; the running requests' decodes wait at 
   step's fixed cost dominates (a GPU, or tiny steps), that lifts the cap: a full step costs little more than the
   short one, and a capped step would only add steps. It never goes below `max_num_batched_tokens // 16`; before
   any step was timed it is `max_num_batched_tokens // 4`. Under `fair`, while another tenant below its seat
-  share had an arrival in the window, a hurried tenant's own first prefills take at most its share of the
-  budget a step (or the cap, if more): both are owed service, and the other's next request must not wait out a
-  whole step of this one's prefill (two tenants that arrive together: the smaller backlog goes first, then the
-  flood's share).
+  share had an arrival in the window, a hurried tenant's own first prefills take at most what it is owed (the
+  gap between the counters) or the cap, whichever is more: both are owed service, and the other's next request
+  must not wait out a whole step of this one's prefill (two tenants that arrive together: the smaller backlog
+  goes first, then the flood catches up in capped steps). Once the other's first prefills held it back
+  OFTEN_HELD_BACK times in the window (it arrives about every step), it takes its budget share instead.
 - Split decodes: while the cap holds, the decodes of the requests it limits run in alternate halves (at most
   half of them, rounded up, a step; those left out the step before go first), so that both the step in flight
   and the hurried request's own step are short. None waits more than one step for its token.
@@ -40,6 +41,7 @@ from paged_hf.core.request import Request
 from paged_hf.core.request_queue import RankedQueue
 
 ARRIVAL_WINDOW_STEPS = 16  # how long an arrival of a class in a hurry keeps the others' prefill capped
+OFTEN_HELD_BACK = 4  # fair: held back in this many of the window's steps, a hurried tenant takes its budget share
 CAPPED_BUDGET_DIVISOR = 4  # the cap before any step was timed: budget // 4 a step
 LEAST_CAP_DIVISOR = 16  # the least timed cap: budget // 16 a step
 CAPPED_STEP_FACTOR = 1.5  # a capped step lasts at most this many times the hurried class's own first step
@@ -97,6 +99,8 @@ class StepPacer:
         self._held_back = False  # this step: a prefill chunk was held back for them
         self._cap_keys: list[object] = []
         self._share_left: dict[object, int] = {}  # this step: hurried classes' prefill tokens left (fair, see above)
+        self._held_back_at: dict[object, list[int]] = {}  # class -> the recent steps that held its prefill back
+        self._step = 0
         self._cap_left = 0
         self._decodes: set[Request] = set()  # this step: running requests that decode and have no token yet
         self._split: set[Request] = set()  # this step: decodes that run in alternate halves (split decodes)
@@ -134,10 +138,23 @@ class StepPacer:
         self._split = {r for r in self._decodes if any(holds_back(k, r) for k in self._cap_keys)}
         self._split_left = (len(self._split) + 1) // 2
         self._cap_left = self.cap(len(self._decodes) - len(self._split) + self._split_left)
+        self._step = step
+        since = step - self.window_steps
+        self._held_back_at = {k: [s for s in steps if s >= since] for k, steps in self._held_back_at.items()
+                              if steps[-1] >= since}
         owed = [k for k in recent if queue.owed_seats(k, running)]
-        self._share_left = {k: max(self._cap_left, int(self.max_num_batched_tokens * queue.budget_share(k, running)))
+        self._share_left = {k: self._hurried_allowance(k, [o for o in owed if o != k], running)
                             for k in {queue.class_of(r) for r in self.urgent} if any(o != k for o in owed)}
         self._capped, self._cap_limited = set(), False
+
+    def _hurried_allowance(self, key: object, owed: list[object], running: list[Request]) -> int:
+        """A hurried class's first-prefill tokens this step while `owed` classes keep arriving: what it is owed
+        (the gap to their counters), at least the cap; its budget share once their first prefills held it back
+        OFTEN_HELD_BACK times in the window (they arrive about every step: un-topped steps must not eat its share)."""
+        allowance = max(self._cap_left, self.queue.owed_tokens(key, owed))
+        if len(self._held_back_at.get(key, ())) >= OFTEN_HELD_BACK:
+            allowance = max(allowance, int(self.max_num_batched_tokens * self.queue.budget_share(key, running)))
+        return allowance
 
     def _time_last_step(self, running: list[Request]) -> None:
         """The time since the last step's scheduling began is that step's (scheduling, forward, outputs), unless
@@ -188,6 +205,9 @@ class StepPacer:
         holds_back = self.queue.holds_back
         if any(holds_back(key, request) for key in self._untopped_by):
             self._held_back = True
+            held = self._held_back_at.setdefault(self.queue.class_of(request), [])
+            if not held or held[-1] != self._step:
+                held.append(self._step)
             return 0
         if any(holds_back(key, request) for key in self._cap_keys):
             self._capped.add(request)

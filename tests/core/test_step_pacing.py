@@ -226,11 +226,11 @@ def test_a_request_that_cannot_start_does_not_un_top_the_step():
     sim.run()
 
 
-def test_a_short_request_that_comes_with_a_flood_goes_first_and_the_flood_takes_its_share():
+def test_a_short_request_that_comes_with_a_flood_goes_first_and_the_flood_catches_up_capped():
     """Under fair, two tenants level at the start: the one with the smaller backlog is owed its first token first
     (the step carries B's prompt alone); then A, served less, goes first, but while B had an arrival its first
-    prefills take at most its share of the budget a step (half, of two tenants), so that B's next request does
-    not wait out a whole step of A's prefill."""
+    prefills take what A is owed (B's 6 tokens) or the cap, whichever is more (here the untimed cap, a quarter of
+    the budget), so that B's next request does not wait out a whole step of A's prefill."""
     sim = Sim("fair", max_num_seqs=8, budget=BUDGET, num_blocks=512)
     for i in range(4):
         sim.add(f"A{i}", prompt_len=120, max_new=4, tenant="A", token=10 + i)
@@ -239,7 +239,7 @@ def test_a_short_request_that_comes_with_a_flood_goes_first_and_the_flood_takes_
     assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("B0", 6)]
     second = sim.step()
     a_tokens = sum(s.num_new_tokens for s in second.scheduled if s.request.tenant == "A")
-    assert 0 < a_tokens <= BUDGET // 2 and ("B0", 1) in [(s.request.request_id, s.num_new_tokens)
+    assert a_tokens == CAP and ("B0", 1) in [(s.request.request_id, s.num_new_tokens)
                                                           for s in second.scheduled]
     sim.run()
 
