@@ -231,7 +231,7 @@ class FairQueue(RankedQueue):
 
     def holds_back(self, key: object, other: Request) -> bool:
         """Another tenant's, and only while that tenant has been served more than this one (virtual tokens, at the
-        step's start), or as much with as much or more still waiting: a tenant that keeps sending short requests
+        step's start), or as much with as much or more left to do: a tenant that keeps sending short requests
         cannot hold the others' prefill back for ever, and of two tenants level (at the start, or one back from
         idle at the other's count) the one with the smaller backlog goes first, not both."""
         served, backlog = self._step_served.get, self._step_backlog.get
