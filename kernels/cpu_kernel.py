@@ -74,18 +74,18 @@ class CpuKernel(TorchKernel):
         }
         self._prefill_functions = {}  # head_dim -> the compiled bf16 prefill kernel, where it serves the model
         self.prefill_isa = None  # the instructions it computes with
+        wanted = prefill_isa.removesuffix("_emulated") if prefill_isa else None
         if dtype == torch.bfloat16 and kv_dtype == dtype and all(native.prefill_head_dim_fits(d) for d in head_dims):
-            emulate = prefill_isa == "amx_bf16_emulated"
-            flags = native.EMULATE_AMX if emulate else ()
+            flags = native.EMULATE_AMX if prefill_isa == "amx_bf16_emulated" else ()
             libraries = {head_dim: native.load_paged_prefill(head_dim, flags) for head_dim in set(head_dims)}
             if all(libraries.values()):  # None: this CPU has no AVX512-BF16
                 by_isa = {d: native.prefill_isas(library) for d, library in libraries.items()}
                 available = next(iter(by_isa.values()))  # the same for every head_dim: one CPU
-                isa = "amx_bf16" if emulate else prefill_isa or next(iter(available))
+                isa = wanted or next(iter(available))
                 if isa in available:
                     self.prefill_isa = isa
                     self._prefill_functions = {d: functions[isa] for d, functions in by_isa.items()}
-        if prefill_isa is not None and prefill_isa.removesuffix("_emulated") != self.prefill_isa:
+        if wanted is not None and wanted != self.prefill_isa:
             raise ValueError(f"the prefill kernel cannot compute with {prefill_isa} here "
                              f"(this CPU, this dtype and head_dim: {self.prefill_isa})")
 

@@ -13,9 +13,9 @@
 // block of 32 keys as (key 2i, key 2i+1) pairs of each dimension, the layout `vdpbf16ps` sums over.
 //
 // Where the CPU has AMX (`paged_prefill_amx_bfloat16`), the same tiles' two products run on AMX tiles instead
-// (amx_tiles.h): scores as keys x queries (the keys' rows straight from the cache, the packed queries as the
-// right operand), so they land in the same layout and the same softmax serves both; the output as weights x
-// values, with the weights transposed to one row per query row and the output kept row-major.
+// (amx_tiles.h): scores as keys x queries (the block's key rows, gathered from the cache, as the left operand,
+// the packed queries as the right), so they land in the same layout and the same softmax serves both; the output
+// as weights x values, with the weights transposed to one row per query row and the output kept row-major.
 //
 // Built at run time by kernels/native.py for the model's head_dim (-DPAGED_HF_HEAD_DIM), with -march=native.
 // Without AVX512-BF16 only `paged_prefill_available` (returning 0) exists, and the caller keeps torch's SDPA.
@@ -135,6 +135,12 @@ template <int R> void pack_queries(const Chunks &c, const Tile &t, Scratch &w) {
     for (int v = 0; v < R; ++v) w.out[d][v] = _mm512_setzero_ps();
 }
 
+// A raw score times the scale, soft-capped when asked.
+inline __m512 scaled(const Chunks &c, __m512 s) {
+  s = s * c.scale;
+  return c.softcap > 0 ? paged_hf::soft_cap(s, c.softcap) : s;
+}
+
 // scores[i][v] = scale * q . k_i for the block's keys (rows in lanes), soft-capped when asked.
 template <int R> void score_block(const Chunks &c, const uint16_t *const *keys, Scratch &w) {
   for (int i = 0; i < kKeyBlock; i += kKeysAtOnce) {
@@ -150,11 +156,7 @@ template <int R> void score_block(const Chunks &c, const uint16_t *const *keys, 
       }
     }
     for (int j = 0; j < kKeysAtOnce; ++j)
-      for (int v = 0; v < R; ++v) {
-        __m512 s = acc[j][v] * c.scale;
-        if (c.softcap > 0) s = paged_hf::soft_cap(s, c.softcap);
-        w.scores[i + j][v] = s;
-      }
+      for (int v = 0; v < R; ++v) w.scores[i + j][v] = scaled(c, acc[j][v]);
   }
 }
 
@@ -226,26 +228,30 @@ template <int R> void accumulate_block(int pairs, Scratch &w) {
   }
 }
 
-// Each row's output divided by its softmax sum, rounded to bf16, written to its place in `out`.
+// Row r of the tile (`sums`: its output's float32 sums, 64-byte aligned) divided by its softmax sum, rounded to
+// bf16, written to its place in `out`.
+inline void store_row(const Chunks &c, const Tile &t, int64_t r, const float *sums, const Scratch &w) {
+  const int64_t group = c.num_heads / c.num_kv_heads;
+  const float inverse = 1.0f / w.sum[r / kLanes][r % kLanes];
+  const int64_t token = t.first_token + r / group, head = t.kv_head * group + r % group;
+  uint16_t *dst = c.out + (c.query_starts[t.chunk] + token) * c.out_token_stride + head * c.out_head_stride;
+  for (int d = 0; d < kDim; d += kLanes) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_load_ps(sums + d) * inverse);
+    std::memcpy(dst + d, &rounded, sizeof(rounded));
+  }
+}
+
+// Each row's output (dimension-major in `out`: gathered row by row) written to its place.
 template <int R> void write_rows(const Chunks &c, const Tile &t, Scratch &w) {
-  const int64_t group = c.num_heads / c.num_kv_heads, rows = t.tokens * group;
   alignas(64) float row[kDim];
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t v = r / kLanes, lane = r % kLanes;
-    const float inverse = 1.0f / w.sum[v][lane];
-    for (int d = 0; d < kDim; ++d) row[d] = w.out[d][v][lane] * inverse;
-    const int64_t token = t.first_token + r / group, head = t.kv_head * group + r % group;
-    uint16_t *dst = c.out + (c.query_starts[t.chunk] + token) * c.out_token_stride + head * c.out_head_stride;
-    for (int d = 0; d < kDim; d += 16) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_load_ps(row + d));
-      std::memcpy(dst + d, &rounded, sizeof(rounded));
-    }
+  for (int64_t r = 0; r < t.tokens * (c.num_heads / c.num_kv_heads); ++r) {
+    for (int d = 0; d < kDim; ++d) row[d] = w.out[d][r / kLanes][r % kLanes];
+    store_row(c, t, r, row, w);
   }
 }
 
 // The AVX512-BF16 path: the functions above.
 struct VectorPath {
-  static bool usable() { return true; }
   static void begin_thread() {}
   static void end_thread() {}
   template <int R> static void start(Scratch &) {}
@@ -305,11 +311,7 @@ struct AmxPath {
       for (int v = 0; v < R; ++v) amx::store(v, &w.scores[first][v], sizeof(w.scores[0]));
     }
     for (int i = 0; i < kKeyBlock; ++i)
-      for (int v = 0; v < R; ++v) {
-        __m512 s = w.scores[i][v] * c.scale;
-        if (c.softcap > 0) s = paged_hf::soft_cap(s, c.softcap);
-        w.scores[i][v] = s;
-      }
+      for (int v = 0; v < R; ++v) w.scores[i][v] = scaled(c, w.scores[i][v]);
   }
 
   // out_rows = out_rows * correction + weights x values; every pair of the block (the weights past its keys are 0).
@@ -340,16 +342,7 @@ struct AmxPath {
   }
 
   template <int R> static void write(const Chunks &c, const Tile &t, Scratch &w) {
-    const int64_t group = c.num_heads / c.num_kv_heads, rows = t.tokens * group;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float inverse = 1.0f / w.sum[r / kLanes][r % kLanes];
-      const int64_t token = t.first_token + r / group, head = t.kv_head * group + r % group;
-      uint16_t *dst = c.out + (c.query_starts[t.chunk] + token) * c.out_token_stride + head * c.out_head_stride;
-      for (int d = 0; d < kDim; d += kLanes) {
-        const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_load_ps(w.out_rows[r] + d) * inverse);
-        std::memcpy(dst + d, &rounded, sizeof(rounded));
-      }
-    }
+    for (int64_t r = 0; r < t.tokens * (c.num_heads / c.num_kv_heads); ++r) store_row(c, t, r, w.out_rows[r], w);
   }
 };
 #endif

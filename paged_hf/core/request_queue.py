@@ -162,7 +162,8 @@ class FairQueue(RankedQueue):
         self.max_num_seqs = max_num_seqs
         self.served: dict[str | None, float] = {}  # tenant -> virtual tokens (tokens / weight)
         self._step_served: dict[str | None, float] = {}  # `served` as the step's scheduling started
-        self._step_backlog: dict[str | None, int] = {}  # tenant -> tokens its requests have left, at most
+        self._step_running: list[Request] = []  # the running requests as the step's scheduling started
+        self._step_backlog: dict[str | None, int] = {}  # tenant -> tokens its requests have left, when first asked
         self._queues: dict[str | None, deque[Request]] = {}
 
     def weight(self, tenant: str | None) -> float:
@@ -192,7 +193,7 @@ class FairQueue(RankedQueue):
     def victim(self, head: Request, pending: list[Request], running: list[Request]) -> Request | None:
         """While the head's tenant holds fewer seats than its share: the lowest-ranked pending request of a
         tenant that holds more than its share."""
-        active = {t for t, q in self._queues.items() if q} | {r.tenant for r in running}
+        active = self._active(head.tenant, running)
         seats: dict[str | None, int] = {}
         for request in running:
             seats[request.tenant] = seats.get(request.tenant, 0) + request.num_seats
@@ -234,19 +235,24 @@ class FairQueue(RankedQueue):
         step's start), or as much with as much or more left to do: a tenant that keeps sending short requests
         cannot hold the others' prefill back for ever, and of two tenants level (at the start, or one back from
         idle at the other's count) the one with the smaller backlog goes first, not both."""
-        served, backlog = self._step_served.get, self._step_backlog.get
+        served = self._step_served.get
         if other.tenant == key:
             return False
         mine, theirs = served(key, 0.0), served(other.tenant, 0.0)
-        return theirs > mine or (theirs == mine and backlog(other.tenant, 0) >= backlog(key, 0))
+        return theirs > mine or (theirs == mine and self._backlog(other.tenant) >= self._backlog(key))
+
+    def _backlog(self, tenant: object) -> int:
+        """The tokens the tenant's requests have left, at most (to compute, and new tokens still allowed); summed
+        once a step, only for the tenants of a tie."""
+        if tenant not in self._step_backlog:
+            requests = [*(r for r in self._step_running if r.tenant == tenant), *self._queues.get(tenant, ())]
+            self._step_backlog[tenant] = sum(r.num_tokens_to_compute + r.sampling_params.max_new_tokens
+                                             - len(r.output_token_ids) for r in requests)
+        return self._step_backlog[tenant]
 
     def begin_step(self, running: list[Request]) -> None:
         self._step_served = dict(self.served)
-        self._step_backlog = {}
-        for request in [*running, *(r for q in self._queues.values() for r in q)]:
-            new_left = request.sampling_params.max_new_tokens - len(request.output_token_ids)
-            self._step_backlog[request.tenant] = (self._step_backlog.get(request.tenant, 0) + new_left
-                                                  + request.num_tokens_to_compute)
+        self._step_running, self._step_backlog = list(running), {}
 
     def append(self, request: Request) -> None:
         self._queues.setdefault(request.tenant, deque()).append(request)
