@@ -66,8 +66,8 @@ class RankedQueue:
         raise NotImplementedError
 
     def in_hurry(self, key: object, running: list[Request]) -> bool:
-        """Whether the class is owed service now by a running request of another class (priority: it outranks one;
-        fair: it holds fewer seats than its share and has been served no more than a running tenant)."""
+        """Whether the class is owed service now before requests of another class, running or waiting (priority: it
+        outranks one; fair: it holds fewer seats than its share and has been served no more than such a tenant)."""
         raise NotImplementedError
 
     def holds_back(self, key: object, other: Request) -> bool:
@@ -129,7 +129,9 @@ class PriorityQueue(RankedQueue):
         return request.priority
 
     def in_hurry(self, key: object, running: list[Request]) -> bool:
-        return any(r.priority > key for r in running)
+        """It outranks a running request, or a waiting one that would otherwise share its first step (an urgent
+        request that comes with a flood, nothing running yet)."""
+        return any(r.priority > key for r in running) or bool(self._items and self._items[-1].priority > key)
 
     def holds_back(self, key: object, other: Request) -> bool:
         """Only what ranks lower: equal priorities never hold each other back."""

@@ -46,17 +46,25 @@ CAPPED_BUDGET_DIVISOR = 4  # the cap before any step was timed: budget // 4 a st
 LEAST_CAP_DIVISOR = 16  # the least timed cap: budget // 16 a step
 CAPPED_STEP_FACTOR = 1.5  # a capped step lasts at most this many times the hurried class's own first step
 COST_DECAY = 0.9  # StepCost: the weight of a step's timing decays by this factor a step (recent steps count most)
+SLOW_STEP_FACTOR = 2.0  # StepCost: a step timed slower than this many times the fit's seconds counts as that many
 
 
 class StepCost:
     """A step's seconds as `fixed + per_token * tokens`, fitted by exponentially weighted least squares over the
-    timed steps (the fit follows the load of a shared host); none until steps of different sizes were timed."""
+    timed steps (the fit follows the load of a shared host); none until steps of different sizes were timed.
+
+    A step slower than SLOW_STEP_FACTOR times the fit counts as that slow: one pause (a collection, a neighbour's
+    burst) would otherwise read as a large fixed cost and a small one per token for a dozen steps, and the cap
+    that follows from such a fit is the whole budget. A host that stays slower moves the fit up step by step."""
 
     def __init__(self, decay: float = COST_DECAY):
         self.decay = decay
         self.sums = [0.0] * 5  # weighted: 1, tokens, seconds, tokens^2, tokens * seconds
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        fit = self.fit()
+        if fit is not None:
+            seconds = min(seconds, SLOW_STEP_FACTOR * (fit[0] + fit[1] * num_tokens))
         x, y = float(num_tokens), float(seconds)
         self.sums = [self.decay * s + v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
 
@@ -90,6 +98,7 @@ class StepPacer:
         self.cost = StepCost()
         self.hurried_prefill_tokens = 0  # the tokens of the last first prefill in a hurry that a step carried
         self._step_start: float | None = None  # when the last step's scheduling began
+        self._cold = True  # the engine's first step is not timed (see _time_last_step)
         self._step_tokens = 0  # the tokens the last step scheduled
         self.arrivals: dict[object, int] = {}  # class -> the last step it had an arrival in (oldest first)
         self.num_untopped_steps = 0  # steps that carried a first prefill in a hurry and held a prefill chunk back
@@ -158,10 +167,13 @@ class StepPacer:
 
     def _time_last_step(self, running: list[Request]) -> None:
         """The time since the last step's scheduling began is that step's (scheduling, forward, outputs), unless
-        the engine idled in between: only timed while requests ran on from it."""
+        the engine idled in between: only timed while requests ran on from it. The engine's first step is not
+        timed: it pays for what is set up once (kernels loaded, buffers allocated), several times a step's cost."""
         now = self.clock()
         if self._step_start is not None and self._step_tokens and running:
-            self.cost.observe(self._step_tokens, now - self._step_start)
+            if not self._cold:
+                self.cost.observe(self._step_tokens, now - self._step_start)
+            self._cold = False
         self._step_start, self._step_tokens = now, 0
 
     def cap(self, num_decodes: int) -> int:

@@ -113,6 +113,34 @@ def test_step_cost_fits_fixed_and_per_token_seconds():
     assert flat.fit() is None
 
 
+def test_one_slow_step_does_not_set_the_fit():
+    """A pause in one step (13x its cost): without the SLOW_STEP_FACTOR bound the fit reads it as a fixed cost of
+    0.52 s and almost nothing a token, and the cap that follows is the whole budget; with it the cost a token stays
+    within 10%. A host that stays 3x slower still moves the fit to 3x."""
+    cost = StepCost()
+    for tokens in (100, 300, 512, 64) * 3:
+        cost.observe(tokens, 0.05 + 0.001 * tokens)
+    cost.observe(100, 2.0)
+    fixed, per_token = cost.fit()
+    assert per_token == pytest.approx(0.001, rel=0.1) and fixed < 0.1
+    for tokens in (100, 300, 512, 64) * 10:
+        cost.observe(tokens, 3 * (0.05 + 0.001 * tokens))
+    assert cost.fit() == pytest.approx((0.15, 0.003), rel=0.05)
+
+
+def test_the_engines_first_step_is_not_timed():
+    """The first step pays for what is set up once (here 5 s more): it would make the fit's fixed cost seconds."""
+    clock = StepClock(fixed=0.01, per_token=0.001)
+    sim = Sim("priority", budget=BUDGET, clock=clock)
+    sim.add("a", prompt_len=40, max_new=4)
+    sim.add("b", prompt_len=6, max_new=8)
+    clock.tick(sim.step())
+    clock.now += 5.0  # the first step's set-up
+    while sim.scheduler.has_unfinished():
+        clock.tick(sim.step())
+    assert sim.scheduler.pacer.cost.fit() == pytest.approx((0.01, 0.001))
+
+
 def capped_steps(steps, pacer) -> list[tuple[int, int]]:
     """The steps after B's first token that A's prefill ran in: (A's prefill tokens, the step's decodes)."""
     return [(a_prefill(step), sum(not prefill for _, _, prefill in step)) for step in steps[1:ARRIVAL_WINDOW_STEPS + 1]
@@ -241,6 +269,19 @@ def test_a_short_request_that_comes_with_a_flood_goes_first_and_the_flood_catche
     a_tokens = sum(s.num_new_tokens for s in second.scheduled if s.request.tenant == "A")
     assert a_tokens == CAP and ("B0", 1) in [(s.request.request_id, s.num_new_tokens)
                                                           for s in second.scheduled]
+    sim.run()
+
+
+def test_an_urgent_request_that_comes_with_a_flood_gets_the_first_step_alone():
+    """Under priority, nothing running yet: the priority -1 prompt's first step carries none of the flood's
+    prefill (before, it shared a full step with it)."""
+    sim = Sim("priority", max_num_seqs=8, budget=BUDGET, num_blocks=512)
+    for i in range(4):
+        sim.add(f"A{i}", prompt_len=120, max_new=4, token=10 + i)
+    sim.add("B0", prompt_len=6, max_new=2, priority=-1, token=9)
+    first = sim.step()
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("B0", 6)]
+    assert sim.scheduler.pacer.num_untopped_steps == 1
     sim.run()
 
 
