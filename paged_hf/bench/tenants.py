@@ -6,7 +6,7 @@ Tenant A sends `--requests` (default 200) long requests at once; tenant B sends 
 reference for B's TTFT. Reported per tenant: TTFT and TPOT percentiles, and per run the total tok/s (every
 generated token over the run's wall time), the preemptions, and the steps that fair and priority shortened for
 B's first tokens (un-topped: no prefill of A's beside B's; capped: A's prefill cut short so that the step lasts
-at most 1.5 times B's own first step; paged_hf.core.step_pacing).
+at most 1.25 times B's own first step; paged_hf.core.step_pacing).
 
 The engine runs in this process through its Python API (no HTTP), so the figures are the scheduler's: a
 request's TTFT runs from its planned arrival to the end of the step that gave its first token, so it includes

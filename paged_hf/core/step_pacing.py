@@ -14,7 +14,7 @@ steps. These rules make both steps short; the running requests' decodes wait at 
   any moment), the prefill chunks of the requests it may hold back share a capped number of tokens a step, so the
   step in flight when the next one comes is short too. The cap adapts to the hardware: the pacer times its steps
   (`StepCost`: seconds = fixed + per_token * tokens, fitted over recent steps) and caps a step at what lasts
-  `CAPPED_STEP_FACTOR` (1.5) times the hurried class's own first step (the decodes and its first prefill). Where a
+  `CAPPED_STEP_FACTOR` (1.25) times the hurried class's own first step (the decodes and its first prefill). Where a
   step's fixed cost dominates (a GPU, or tiny steps), that lifts the cap: a full step costs little more than the
   short one, and a capped step would only add steps. It never goes below `max_num_batched_tokens // 16`; before
   any step was timed it is `max_num_batched_tokens // 4`. Under `fair`, while another tenant below its seat
@@ -44,9 +44,10 @@ ARRIVAL_WINDOW_STEPS = 16  # how long an arrival of a class in a hurry keeps the
 OFTEN_HELD_BACK = 4  # fair: held back in this many of the window's steps, a hurried tenant takes its budget share
 CAPPED_BUDGET_DIVISOR = 4  # the cap before any step was timed: budget // 4 a step
 LEAST_CAP_DIVISOR = 16  # the least timed cap: budget // 16 a step
-CAPPED_STEP_FACTOR = 1.5  # a capped step lasts at most this many times the hurried class's own first step
+CAPPED_STEP_FACTOR = 1.25  # a capped step lasts at most this many times the hurried class's own first step
 COST_DECAY = 0.9  # StepCost: the weight of a step's timing decays by this factor a step (recent steps count most)
 SLOW_STEP_FACTOR = 2.0  # StepCost: a step timed slower than this many times the fit's seconds counts as that many
+REACH_FACTOR = 2  # a capped step carries at most this many times the tokens of the largest step timed so far
 
 
 class StepCost:
@@ -60,11 +61,13 @@ class StepCost:
     def __init__(self, decay: float = COST_DECAY):
         self.decay = decay
         self.sums = [0.0] * 5  # weighted: 1, tokens, seconds, tokens^2, tokens * seconds
+        self.largest = 0  # the most tokens a timed step had
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         fit = self.fit()
         if fit is not None:
             seconds = min(seconds, SLOW_STEP_FACTOR * (fit[0] + fit[1] * num_tokens))
+        self.largest = max(self.largest, num_tokens)
         x, y = float(num_tokens), float(seconds)
         self.sums = [self.decay * s + v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
 
@@ -178,13 +181,16 @@ class StepPacer:
 
     def cap(self, num_decodes: int) -> int:
         """The capped prefill's tokens this step: what keeps the step within CAPPED_STEP_FACTOR times the hurried
-        class's own first step (the same decodes plus its first prefill), at least the least cap."""
+        class's own first step (the same decodes plus its first prefill), at least the least cap. A fit says little
+        of steps much larger than those it was fitted on (the first steps of a run are small and few): the step
+        grows to at most REACH_FACTOR times the largest step timed, so the cap reaches a full budget in a few
+        steps where the fit says it may."""
         fit = self.cost.fit()
         if fit is None:
             return self.capped_budget
         fixed, per_token = fit
         own_step = fixed + per_token * (num_decodes + self.hurried_prefill_tokens)
-        step_tokens = (CAPPED_STEP_FACTOR * own_step - fixed) / per_token
+        step_tokens = min((CAPPED_STEP_FACTOR * own_step - fixed) / per_token, REACH_FACTOR * self.cost.largest)
         return max(self.least_cap, min(self.max_num_batched_tokens, int(step_tokens) - num_decodes))
 
     def end(self) -> None:

@@ -15,7 +15,14 @@ from test_scheduling_policy import Sim, greedy
 
 import paged_hf
 from paged_hf import PagedConfig
-from paged_hf.core.step_pacing import ARRIVAL_WINDOW_STEPS, CAPPED_STEP_FACTOR, LEAST_CAP_DIVISOR, StepCost
+from paged_hf.core.request_queue import PriorityQueue
+from paged_hf.core.step_pacing import (
+    ARRIVAL_WINDOW_STEPS,
+    CAPPED_STEP_FACTOR,
+    LEAST_CAP_DIVISOR,
+    StepCost,
+    StepPacer,
+)
 from paged_hf.utils import percentile
 
 BUDGET = 32
@@ -128,6 +135,21 @@ def test_one_slow_step_does_not_set_the_fit():
     assert cost.fit() == pytest.approx((0.15, 0.003), rel=0.05)
 
 
+def test_the_cap_grows_to_at_most_twice_the_largest_step_timed():
+    """Timed steps of 10 to 40 tokens whose fixed second dwarfs their tokens': the fit alone would allow the whole
+    budget at once, on the word of steps a tenth its size. A capped step may carry 80 tokens (76 of prefill beside
+    4 decodes), then twice each larger step timed, up to the budget."""
+    pacer = StepPacer(PriorityQueue(), max_num_batched_tokens=512)
+    for tokens in (10, 40, 20, 30):
+        pacer.cost.observe(tokens, 4.0 + 0.001 * tokens)
+    pacer.hurried_prefill_tokens = 6
+    assert pacer.cap(num_decodes=4) == 76
+    pacer.cost.observe(80, 4.08)
+    assert pacer.cap(num_decodes=4) == 156
+    pacer.cost.observe(300, 4.3)
+    assert pacer.cap(num_decodes=4) == 512
+
+
 def test_the_engines_first_step_is_not_timed():
     """The first step pays for what is set up once (here 5 s more): it would make the fit's fixed cost seconds."""
     clock = StepClock(fixed=0.01, per_token=0.001)
@@ -148,19 +170,19 @@ def capped_steps(steps, pacer) -> list[tuple[int, int]]:
 
 
 def test_the_cap_keeps_a_step_within_a_factor_of_the_hurried_first_step():
-    """Steps whose seconds grow with their tokens (no fixed cost): a capped step may carry as many tokens as
-    CAPPED_STEP_FACTOR (1.5) of B's own first steps (its decodes and B's 6 prompt tokens), so A's prefill gets
-    int(1.5 * (decodes + 6)) - decodes a step, more than the least cap (a quarter of the budget), never more."""
+    """Steps whose seconds grow with their tokens (no fixed cost): a capped step may carry CAPPED_STEP_FACTOR (1.25)
+    times the tokens of B's own first steps (its decodes and B's 6 prompt tokens), so A's prefill gets
+    int(1.25 * (decodes + 6)) - decodes a step (the timed cap, not the untimed quarter of the budget)."""
     sim, steps, _ = flood_then_urgent("priority", StepClock(fixed=0.0, per_token=0.001))
     pacer = sim.scheduler.pacer
     assert pacer.hurried_prefill_tokens == 6 and pacer.cost.fit() == pytest.approx((0.0, 0.001))
     capped = capped_steps(steps, pacer)
     assert len(capped) == ARRIVAL_WINDOW_STEPS and pacer.num_capped_steps >= ARRIVAL_WINDOW_STEPS - 1
-    assert all(prefill == int(CAPPED_STEP_FACTOR * (decodes + 6)) - decodes > CAP
-               for prefill, decodes in capped[:-1]), capped
-    assert pacer.cap(num_decodes=1) == 9  # 1.5 * 7 = 10.5 tokens a step, 1 of them the decode
-    pacer.hurried_prefill_tokens = 2
-    assert pacer.cap(num_decodes=1) == 3  # 1.5 * 3 = 4.5 tokens a step, 1 of them the decode
+    assert all(prefill == int(CAPPED_STEP_FACTOR * (decodes + 6)) - decodes for prefill, decodes in capped[:-1]), capped
+    assert any(prefill != CAP for prefill, _ in capped[:-1])
+    assert pacer.cap(num_decodes=1) == 7  # 1.25 * 7 = 8.75 tokens a step, 1 of them the decode
+    pacer.hurried_prefill_tokens = 10
+    assert pacer.cap(num_decodes=1) == 12  # 1.25 * 11 = 13.75 tokens a step, 1 of them the decode
     pacer.hurried_prefill_tokens = 0
     assert pacer.cap(num_decodes=1) == BUDGET // LEAST_CAP_DIVISOR  # never below the least cap
     sim.run()
