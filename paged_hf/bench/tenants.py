@@ -8,6 +8,10 @@ generated token over the run's wall time), the preemptions, and the steps that f
 B's first tokens (un-topped: no prefill of A's beside B's; capped: A's prefill cut short so that the step lasts
 at most 1.25 times B's own first step; paged_hf.core.step_pacing).
 
+With `--rounds N` the four runs take turns N times (B alone, fcfs, fair, priority, B alone, ...), so that a slow
+spell of a shared host falls on all of them; each run's TTFT and TPOT percentiles are over the requests of all its
+rounds, its tok/s the median round's.
+
 The engine runs in this process through its Python API (no HTTP), so the figures are the scheduler's: a
 request's TTFT runs from its planned arrival to the end of the step that gave its first token, so it includes
 the wait for a step that was running when it arrived. Greedy, EOS ignored: every run does the same work.
@@ -138,15 +142,30 @@ def _percentiles(values: list) -> dict:
     return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
 
 
-def summarize(records: dict[str, Record], wall: float) -> dict:
+def summarize(rounds: list[tuple[dict[str, Record], float]]) -> dict:
+    """One run's rounds ((records, wall s) each) -> per tenant the requests, tokens and percentiles of one round,
+    the percentiles over all rounds' requests; tok/s the median round's."""
+    records = [r for round_records, _ in rounds for r in round_records.values()]
     tenants = {}
-    for tenant in sorted({r.tenant for r in records.values()}):
-        mine = [r for r in records.values() if r.tenant == tenant]
-        tenants[tenant] = {"num_requests": len(mine), "tokens": sum(r.num_tokens for r in mine),
-                           "ttft_s": _percentiles([r.ttft for r in mine]),
+    for tenant in sorted({r.tenant for r in records}):
+        mine = [r for r in records if r.tenant == tenant]
+        tenants[tenant] = {"num_requests": len(mine) // len(rounds), "tokens": sum(r.num_tokens for r in mine)
+                           // len(rounds), "ttft_s": _percentiles([r.ttft for r in mine]),
                            "tpot_s": _percentiles([r.tpot for r in mine])}
-    num_tokens = sum(r.num_tokens for r in records.values())
-    return {"wall_s": wall, "tokens": num_tokens, "tok_s": num_tokens / wall if wall > 0 else 0.0, "tenants": tenants}
+    tok_s = sorted(sum(r.num_tokens for r in rs.values()) / wall if wall > 0 else 0.0 for rs, wall in rounds)
+    return {"wall_s": [wall for _, wall in rounds], "tokens": sum(r.num_tokens for r in records) // len(rounds),
+            "tok_s": tok_s[len(tok_s) // 2], "rounds_tok_s": tok_s, "tenants": tenants}
+
+
+def run_once(model, config: dict, workload: TenantsWorkload, name: str, policy: str) -> dict:
+    """One run on a fresh engine -> records, wall s, preemptions and the pacer's short steps."""
+    generator = paged_hf.ContinuousBatchGenerator(model, paged_hf.PagedConfig(**config, scheduling_policy=policy))
+    generator.generate([workload.b_prompts[0]], paged_hf.SamplingParams(max_new_tokens=2), use_tqdm=False)
+    records, wall = drive(generator, arrivals(workload, name != "B alone", policy))
+    pacer = generator.scheduler.pacer  # short steps for first prefills in a hurry (None under fcfs)
+    print(f"[paged-hf bench] {name}: {wall:.1f} s", file=sys.stderr, flush=True)
+    return {"records": records, "wall": wall, "num_preemptions": generator.stats()["num_preemptions"],
+            "paced_steps": None if pacer is None else (pacer.num_untopped_steps, pacer.num_capped_steps)}
 
 
 def run_tenants_bench(args) -> int:
@@ -167,17 +186,20 @@ def run_tenants_bench(args) -> int:
     report = {"workload": workload.describe(), "engine_config": config, "host": describe_host(),
               "cpu": cpu_model_name(), "date": time.strftime("%Y-%m-%d"), "device": args.device, "dtype": args.dtype,
               "command": "paged-hf " + shlex.join(argv) if argv is not None else "paged-hf bench", "runs": {}}
-    for name, policy in RUNS:
-        generator = paged_hf.ContinuousBatchGenerator(model, paged_hf.PagedConfig(**config,
-                                                                                  scheduling_policy=policy))
-        generator.generate([workload.b_prompts[0]], paged_hf.SamplingParams(max_new_tokens=2), use_tqdm=False)
-        records, wall = drive(generator, arrivals(workload, name != "B alone", policy))
-        report["runs"][name] = summary = summarize(records, wall)
-        summary["num_preemptions"] = generator.stats()["num_preemptions"]
-        pacer = generator.scheduler.pacer  # short steps for first prefills in a hurry (None under fcfs)
-        summary["paced_steps"] = None if pacer is None else {"untopped": pacer.num_untopped_steps,
-                                                             "capped": pacer.num_capped_steps}
-        print(f"[paged-hf bench] {name}: {wall:.1f} s", file=sys.stderr, flush=True)
+    num_rounds = max(1, getattr(args, "rounds", 1) or 1)
+    report["rounds"] = num_rounds
+    runs: dict[str, list[dict]] = {name: [] for name, _ in RUNS}
+    for number in range(num_rounds):
+        if num_rounds > 1:
+            print(f"[paged-hf bench] round {number + 1} of {num_rounds}", file=sys.stderr, flush=True)
+        for name, policy in RUNS:
+            runs[name].append(run_once(model, config, workload, name, policy))
+    for name, rounds in runs.items():
+        report["runs"][name] = summary = summarize([(run["records"], run["wall"]) for run in rounds])
+        summary["num_preemptions"] = sum(run["num_preemptions"] for run in rounds) // num_rounds
+        paced = [run["paced_steps"] for run in rounds]
+        summary["paced_steps"] = None if paced[0] is None else {"untopped": sum(p[0] for p in paced) // num_rounds,
+                                                                "capped": sum(p[1] for p in paced) // num_rounds}
     print(format_table(report), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -201,4 +223,24 @@ def format_table(report: dict) -> str:
             lines.append(f"| {name} | {tenant} | {t['num_requests']} | {ms(ttft['p50'])} / {ms(ttft['p90'])} / "
                          f"{ms(ttft['p99'])} | {ms(tpot['p50'])} / {ms(tpot['p99'])} | {run['tok_s']:.1f} | "
                          f"{run['num_preemptions']} | {paced} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ratio_lines(report))
+
+
+def ratio_lines(report: dict) -> list[str]:
+    """B's TTFT p99 against B alone's and tok/s against fcfs's, for fair and priority (issue 31's measure); with
+    rounds, every round's tok/s."""
+    runs = report["runs"]
+    lines = [""]
+    if report.get("rounds", 1) > 1:
+        lines.append(f"{report['rounds']} rounds, the runs taking turns: TTFT and TPOT over all rounds' requests; "
+                     "tok/s the median round's (each round: " + "; ".join(
+                         f"{name} {', '.join(f'{v:.1f}' for v in run['rounds_tok_s'])}" for name, run in runs.items())
+                     + "); requests, preemptions and steps a round's")
+    alone, fcfs = runs.get("B alone"), runs.get("fcfs")
+    if alone and fcfs and alone["tenants"]["B"]["ttft_s"]["p99"] and fcfs["tok_s"]:
+        for name in ("fair", "priority"):
+            if name in runs:
+                ratio = runs[name]["tenants"]["B"]["ttft_s"]["p99"] / alone["tenants"]["B"]["ttft_s"]["p99"]
+                lines.append(f"{name}: B's TTFT p99 {ratio:.2f}x B alone's; total tok/s "
+                             f"{100 * runs[name]['tok_s'] / fcfs['tok_s']:.1f}% of fcfs's")
+    return lines

@@ -1,5 +1,5 @@
 """`paged-hf bench --workload tenants` end to end on a tiny model (seconds): every run (B alone, fcfs, fair,
-priority) reports both tenants' TTFT/TPOT percentiles and does exactly the same work."""
+priority) reports both tenants' TTFT/TPOT percentiles and does exactly the same work, in each of two rounds."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ def test_tenants_bench_reports_each_tenant_under_each_policy(tmp_path, capsys):
     folder = save_tiny_model(tmp_path / "model")
     out = tmp_path / "out"
     code = cli.main(["bench", "--workload", "tenants", "--model", folder, "--requests", "8", "--num-blocks", "256",
-                     "--max-num-seqs", "4", "--max-new-tokens-scale", "0.1", "--threads", "1", "--out", str(out)])
+                     "--max-num-seqs", "4", "--max-new-tokens-scale", "0.1", "--threads", "1", "--rounds", "2",
+                     "--out", str(out)])
     assert code == 0
     table = capsys.readouterr().out
-    assert "| fair | B | 2 |" in table and "| priority | A | 8 |" in table
+    assert "| fair | B | 2 |" in table and "| priority | A | 8 |" in table  # a round's requests
+    assert "fair: B's TTFT p99 " in table and "2 rounds, the runs taking turns" in table
     report = json.loads((out / "tenants_bench.json").read_text())
     assert list(report["runs"]) == [name for name, _ in RUNS]
     assert set(report["runs"]["B alone"]["tenants"]) == {"B"}
@@ -28,6 +30,7 @@ def test_tenants_bench_reports_each_tenant_under_each_policy(tmp_path, capsys):
         for tenant in ("A", "B"):
             ttft = run["tenants"][tenant]["ttft_s"]
             assert 0 < ttft["p50"] <= ttft["p99"]
+        assert len(run["wall_s"]) == len(run["rounds_tok_s"]) == 2 and run["tok_s"] in run["rounds_tok_s"]
         assert run["tok_s"] > 0
         assert (run["paced_steps"] is None) == (name == "fcfs")
 
