@@ -10,7 +10,7 @@ at most 1.25 times B's own first step; paged_hf.core.step_pacing).
 
 With `--rounds N` the four runs take turns N times (B alone, fcfs, fair, priority, B alone, ...), so that a slow
 spell of a shared host falls on all of them; each run's TTFT and TPOT percentiles are over the requests of all its
-rounds, its tok/s the median round's.
+rounds, its tok/s the median of the rounds'.
 
 The engine runs in this process through its Python API (no HTTP), so the figures are the scheduler's: a
 request's TTFT runs from its planned arrival to the end of the step that gave its first token, so it includes
@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -143,18 +144,20 @@ def _percentiles(values: list) -> dict:
 
 
 def summarize(rounds: list[tuple[dict[str, Record], float]]) -> dict:
-    """One run's rounds ((records, wall s) each) -> per tenant the requests, tokens and percentiles of one round,
-    the percentiles over all rounds' requests; tok/s the median round's."""
+    """One run's rounds ((records, wall s) each) -> per tenant the requests and tokens of one round, the
+    percentiles over all rounds' requests (and each round's TTFT p99); tok/s the median of the rounds'."""
     records = [r for round_records, _ in rounds for r in round_records.values()]
     tenants = {}
     for tenant in sorted({r.tenant for r in records}):
         mine = [r for r in records if r.tenant == tenant]
         tenants[tenant] = {"num_requests": len(mine) // len(rounds), "tokens": sum(r.num_tokens for r in mine)
                            // len(rounds), "ttft_s": _percentiles([r.ttft for r in mine]),
-                           "tpot_s": _percentiles([r.tpot for r in mine])}
-    tok_s = sorted(sum(r.num_tokens for r in rs.values()) / wall if wall > 0 else 0.0 for rs, wall in rounds)
+                           "tpot_s": _percentiles([r.tpot for r in mine]),
+                           "rounds_ttft_p99_s": [percentile([r.ttft for r in rs.values() if r.tenant == tenant], 99)
+                                                 for rs, _ in rounds]}
+    tok_s = [sum(r.num_tokens for r in rs.values()) / wall if wall > 0 else 0.0 for rs, wall in rounds]
     return {"wall_s": [wall for _, wall in rounds], "tokens": sum(r.num_tokens for r in records) // len(rounds),
-            "tok_s": tok_s[len(tok_s) // 2], "rounds_tok_s": tok_s, "tenants": tenants}
+            "tok_s": statistics.median(tok_s), "rounds_tok_s": tok_s, "tenants": tenants}
 
 
 def run_once(model, config: dict, workload: TenantsWorkload, name: str, policy: str) -> dict:
@@ -233,14 +236,16 @@ def ratio_lines(report: dict) -> list[str]:
     lines = [""]
     if report.get("rounds", 1) > 1:
         lines.append(f"{report['rounds']} rounds, the runs taking turns: TTFT and TPOT over all rounds' requests; "
-                     "tok/s the median round's (each round: " + "; ".join(
+                     "tok/s the median of the rounds' (each round: " + "; ".join(
                          f"{name} {', '.join(f'{v:.1f}' for v in run['rounds_tok_s'])}" for name, run in runs.items())
                      + "); requests, preemptions and steps a round's")
     alone, fcfs = runs.get("B alone"), runs.get("fcfs")
     if alone and fcfs and alone["tenants"]["B"]["ttft_s"]["p99"] and fcfs["tok_s"]:
         for name in ("fair", "priority"):
             if name in runs:
-                ratio = runs[name]["tenants"]["B"]["ttft_s"]["p99"] / alone["tenants"]["B"]["ttft_s"]["p99"]
-                lines.append(f"{name}: B's TTFT p99 {ratio:.2f}x B alone's; total tok/s "
-                             f"{100 * runs[name]['tok_s'] / fcfs['tok_s']:.1f}% of fcfs's")
+                b, b_alone = runs[name]["tenants"]["B"], alone["tenants"]["B"]
+                each = "" if len(b["rounds_ttft_p99_s"]) < 2 else " (each round against its own: " + ", ".join(
+                    f"{p / q:.2f}x" for p, q in zip(b["rounds_ttft_p99_s"], b_alone["rounds_ttft_p99_s"])) + ")"
+                lines.append(f"{name}: B's TTFT p99 {b['ttft_s']['p99'] / b_alone['ttft_s']['p99']:.2f}x B alone's"
+                             f"{each}; total tok/s {100 * runs[name]['tok_s'] / fcfs['tok_s']:.1f}% of fcfs's")
     return lines
