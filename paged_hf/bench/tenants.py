@@ -156,8 +156,10 @@ def summarize(rounds: list[tuple[dict[str, Record], float]]) -> dict:
                            "rounds_ttft_p99_s": [percentile([r.ttft for r in rs.values() if r.tenant == tenant], 99)
                                                  for rs, _ in rounds]}
     tok_s = [sum(r.num_tokens for r in rs.values()) / wall if wall > 0 else 0.0 for rs, wall in rounds]
-    return {"wall_s": [wall for _, wall in rounds], "tokens": sum(r.num_tokens for r in records) // len(rounds),
-            "tok_s": statistics.median(tok_s), "rounds_tok_s": tok_s, "tenants": tenants}
+    walls = [wall for _, wall in rounds]
+    return {"wall_s": statistics.median(walls), "walls_s": walls,
+            "tokens": sum(r.num_tokens for r in records) // len(rounds), "tok_s": statistics.median(tok_s),
+            "rounds_tok_s": tok_s, "tenants": tenants}
 
 
 def run_once(model, config: dict, workload: TenantsWorkload, name: str, policy: str) -> dict:
