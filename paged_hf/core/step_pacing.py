@@ -6,10 +6,11 @@ are full of the flood's prefill chunks (the whole token budget), so the newcomer
 steps. These rules make both steps short; the running requests' decodes wait at most one step:
 
 - Un-topped step: a step that carries the first prefill (the chunks before its first token) of a request whose
-  class is in a hurry (`priority`: it outranks a running request; `fair`: its tenant holds fewer seats than its
-  share and has been served no more than a running tenant) gives no prefill chunk to the requests that class may
-  hold back (lower priorities; other tenants served as much or more), and starts none of them. Their decodes
-  stay in: such first prefills go first in the step, but leave the budget's room for the decodes.
+  class is in a hurry (`priority`: it outranks a running or waiting request; `fair`: its tenant holds fewer seats
+  than its share and has been served no more than a tenant with a request running or waiting) gives no prefill
+  chunk to the requests that class may hold back (lower priorities; other tenants served as much or more), and
+  starts none of them. Their decodes stay in (split decodes below): such first prefills go first in the step, but
+  leave the budget's room for the decodes.
 - Capped prefill: while a class in a hurry had an arrival in the last `window_steps` steps (another one may come
   any moment), the prefill chunks of the requests it may hold back share a capped number of tokens a step, so the
   step in flight when the next one comes is short too. The cap adapts to the hardware: the pacer times its steps
