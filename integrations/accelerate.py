@@ -2,29 +2,13 @@
 
 With `device_map=...` a layer's weights may sit on a GPU, on the CPU, or be offloaded (meta tensors that
 accelerate's hook loads for each forward, onto the hook's `execution_device`). The cache follows the
-device the layer *computes* on; block ids are shared by all devices, so one block table serves every layer.
+device the layer *computes* on (where its K/V arrive: worker/model_probe.py records it); block ids are shared
+by all devices, so one block table serves every layer.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
-    """The compute device of each attention layer (modules with a `layer_idx`), in layer order."""
-    modules = dict(model.named_modules())
-    fallback = execution_device(modules, "") or next(p.device for p in model.parameters())
-    devices: dict[int, torch.device] = {}
-    for name, module in modules.items():
-        layer_idx = getattr(module, "layer_idx", None)
-        if not isinstance(layer_idx, int) or layer_idx in devices:
-            continue
-        device = execution_device(modules, name)
-        if device is None:
-            param = next(module.parameters(), None)
-            device = param.device if param is not None and param.device.type != "meta" else None
-        devices[layer_idx] = device or fallback
-    return [devices.get(i, fallback) for i in range(num_layers)]
 
 
 def module_device(model: torch.nn.Module, module: torch.nn.Module) -> torch.device:

@@ -45,6 +45,7 @@ from paged_hf.kernels.lora import (
     kernel_call,
     lora_segments,
 )
+from paged_hf.kernels.quant_linear import linear_device, linear_dtype
 
 
 class LoRARouting:
@@ -127,7 +128,7 @@ class LoRALinear(torch.nn.Module):
         self.packed_base = None  # set for each step (LoRAManager.step)
         self.wrapped = None  # the module this wrapper stood in for in the last step (packed_base follows it)
         self.context = context
-        self.weights = SlotWeights(num_slots, base.in_features, base.out_features, base.weight.dtype, device)
+        self.weights = SlotWeights(num_slots, base.in_features, base.out_features, linear_dtype(base), device)
         self.kernel_call = kernel_call([self.weights.kernel])
         self.group: LoRAGroup | None = None  # siblings that read the same x (LoRAManager forms them)
         self.seen_input: torch.Tensor | None = None  # the first x of a probing step
@@ -261,7 +262,7 @@ class LoRAManager:
         parent = modules[parent_path]
         module = parent._modules[attribute]
         base = module.base_layer if is_peft_lora_layer(module) else module
-        device = execution_device(modules, module_path) or base.weight.device
+        device = execution_device(modules, module_path) or linear_device(base)
         self.wrappers[module_path] = LoRALinear(base, self.context, self.num_slots, device)
         self._sites[module_path] = (parent, attribute)
         self._installs.append((parent._modules, attribute, self.wrappers[module_path]))

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from paged_hf.kernels.quant_linear import QuantizedLinear, linear_dtype
+
 WEIGHTS_SAFETENSORS = "adapter_model.safetensors"
 WEIGHTS_BIN = "adapter_model.bin"
 CONFIG_NAME = "adapter_config.json"
@@ -166,7 +168,7 @@ def linear_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
         if is_peft_lora_layer(module):
             found[path] = module.base_layer
             inside += (path + ".",)
-        elif isinstance(module, torch.nn.Linear):
+        elif isinstance(module, (torch.nn.Linear, QuantizedLinear)):  # a quantized base linear takes LoRA too
             found[path] = module
     return found
 
@@ -243,7 +245,7 @@ def _match_weights(name: str, config, targets: dict[str, torch.nn.Linear], tenso
         if rank > max_rank:
             raise ValueError(f"adapter {name!r} has rank {rank} at {path!r}, above max_lora_rank={max_rank}")
         scaling = _scaling(config, path, rank)
-        dtype = linear.weight.dtype
+        dtype = linear_dtype(linear)
         weights[path] = (a.to(dtype).contiguous(), (b.double() * scaling).to(dtype).T.contiguous())
     return weights
 
@@ -309,8 +311,8 @@ def save_random_adapter(model: torch.nn.Module, folder, seed: int = 0, std: floa
     for path, linear in targets.items():
         a = torch.randn(config.r, linear.in_features, generator=generator) / math.sqrt(linear.in_features)
         b = torch.randn(linear.out_features, config.r, generator=generator) * std
-        tensors[f"base_model.model.{path}.lora_A.weight"] = a.to(linear.weight.dtype)
-        tensors[f"base_model.model.{path}.lora_B.weight"] = b.to(linear.weight.dtype)
+        tensors[f"base_model.model.{path}.lora_A.weight"] = a.to(linear_dtype(linear))
+        tensors[f"base_model.model.{path}.lora_B.weight"] = b.to(linear_dtype(linear))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(folder))

@@ -17,17 +17,22 @@ logger = logging.get_logger(__name__)
 
 
 def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, head_dims: list[int],
-                  kv_dtype: torch.dtype | None = None) -> AttentionKernel:
+                  kv_dtype: torch.dtype | None = None, value_head_dims: list[int] | None = None,
+                  sinks: bool = False, chunked: bool = False) -> AttentionKernel:
     """`auto`: FlashInfer on CUDA, the compiled CPU kernel on CPU, each when it is usable for every layer
-    (`devices`, `head_dims`: per layer) and the cache's storage dtype `kv_dtype` (None: the model's `dtype`);
-    otherwise torch. Naming a kernel that cannot be used is a ValueError."""
+    (`devices`, `head_dims` of the keys, `value_head_dims`: per layer), the cache's storage dtype `kv_dtype`
+    (None: the model's `dtype`), attention sinks and chunked attention (`sinks`, `chunked`: some layer has them);
+    otherwise torch, which computes all of them. Naming a kernel that cannot be used is a ValueError."""
     if name == "torch":
         logger.info("paged_hf attention backend: torch (asked for)")
         return TorchKernel()
     device_types = sorted({torch.device(d).type for d in devices})
     device = torch.device(devices[0]) if len(device_types) == 1 else None
+    only_torch = _needs_torch(head_dims, value_head_dims, sinks, chunked)
     if device is None:
         kernel, reason = None, f"the layers span devices of several types ({', '.join(device_types)})"
+    elif only_torch is not None:
+        kernel, reason = None, only_torch
     elif name == "cpu" or (name == "auto" and device.type == "cpu"):
         kernel, reason = _try_cpu(device, dtype, head_dims, kv_dtype)
     elif name == "flashinfer" or (name == "auto" and device.type == "cuda"):
@@ -41,6 +46,17 @@ def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, he
         raise ValueError(f"attention_backend={name!r} cannot be used: {reason}")
     logger.info(f"paged_hf attention backend: torch ({reason})")
     return TorchKernel()
+
+
+def _needs_torch(head_dims: list[int], value_head_dims: list[int] | None, sinks: bool, chunked: bool) -> str | None:
+    """What only the torch kernel computes: K and V of different widths (MLA), attention sinks, chunks."""
+    if value_head_dims is not None and list(value_head_dims) != list(head_dims):
+        return "K and V have different head_dims (MLA): the torch kernel serves them"
+    if sinks:
+        return "attention sinks: the torch kernel serves them"
+    if chunked:
+        return "chunked attention (Llama 4): the torch kernel serves it"
+    return None
 
 
 def _try_cpu(device, dtype, head_dims, kv_dtype) -> tuple[AttentionKernel | None, str | None]:

@@ -22,9 +22,12 @@ class AttentionKernel(Protocol):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, plan: Any, *, scaling: float, sliding_window: int | None,
-               softcap: float | None, scales: KVScales | None = None) -> torch.Tensor:
+               softcap: float | None, scales: KVScales | None = None, sinks: torch.Tensor | None = None,
+               chunk_size: int | None = None) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: this step's [num_tokens, num_kv_heads, head_dim]
-        (already in the cache). Returns [num_tokens, num_heads, head_dim]. Causal and window masking are ours."""
+        (already in the cache; V's head_dim may differ from K's). Returns [num_tokens, num_heads, value head_dim].
+        Causal, window and chunk masking are ours; `sinks` [num_heads]: a per-head logit in the softmax (gpt-oss);
+        `chunk_size`: a query sees only the keys of its own chunk of positions (Llama 4's chunked layers)."""
 
 
 def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -38,6 +41,5 @@ def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         write_quantized(key, key_cache, scales.key, scales.dynamic, slot_mapping, plan.quant_write)
         write_quantized(value, value_cache, scales.value, scales.dynamic, slot_mapping, plan.quant_write)
         return
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    key_cache.view(-1, *key_cache.shape[-2:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, *value_cache.shape[-2:]).index_copy_(0, slot_mapping, value)

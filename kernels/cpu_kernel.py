@@ -6,7 +6,8 @@ place, once. A bf16/fp16 cache is read at its own width and widened to float32 i
 sums in float32); an int8/fp8 cache likewise, with its per-(block, KV head) scales applied per score and per
 softmax weight. The same kernel serves multi-token queries (prompt chunks, speculative decoding's last token
 plus drafts) computed in float32, in tiles with the query rows in the vector lanes: 1.7-2.5x torch's float32
-SDPA on SmolLM2's shapes (17 to 512 tokens, with and without a past), and no gathered copy. In bf16, on a CPU
+SDPA on SmolLM2's shapes (17 to 512 tokens, with and without a past), and no gathered copy, on an AVX-512 CPU
+(without AVX-512 the tiles lose to SDPA, which then takes prompt chunks). In bf16, on a CPU
 with AVX512-BF16, prompt chunks go to `csrc/paged_prefill.cpp` instead (bf16 dot products into float32 sums), on
 AMX tiles where the CPU has them (`prefill_isa`).
 float64 (tests) keeps SDPA for queries longer than MAX_FLOAT64_QUERY_LEN.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_hf.kernels import native
+from paged_hf.utils import cpu_flags
 from paged_hf.kernels.torch_kernel import PrefillChunk, Query, TorchKernel, TorchPlan, prefill_chunk
 
 #: query heads per KV head the prefill kernel's tiles hold (48 rows); more go to SDPA
@@ -68,6 +70,10 @@ class CpuKernel(TorchKernel):
             raise ValueError(reason)
         kv_dtype = kv_dtype or dtype
         self.compute_dtype = native.COMPUTE_DTYPES.get(kv_dtype, torch.float32)  # of queries and outputs
+        # the multi-token tiles are 16 floats a vector, one AVX-512 register; built for AVX2 each takes two, and
+        # SDPA is faster for prompt chunks (AMD EPYC Zen 4 VM without AVX-512: a 2,692-token float32 prompt of the
+        # default model 61.7 s in the tiles, 8.2 s with SDPA)
+        self.tiles_beat_sdpa = "avx512f" in cpu_flags()
         suffix = native.QUANTIZED_DTYPES.get(kv_dtype) or native.DTYPES[kv_dtype]
         self._functions = {
             head_dim: getattr(native.load_paged_decode(head_dim), f"paged_decode_{suffix}") for head_dim in set(head_dims)
@@ -106,22 +112,25 @@ class CpuKernel(TorchKernel):
 
     def plan_queries(self, slot_mapping: torch.Tensor, queries: list[Query], device: torch.device) -> CpuPlan:
         """Decodes go to the compiled decode kernel; so do multi-token queries (prompt chunks, a request's last
-        token with its drafts) computed in float32, which its tiles serve faster than SDPA at every length, and
-        float64 ones of up to MAX_FLOAT64_QUERY_LEN tokens. The rest are prefill chunks: the bf16 prefill
-        kernel's where it serves the model, else SDPA's."""
+        token with its drafts) computed in float32 on an AVX-512 CPU, whose tiles serve them faster than SDPA at
+        every length, and elsewhere (float64, float32 without AVX-512) those of up to MAX_FLOAT64_QUERY_LEN
+        tokens. The rest are prefill chunks: the bf16 prefill kernel's where it serves the model, else SDPA's."""
         if self._prefill_functions:
             limit = 1
         elif self.compute_dtype == torch.float64:
             limit = MAX_FLOAT64_QUERY_LEN
-        else:
+        elif self.tiles_beat_sdpa:
             limit = math.inf
+        else:
+            limit = MAX_FLOAT64_QUERY_LEN
         chunks = [prefill_chunk(q, device) for q in queries if q.length > limit]
         native_prefills = _native_prefills(chunks) if self._prefill_functions and chunks else None
         return CpuPlan(slot_mapping, _native_decodes([q for q in queries if q.length <= limit]), chunks,
                        native_prefills=native_prefills)
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan, *, scaling, sliding_window, softcap,
-                       scales=None) -> None:
+                       scales=None, sinks=None, chunk_size=None) -> None:
+        assert sinks is None and chunk_size is None, "sinks and chunks are the torch kernel's (kernels.select_kernel)"
         decodes: NativeDecodes | None = plan.decodes
         if decodes is None:
             return
@@ -150,7 +159,7 @@ class CpuKernel(TorchKernel):
             output.index_copy_(0, decodes.rows, out.to(output.dtype))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan, *, scaling, sliding_window,
-                        softcap, scales=None) -> None:
+                        softcap, scales=None, sinks=None, chunk_size=None) -> None:
         """bf16 chunks go to the compiled prefill kernel, which reads their context from the cache in place."""
         prefills: NativePrefills | None = plan.native_prefills
         num_heads, head_dim = query.shape[1:]

@@ -100,7 +100,8 @@ class FlashInferKernel:
         write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping, scales, plan)
 
     def attend(self, query, key, value, key_cache, value_cache, plan: FlashInferPlan, *, scaling, sliding_window, softcap,
-               scales=None):
+               scales=None, sinks=None, chunk_size=None):
+        assert sinks is None and chunk_size is None, "sinks and chunks are the torch kernel's (kernels.select_kernel)"
         wrapper = self._wrapper(plan, query, key_cache, scaling, sliding_window, softcap)
         if scales is None:
             return wrapper.run(query, (key_cache, value_cache))  # [num_tokens, num_heads, head_dim]

@@ -1,5 +1,5 @@
 """Builds the compiled kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `csrc/lora_sgmv.cpp`,
-`csrc/layer_ops.cpp`) for this machine and loads them with ctypes.
+`csrc/layer_ops.cpp`, `csrc/quant_gemm.cpp`) for this machine and loads them with ctypes.
 
 Why at run time: the kernel is specialized to the model's head_dim and compiled with `-march=native`, so it
 cannot ship prebuilt. A build takes ~2 s with the system C++ compiler and is cached on disk, keyed by the
@@ -32,6 +32,7 @@ SOURCE = CSRC / "paged_decode.cpp"
 PREFILL_SOURCE = CSRC / "paged_prefill.cpp"
 LORA_SOURCE = CSRC / "lora_sgmv.cpp"
 LAYER_OPS_SOURCE = CSRC / "layer_ops.cpp"
+QUANT_GEMM_SOURCE = CSRC / "quant_gemm.cpp"
 HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h")  # included by the sources: part of every build's cache key
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 #: the cache dtypes the kernel reads, by entry-point suffix; bf16/fp16 are computed in float32
@@ -120,6 +121,14 @@ def load_layer_ops() -> ctypes.CDLL:
     """The decoder layer's fused elementwise ops (RMSNorm, SiLU-and-multiply), built on first use; typed by
     `kernels.layer_ops`. Raises NativeBuildError when it cannot be built."""
     return _load(LAYER_OPS_SOURCE, None)
+
+
+@functools.lru_cache(maxsize=None)
+def load_quant_gemm(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The quantized linears (int8 and int4 weights), built on first use; typed by `kernels.quant_gemm`.
+    `extra_flags`: e.g. ("-mno-avx2",) builds the portable loops on an AVX2 machine (tests). Raises
+    NativeBuildError when it cannot be built."""
+    return _load(QUANT_GEMM_SOURCE, None, extra_flags)
 
 
 def _load(source: Path, head_dim: int | None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:

@@ -55,7 +55,7 @@ class TorchPlan:
     slot_mapping: torch.Tensor  # [num_tokens]
     decodes: Any  # what `attend_decodes` needs: here a list[DecodeGroup]; subclasses plan their own
     prefills: list[PrefillChunk]
-    masks: dict = field(default_factory=dict)  # (kind, index, window) -> bool mask, built on first use
+    masks: dict = field(default_factory=dict)  # (kind, index, window, chunk) -> bool mask, built on first use
     buffers: dict = field(default_factory=dict)  # (kind, index, shape, dtype) -> gather destinations, reused by every layer
     quant_write: Any = None  # a quantized cache's write bookkeeping (kernels.quant.WritePlan), made on first use
 
@@ -87,31 +87,35 @@ class TorchKernel:
         write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping, scales, plan)
 
     def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap,
-               scales: KVScales | None = None):
-        output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=scales)
+               scales: KVScales | None = None, sinks: torch.Tensor | None = None, chunk_size: int | None = None):
+        # [num_tokens, num_heads, value_head_dim]
+        output = query.new_empty(*query.shape[:-1], value_cache.shape[-1])
+        masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=scales, sinks=sinks,
+                       chunk_size=chunk_size)
         self.attend_decodes(query, output, key_cache, value_cache, plan, **masking)
         self.attend_prefills(query, key, value, output, key_cache, value_cache, plan, **masking)
         return output
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window,
-                       softcap, scales=None) -> None:
+                       softcap, scales=None, sinks=None, chunk_size=None) -> None:
         """Writes the output rows of the one-token queries."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
+        value_head_dim = value_cache.shape[-1]
         for index, group in enumerate(plan.decodes):
             num_rows = group.rows.shape[0]
             q = query.index_select(0, group.rows).unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
             # [num_rows, num_kv_heads, max_blocks * block_size, head_dim]
             k, v = _gather_blocks(plan, ("decode", index), key_cache, value_cache, group.block_ids, scales, query.dtype)
             k = k.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v = v.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
-            mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window)
-            output.index_copy_(0, group.rows, attention(q, k, v, mask, scaling, softcap).squeeze(2))
+            v = v.view(num_rows, -1, num_kv_heads, value_head_dim).transpose(1, 2)
+            mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window, chunk_size)
+            output.index_copy_(0, group.rows, attention(q, k, v, mask, scaling, softcap, sinks=sinks).squeeze(2))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
-                        sliding_window, softcap, scales=None) -> None:
+                        sliding_window, softcap, scales=None, sinks=None, chunk_size=None) -> None:
         """Writes the output rows of the prefill chunks."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
+        value_head_dim = value_cache.shape[-1]
         for index, chunk in enumerate(plan.prefills):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
@@ -121,30 +125,37 @@ class TorchKernel:
                 k, v = _gather_blocks(plan, ("prefill", index), key_cache, value_cache, chunk.block_ids, scales,
                                       query.dtype)
                 k = k.view(-1, num_kv_heads, head_dim)[: chunk.context_len]
-                v = v.view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+                v = v.view(-1, num_kv_heads, value_head_dim)[: chunk.context_len]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_dim]
             v = v.transpose(0, 1).unsqueeze(0)
-            if chunk.fresh and sliding_window is None and softcap is None:
+            if chunk.fresh and sliding_window is None and softcap is None and sinks is None and chunk_size is None:
                 out = attention(q, k, v, None, scaling, None, is_causal=True)
             else:
-                out = attention(q, k, v, self._prefill_mask(plan, index, chunk, sliding_window, q.device), scaling, softcap)
+                mask = self._prefill_mask(plan, index, chunk, sliding_window, chunk_size, q.device)
+                out = attention(q, k, v, mask, scaling, softcap, sinks=sinks)
             output[rows] = out[0].transpose(0, 1)
 
     @staticmethod
-    def _decode_mask(plan: TorchPlan, index: int, group: DecodeGroup, padded_len: int, window: int | None) -> torch.Tensor:
-        key = ("decode", index, window)
+    def _decode_mask(plan: TorchPlan, index: int, group: DecodeGroup, padded_len: int, window: int | None,
+                     chunk_size: int | None = None) -> torch.Tensor:
+        """Keys within the row's context, within its sliding window, within its attention chunk (Llama 4's
+        chunked layers: a query sees the keys of its own chunk of `chunk_size` positions)."""
+        key = ("decode", index, window, chunk_size)
         if key not in plan.masks:
             lens = group.context_lens
             key_pos = torch.arange(padded_len, device=lens.device)
             mask = key_pos[None, :] < lens[:, None]
             if window is not None:
                 mask &= key_pos[None, :] > (lens[:, None] - 1 - window)
+            if chunk_size is not None:
+                mask &= key_pos[None, :] >= (lens[:, None] - 1) // chunk_size * chunk_size
             plan.masks[key] = mask[:, None, None, :]  # [num_rows, 1, 1, padded_len]
         return plan.masks[key]
 
     @staticmethod
-    def _prefill_mask(plan: TorchPlan, index: int, chunk: PrefillChunk, window: int | None, device) -> torch.Tensor:
-        key = ("prefill", index, window)
+    def _prefill_mask(plan: TorchPlan, index: int, chunk: PrefillChunk, window: int | None, chunk_size: int | None,
+                      device) -> torch.Tensor:
+        key = ("prefill", index, window, chunk_size)
         if key not in plan.masks:
             offset = chunk.context_len - chunk.query_len  # position of the chunk's first query token
             query_pos = torch.arange(offset, chunk.context_len, device=device)[:, None]
@@ -152,6 +163,8 @@ class TorchKernel:
             mask = key_pos <= query_pos
             if window is not None:
                 mask &= key_pos > query_pos - window
+            if chunk_size is not None:
+                mask &= key_pos >= query_pos // chunk_size * chunk_size
             plan.masks[key] = mask  # [query_len, context_len]
         return plan.masks[key]
 
@@ -161,21 +174,22 @@ def _gather_blocks(plan: TorchPlan, key, key_cache, value_cache, block_ids, scal
     """Copy the listed blocks of K and V into buffers that every layer of the step reuses: allocating tens of
     MB per layer costs more than the copy (fresh pages fault in on every use). A quantized cache's blocks are
     dequantized to `dtype` (only the blocks read, never the whole cache)."""
-    rows = key_cache[0].numel()
-    buffer_key = (*key, rows, key_cache.dtype)
+    rows, value_rows = key_cache[0].numel(), value_cache[0].numel()
+    buffer_key = (*key, rows, value_rows, key_cache.dtype)
     key_cache, value_cache = as_bytes(key_cache), as_bytes(value_cache)  # fp8 moves as bytes
     if buffer_key not in plan.buffers:
-        empty = key_cache.new_empty(block_ids.shape[0], rows)
-        plan.buffers[buffer_key] = (empty, torch.empty_like(empty))
+        plan.buffers[buffer_key] = (key_cache.new_empty(block_ids.shape[0], rows),
+                                    value_cache.new_empty(block_ids.shape[0], value_rows))
     k, v = plan.buffers[buffer_key]
     torch.index_select(key_cache.view(key_cache.shape[0], -1), 0, block_ids, out=k)  # [num_blocks, block elements]
     torch.index_select(value_cache.view(value_cache.shape[0], -1), 0, block_ids, out=v)
     if scales is None:
         return k, v
-    shape = (-1, *key_cache.shape[1:])  # [num_read, block_size, num_kv_heads, head_dim]
     stored = buffer_key[-1]
-    return (dequantize(k.view(stored).view(shape), scales.key.index_select(0, block_ids), dtype).flatten(1),
-            dequantize(v.view(stored).view(shape), scales.value.index_select(0, block_ids), dtype).flatten(1))
+    k = k.view(stored).view(-1, *key_cache.shape[1:])  # [num_read, block_size, num_kv_heads, head_dim]
+    v = v.view(stored).view(-1, *value_cache.shape[1:])
+    return (dequantize(k, scales.key.index_select(0, block_ids), dtype).flatten(1),
+            dequantize(v, scales.value.index_select(0, block_ids), dtype).flatten(1))
 
 
 def prefill_chunk(query: Query, device) -> PrefillChunk:
@@ -208,18 +222,24 @@ def _decode_group(group: list[tuple[int, int, list[int]]], device) -> DecodeGrou
     )
 
 
-def attention(q, k, v, mask, scaling, softcap, is_causal=False) -> torch.Tensor:
-    """SDPA with grouped KV heads; soft-capping (Gemma 2) needs the explicit softmax path."""
-    if softcap is None:
+def attention(q, k, v, mask, scaling, softcap, is_causal=False, sinks=None) -> torch.Tensor:
+    """SDPA with grouped KV heads; soft-capping (Gemma 2) and attention sinks (`sinks`: [num_heads], a logit per
+    head that takes part in the softmax and whose weight is dropped, gpt-oss) need the explicit softmax path."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=is_causal,
                                               enable_gqa=q.shape[1] != k.shape[1])
     groups = q.shape[1] // k.shape[1]
     dtype, compute = q.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16 scores would round before tanh
     q, k, v = q.to(compute), k.repeat_interleave(groups, dim=1).to(compute), v.repeat_interleave(groups, dim=1).to(compute)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [..., num_heads, query_len, key_len]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
+    sink_column = sinks.to(compute).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v).to(dtype)

@@ -15,6 +15,7 @@ from paged_hf.outputs import (
 )
 from paged_hf.pooling_params import PoolingParams
 from paged_hf.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from paged_hf.worker.model_probe import UnsupportedModelError
 from paged_hf.worker.paged_cache import PagedCache
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "UnsupportedModelError",
     "wrap",
 ]
 __version__ = "0.1.0"

@@ -45,7 +45,7 @@ class PublishedShape:
 
     name: str
     source: str  # the config.json the numbers are copied from
-    model_type: str  # transformers' model_type: "llama" or "qwen2"
+    model_type: str  # transformers' model_type: "llama", "qwen2" or "qwen3_5_text"
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -58,6 +58,7 @@ class PublishedShape:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_scaling: dict = field(default_factory=dict)  # rope_type and its parameters beyond rope_theta
+    extra: dict = field(default_factory=dict)  # fields of its own model_type (a hybrid's linear-attention layers)
 
 
 MODEL_SHAPES: dict[str, PublishedShape] = {shape.name: shape for shape in [
@@ -79,7 +80,21 @@ MODEL_SHAPES: dict[str, PublishedShape] = {shape.name: shape for shape in [
                    intermediate_size=8192, head_dim=128, rope_theta=500000.0, tie_word_embeddings=True,
                    published_vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
                    rope_scaling=_LLAMA3_ROPE),
+    # Qwen3.5-0.8B's text model: a hybrid of Gated DeltaNet layers and gated full attention every 4th layer (6 of
+    # 24 layers hold K/V). The published numbers known here (fitmygpu's model notes of Qwen/Qwen3.5-0.8B: 24 layers,
+    # hidden 1024, 8 heads, 2 KV heads, 6 KV-bearing layers, vocab 248,320) and the Qwen3.5 family's conventions
+    # for the rest (head_dim 256, linear attention 16 key and 16 value heads of 128, conv kernel 4, MLP 3584,
+    # partial rotary 0.25): a shape of the same regime, not a copy of the checkpoint.
+    PublishedShape("qwen3.5-0.8b", "https://huggingface.co/Qwen/Qwen3.5-0.8B (text model; linear-attention sizes "
+                   "from the Qwen3.5 family)", "qwen3_5_text", hidden_size=1024, num_hidden_layers=24,
+                   num_attention_heads=8, num_key_value_heads=2, intermediate_size=3584, head_dim=256,
+                   rope_theta=10000000.0, tie_word_embeddings=True, published_vocab_size=248320,
+                   max_position_embeddings=262144, rms_norm_eps=1e-6,
+                   rope_scaling={"partial_rotary_factor": 0.25},
+                   extra={"linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+                          "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4}),
 ]}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 #: the longest context a shape's folder is served with: the default tokenizer's (and default model's) 8192, since
 #: the published 131072 would make `vllm serve` reserve KV for one such sequence before it starts
 SERVING_MAX_LEN = 8192
@@ -98,9 +113,13 @@ def published_shape(name: str) -> PublishedShape:
 def shape_config(name: str, tokenizer, dtype: str = "float32") -> PretrainedConfig:
     """The HF config of shape `name` for `tokenizer` (its length is the vocab size) in `dtype`: no weights made."""
     shape = published_shape(name)
-    extra = {}
+    extra = dict(shape.extra)
     if shape.model_type == "qwen2":  # every layer full attention, as the published config (use_sliding_window false)
         extra = {"use_sliding_window": False, "max_window_layers": shape.num_hidden_layers}
+    if shape.model_type == "qwen3_5_text":  # its layer pattern, and partial rotary inside rope_parameters
+        interval = extra.pop("full_attention_interval")
+        extra["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                for i in range(shape.num_hidden_layers)]
     return AutoConfig.for_model(
         shape.model_type, hidden_size=shape.hidden_size, num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
@@ -109,7 +128,7 @@ def shape_config(name: str, tokenizer, dtype: str = "float32") -> PretrainedConf
         tie_word_embeddings=shape.tie_word_embeddings, max_position_embeddings=shape.max_position_embeddings,
         rms_norm_eps=shape.rms_norm_eps, initializer_range=0.02, vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[shape.model_type]],
+        architectures=[ARCHITECTURES[shape.model_type]],
         dtype=dtype, **extra)
 
 

@@ -33,10 +33,12 @@ from paged_hf.loader import default_model
 
 #: paged_hf with a quantized KV cache (PagedConfig.kv_cache_dtype): `paged_hf_kv_<dtype>`
 KV_SYSTEMS = {"paged_hf_kv_int8": "int8", "paged_hf_kv_fp8_e4m3": "fp8_e4m3", "paged_hf_kv_fp8_e5m2": "fp8_e5m2"}
+#: paged_hf with the model's linears quantized at load (PagedConfig.quantization, docs/quantization.md)
+QUANT_SYSTEMS = {"paged_hf_int8": "int8", "paged_hf_w4a16": "w4a16"}
 #: paged_hf writing every computed KV block through to a fresh --kv-cache-dir: the tier's cost when never hit
 KV_DISK_SYSTEM = "paged_hf_kvdisk"
 PAGED_SYSTEMS = ("paged_hf", "paged_hf_base", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS,
-                 KV_DISK_SYSTEM, KV_HOST_SYSTEM)
+                 KV_DISK_SYSTEM, KV_HOST_SYSTEM, *QUANT_SYSTEMS)
 SYSTEM_NAMES = (*PAGED_SYSTEMS, "vllm",
                 "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
 #: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
@@ -101,8 +103,8 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
                     "paged_hf_noprefix")
     config = dict(engine_config, enable_prefix_caching=enable_prefix_caching and engine_config.get(
         "enable_prefix_caching", True))
-    if name in KV_SYSTEMS:
-        config["kv_cache_dtype"] = KV_SYSTEMS[name]
+    config["kv_cache_dtype"] = KV_SYSTEMS.get(name, config.get("kv_cache_dtype", "auto"))
+    config["quantization"] = QUANT_SYSTEMS.get(name, config.get("quantization"))
     if name == KV_DISK_SYSTEM:  # a fresh folder: nothing to hit; removed at exit, after the tier's writes are flushed
         config["kv_cache_dir"] = tempfile.mkdtemp(prefix="paged_hf_bench_kvdisk_")
         atexit.register(shutil.rmtree, config["kv_cache_dir"], True)

@@ -67,6 +67,15 @@ class PagedConfig:
     # budget by virtual token counters, weighted by tenant_weights {tenant: weight}, default 1)
     scheduling_policy: str = "fcfs"
     tenant_weights: dict = field(default_factory=dict)
+    # while requests decode, a step carries only the prefill that keeps it within this many seconds (timed steps'
+    # fitted cost; paged_hf.core.stream_pace), so a big prompt does not stall the running streams; None: the
+    # whole budget (vLLM's behaviour, the most throughput)
+    max_stream_gap_s: float | None = None
+    # "int8" | "w4a16": `paged_hf.wrap` quantizes the model's float linears in place before serving it, round to
+    # nearest (int8: W8A8, per output channel, per-token int8 activations; w4a16: 4-bit groups of 64 with zero
+    # points); lm_head and embeddings untouched. None: as loaded (a quantized checkpoint is served quantized
+    # either way). docs/quantization.md
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
@@ -111,6 +120,11 @@ class PagedConfig:
         if not isinstance(weights, dict) or not all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights.values()):
             raise ValueError(f"tenant_weights must be a dict {{tenant: weight > 0}}, got {self.tenant_weights!r}")
+        gap = self.max_stream_gap_s
+        if gap is not None and (isinstance(gap, bool) or not (isinstance(gap, (int, float)) and gap > 0)):
+            raise ValueError(f"max_stream_gap_s must be a number of seconds > 0 or None, got {gap!r}")
+        if self.quantization not in (None, "int8", "w4a16"):
+            raise ValueError(f"quantization must be None, 'int8' or 'w4a16', got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flashinfer"):
             raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'flashinfer', got {self.attention_backend!r}")
 

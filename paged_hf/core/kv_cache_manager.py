@@ -18,6 +18,7 @@ from array import array
 from paged_hf.core.block_pool import Block, BlockPool
 from paged_hf.core.kv_tier import KVTier, TierHit
 from paged_hf.core.request import Request
+from paged_hf.core.state_slots import StateSlots
 from paged_hf.utils import cdiv
 
 
@@ -49,8 +50,11 @@ def request_cache_key(request: Request) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int, tier: KVTier | None = None):
+    def __init__(self, block_pool: BlockPool, block_size: int, tier: KVTier | None = None,
+                 state_slots: StateSlots | None = None):
+        """`state_slots`: a hybrid model's recurrent-state slots, taken and given back with a request's blocks."""
         self.block_pool = block_pool
+        self.state_slots = state_slots
         self.block_size = block_size
         self.enable_caching = block_pool.enable_caching
         self._block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write pairs of this step
@@ -144,6 +148,11 @@ class KVCacheManager:
         num_free_hits = sum(1 for block in cached_blocks if isinstance(block, Block) and block.ref_count == 0)
         if num_new_blocks + len(to_copy) + num_tier_hits > self.block_pool.num_free_blocks - num_free_hits:
             return False
+        states = self.state_slots
+        if states is not None and states.needs_slot(request):
+            if states.num_free == 0:
+                return False
+            states.take(request)
         if self.tier is not None and request.num_computed_tokens == 0 and not request.block_ids:
             num_pool_hits = next((i for i, b in enumerate(cached_blocks) if isinstance(b, TierHit)), len(cached_blocks))
             self.tier.count_lookup(request.num_tokens - num_pool_hits * self.block_size,
@@ -209,6 +218,10 @@ class KVCacheManager:
         copies, self._block_copies = self._block_copies, []
         return copies
 
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) recurrent-state slot copies (forks of a hybrid model's requests) of this step."""
+        return self.state_slots.take_copies() if self.state_slots is not None else []
+
     # --- fork and free --------------------------------------------------------------------------------
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share the parent's computed blocks (one more reference each) and skip the tokens the
@@ -224,6 +237,8 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes[:num_full])
         child.block_hashes_key = parent.block_hashes_key
         child.num_cached_blocks = min(parent.num_cached_blocks, num_full)
+        if self.state_slots is not None:
+            self.state_slots.fork(parent, child)
 
     def trim(self, request: Request) -> None:
         """Free the blocks past the request's tokens (those of rejected drafts), tail first. They are its
@@ -245,5 +260,7 @@ class KVCacheManager:
         self.block_pool.free([blocks[i] for i in reversed(request.block_ids)])
         request.block_ids = []
         request.num_cached_blocks = 0
+        if self.state_slots is not None:
+            self.state_slots.release(request)
         for listener in self.free_listeners:
             listener(request)

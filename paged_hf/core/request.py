@@ -85,6 +85,7 @@ class Request:
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts of this step, not yet verified (spec_decode)
     block_ids: list[int] = field(default_factory=list)  # the block table
+    state_slot: int | None = None  # a hybrid model's recurrent-state slot while it holds blocks (core/state_slots.py)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
     block_hashes_key: bytes | None = None  # the extra keys `block_hashes` were computed with
     num_cached_blocks: int = 0  # how many leading blocks of `block_ids` were offered to the prefix cache

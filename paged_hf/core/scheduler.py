@@ -12,7 +12,8 @@ request instead (it still finds the prompt's full blocks in the prefix cache).
 Policies (request_queue.py): `fcfs` runs the loop of `schedule` as it always did; `priority` and `fair` rank
 running and waiting requests together (`_schedule_ranked`). What a waiting request waits for besides seats,
 blocks and budget (`is_ready`, an adapter slot, with a bounded wait) is admission.py's; short steps while a
-request in a hurry waits for its first token (ranked policies only) are step_pacing.py's.
+request in a hurry waits for its first token (ranked policies only) are step_pacing.py's; the bound on a stream's
+gap between tokens (any policy, when set) is stream_pace.py's.
 """
 
 from __future__ import annotations
@@ -20,46 +21,22 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from paged_hf.core.admission import AdmissionGate
 from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
 from paged_hf.core.request import Request, RequestStatus
 from paged_hf.core.request_queue import RankedQueue, make_waiting_queue
-from paged_hf.core.step_pacing import StepPacer
+from paged_hf.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from paged_hf.core.step_pacing import StepPacer, StepTimer
+from paged_hf.core.stream_pace import StreamPace, is_prefill
 from paged_hf.outputs import FinishReason
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens whose K/V this step computes, starting at request.num_computed_tokens
-    num_spec_tokens: int = 0  # of which drafts (request.spec_token_ids) after its last token: speculative decoding
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so its logits give the next token."""
-        num_real = self.num_new_tokens - self.num_spec_tokens
-        return self.request.num_computed_tokens + num_real == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # copy-on-write: the runner copies block src to block dst (every layer's K and V) before the forward
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int | None = None, policy: str = "fcfs", tenant_weights: dict | None = None,
                  is_ready: Callable[[Request], bool] | None = None, max_adapter_wait_steps: int = 64,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, max_stream_gap_s: float | None = None):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -68,8 +45,13 @@ class Scheduler:
         self.waiting: deque[Request] | RankedQueue = make_waiting_queue(policy, tenant_weights, max_num_seqs)
         self.gate = AdmissionGate(max_loras, is_ready, max_adapter_wait_steps)
         ranked = isinstance(self.waiting, RankedQueue)
-        # clock: the pacer times the steps to size its capped prefill (step_pacing.py); tests inject one
-        self.pacer = StepPacer(self.waiting, max_num_batched_tokens, clock=clock) if ranked else None
+        # clock: the steps are timed to size the pacer's capped prefill and the stream pace's; tests inject one
+        self.step_timer = StepTimer(clock)
+        self.pacer = StepPacer(self.waiting, max_num_batched_tokens, timer=self.step_timer) if ranked else None
+        self.stream_pace = (StreamPace(max_stream_gap_s, max_num_batched_tokens, self.step_timer)
+                            if max_stream_gap_s is not None else None)
+        self._prefill_left = max_num_batched_tokens  # this step: the prefill tokens the stream pace leaves
+        self._prefill_cut = False  # this step: the stream pace cut a prefill chunk short
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.max_num_running = 0  # the most requests that ran at once (after any step's scheduling)
@@ -102,15 +84,31 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.gate.num_steps += 1
-        if isinstance(self.waiting, RankedQueue):
-            return self._schedule_ranked()
+        self.step_timer.begin(self.running)
+        pace = self.stream_pace
+        self._prefill_left = self.max_num_batched_tokens if pace is None else pace.prefill_allowance(self.running)
+        self._prefill_cut = False
+        out = self._schedule_ranked() if isinstance(self.waiting, RankedQueue) else self._schedule_fcfs()
+        self.step_timer.scheduled(out.num_tokens)
+        if self._prefill_cut:
+            pace.num_paced_steps += 1
+        return out
+
+    def _paced(self, request: Request, num_new: int) -> int:
+        """`num_new`, cut to the prefill tokens the stream pace leaves this step (decodes are never cut)."""
+        if not is_prefill(request) or num_new <= self._prefill_left:
+            return num_new
+        self._prefill_cut = True
+        return self._prefill_left
+
+    def _schedule_fcfs(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens_to_compute, budget)
-            if num_new == 0:  # a beam waiting for its siblings' logits (beam search): nothing to compute
+            num_new = self._paced(request, min(request.num_tokens_to_compute, budget))
+            if num_new == 0:  # a beam waiting for its siblings' logits (beam search), or prefill paced: nothing now
                 index += 1
                 continue
             num_spec = min(len(request.spec_token_ids), budget - num_new)  # drafts: only what is left over
@@ -125,7 +123,7 @@ class Scheduler:
                     break
             else:
                 del request.spec_token_ids[num_spec:]
-                out.scheduled.append(ScheduledRequest(request, num_new + num_spec, num_spec))
+                self._add_scheduled(out, request, num_new + num_spec, num_spec)
                 budget -= num_new + num_spec
                 index += 1
                 continue
@@ -135,6 +133,7 @@ class Scheduler:
             if not out.scheduled and self.waiting:
                 self._unpark(out, budget)
         out.block_copies = self.kv_cache_manager.take_block_copies()
+        out.state_copies = self.kv_cache_manager.take_state_copies()
         self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 
@@ -145,7 +144,7 @@ class Scheduler:
         num_seats = self._num_seats()
         adapters = self.gate.running_adapters(self.running)
         skipped: list[Request] = []  # waiting for an adapter slot: they keep their place in the queue
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and self._prefill_left > 0:
             request = self.waiting[0]
             seats = min(request.num_seats, self.max_num_seqs)
             if num_seats + seats > self.max_num_seqs:
@@ -158,7 +157,7 @@ class Scheduler:
             hits = ([] if request.wants_prompt_logprobs or request.pools_every_token else
                     kv_cache_manager.find_cached_prefix(request, request_cache_key(request)))
             num_cached = len(hits) * kv_cache_manager.block_size
-            num_new = min(request.num_tokens_to_compute - num_cached, budget)
+            num_new = self._paced(request, min(request.num_tokens_to_compute - num_cached, budget))
             if not kv_cache_manager.allocate_slots(request, num_new, hits):
                 break
             self._count_lookup(request, num_cached)
@@ -202,6 +201,7 @@ class Scheduler:
         if not out.scheduled and self.waiting:
             self._unpark(out, budget)
         out.block_copies = self.kv_cache_manager.take_block_copies()
+        out.state_copies = self.kv_cache_manager.take_state_copies()
         self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 
@@ -222,8 +222,8 @@ class Scheduler:
                           budget: int) -> tuple[int, bool]:
         """fcfs's loop body for one running request (victims: `pending`'s tail, then the request itself).
         -> (budget left, whether blocks ran short)."""
-        num_new = self.pacer.limit(request, min(request.num_tokens_to_compute, budget), budget)
-        if num_new == 0:  # a beam waiting for its siblings' logits, or prefill held back (step_pacing.py)
+        num_new = self._paced(request, self.pacer.limit(request, min(request.num_tokens_to_compute, budget), budget))
+        if num_new == 0:  # a beam waiting for its siblings' logits, or prefill held back (step_pacing, stream_pace)
             return budget, False
         num_spec = min(len(request.spec_token_ids), budget - num_new)
         short = False
@@ -244,7 +244,7 @@ class Scheduler:
                       budget: int) -> tuple[int, bool]:
         """Start the waiting `request`, preempting the victims the policy names while no seat or blocks are
         free. -> (budget left, whether it started; not while the step holds back its prefill)."""
-        allowed = self.pacer.limit(request, budget, budget)
+        allowed = self._paced(request, self.pacer.limit(request, budget, budget))
         if allowed == 0:
             return budget, False
         seats = min(request.num_seats, self.max_num_seqs)
@@ -288,6 +288,8 @@ class Scheduler:
         self.gate.forget(request)
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, num_spec: int = 0) -> None:
+        if is_prefill(request):
+            self._prefill_left -= num_new
         out.scheduled.append(ScheduledRequest(request, num_new, num_spec))
         if isinstance(self.waiting, RankedQueue):
             self.waiting.charge(request, num_new)

@@ -89,21 +89,50 @@ class StepCost:
             return 0.0, sy / sx
         return fixed, per_token
 
+    def tokens_within(self, seconds: float, fit: tuple[float, float]) -> float:
+        """The tokens of a step that lasts `seconds` by `fit` (this cost's). A fit says little of steps much
+        larger than those it was fitted on (the first steps of a run are small and few): at most REACH_FACTOR
+        times the largest step timed, so a bound reaches a full budget in a few steps where the fit says it may."""
+        fixed, per_token = fit
+        return min((seconds - fixed) / per_token, REACH_FACTOR * self.largest)
+
+
+class StepTimer:
+    """Times the engine's steps for a StepCost: the scheduler calls `begin` as a step's scheduling begins and
+    `scheduled` with the tokens it gave out."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.cost = StepCost()
+        self._step_start: float | None = None  # when the last step's scheduling began
+        self._cold = True  # the engine's first step is not timed (see begin)
+        self._step_tokens = 0  # the tokens the last step scheduled
+
+    def begin(self, running: list[Request]) -> None:
+        """The time since the last step's scheduling began is that step's (scheduling, forward, outputs), unless
+        the engine idled in between: only timed while requests ran on from it. The engine's first step is not
+        timed: it pays for what is set up once (kernels loaded, buffers allocated), several times a step's cost."""
+        now = self.clock()
+        if self._step_start is not None and self._step_tokens and running:
+            if not self._cold:
+                self.cost.observe(self._step_tokens, now - self._step_start)
+            self._cold = False
+        self._step_start, self._step_tokens = now, 0
+
+    def scheduled(self, num_tokens: int) -> None:
+        self._step_tokens += num_tokens
+
 
 class StepPacer:
     def __init__(self, queue: RankedQueue, max_num_batched_tokens: int, window_steps: int = ARRIVAL_WINDOW_STEPS,
-                 clock: Callable[[], float] = time.perf_counter):
+                 timer: StepTimer | None = None):
         self.queue = queue
         self.max_num_batched_tokens = max_num_batched_tokens
         self.capped_budget = max(1, max_num_batched_tokens // CAPPED_BUDGET_DIVISOR)  # the cap before timings
         self.least_cap = max(1, max_num_batched_tokens // LEAST_CAP_DIVISOR)
         self.window_steps = window_steps
-        self.clock = clock
-        self.cost = StepCost()
+        self.timer = timer if timer is not None else StepTimer()  # the scheduler's, which times its steps
         self.hurried_prefill_tokens = 0  # the tokens of the last first prefill in a hurry that a step carried
-        self._step_start: float | None = None  # when the last step's scheduling began
-        self._cold = True  # the engine's first step is not timed (see _time_last_step)
-        self._step_tokens = 0  # the tokens the last step scheduled
         self.arrivals: dict[object, int] = {}  # class -> the last step it had an arrival in (oldest first)
         self.num_untopped_steps = 0  # steps that carried a first prefill in a hurry and held a prefill chunk back
         self.num_capped_steps = 0  # other steps in which the cap limited a prefill chunk
@@ -134,7 +163,6 @@ class StepPacer:
         """Before a step's scheduling: which first prefills are in a hurry, and whether prefill is capped."""
         queue, hurry = self.queue, {}
         queue.begin_step(running)
-        self._time_last_step(running)
 
         def hurried(key: object) -> bool:
             if key not in hurry:
@@ -169,29 +197,20 @@ class StepPacer:
             allowance = max(allowance, int(self.max_num_batched_tokens * self.queue.budget_share(key, running)))
         return allowance
 
-    def _time_last_step(self, running: list[Request]) -> None:
-        """The time since the last step's scheduling began is that step's (scheduling, forward, outputs), unless
-        the engine idled in between: only timed while requests ran on from it. The engine's first step is not
-        timed: it pays for what is set up once (kernels loaded, buffers allocated), several times a step's cost."""
-        now = self.clock()
-        if self._step_start is not None and self._step_tokens and running:
-            if not self._cold:
-                self.cost.observe(self._step_tokens, now - self._step_start)
-            self._cold = False
-        self._step_start, self._step_tokens = now, 0
+    @property
+    def cost(self) -> StepCost:
+        return self.timer.cost
 
     def cap(self, num_decodes: int) -> int:
         """The capped prefill's tokens this step: what keeps the step within CAPPED_STEP_FACTOR times the hurried
-        class's own first step (the same decodes plus its first prefill), at least the least cap. A fit says little
-        of steps much larger than those it was fitted on (the first steps of a run are small and few): the step
-        grows to at most REACH_FACTOR times the largest step timed, so the cap reaches a full budget in a few
-        steps where the fit says it may."""
+        class's own first step (the same decodes plus its first prefill), at least the least cap, growing as
+        StepCost.tokens_within allows."""
         fit = self.cost.fit()
         if fit is None:
             return self.capped_budget
         fixed, per_token = fit
         own_step = fixed + per_token * (num_decodes + self.hurried_prefill_tokens)
-        step_tokens = min((CAPPED_STEP_FACTOR * own_step - fixed) / per_token, REACH_FACTOR * self.cost.largest)
+        step_tokens = self.cost.tokens_within(CAPPED_STEP_FACTOR * own_step, fit)
         return max(self.least_cap, min(self.max_num_batched_tokens, int(step_tokens) - num_decodes))
 
     def end(self) -> None:
@@ -237,7 +256,6 @@ class StepPacer:
     def scheduled(self, request: Request, num_new: int) -> None:
         """A request got `num_new` tokens this step: a first prefill in a hurry un-tops the step."""
         self._decodes.discard(request)
-        self._step_tokens += num_new
         if num_new and request in self.urgent:
             key = self.queue.class_of(request)
             self._untopped_by.add(key)

@@ -21,11 +21,13 @@ from paged_hf.core.block_pool import BlockPool
 from paged_hf.core.kv_cache_manager import KVCacheManager
 from paged_hf.core.request import Request
 from paged_hf.core.scheduler import Scheduler
+from paged_hf.core.state_slots import StateSlots
 from paged_hf.engine import beam_search as _beam_search
 from paged_hf.engine.adapter_store import AdapterStore
 from paged_hf.engine.adapter_store import is_ready as adapter_is_ready
 from paged_hf.engine.adapters import adapter_slots, lora_manager, split_peft_model
 from paged_hf.engine.embedding import embedding_group
+from paged_hf.engine.hybrid import hybrid_config
 from paged_hf.engine.request_builder import RequestBuilder
 from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
 from paged_hf.engine.request_group import RequestGroup
@@ -37,7 +39,7 @@ from paged_hf.pooling_params import PoolingParams
 from paged_hf.sample.sampler import Sampler
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.spec_decode import Speculator, make_proposer
-from paged_hf.worker.cache_sizing import num_blocks_from_memory
+from paged_hf.worker.cache_sizing import num_blocks_from_memory, state_slot_count
 from paged_hf.worker.model_info import inspect_model
 from paged_hf.worker.model_runner import ModelRunner
 
@@ -51,18 +53,20 @@ class ContinuousBatchGenerator:
     def __init__(self, model: torch.nn.Module, config: PagedConfig | None = None, tokenizer=None):
         peft_model, model = split_peft_model(model)
         self.serves_peft_model = peft_model is not None
-        self.config = config or PagedConfig()
         self.tokenizer = tokenizer
         self.info = inspect_model(model)
+        self.config = hybrid_config(config or PagedConfig(), self.info)
         self.max_model_len = self.config.max_model_len or self.info.max_positions or 2048
         num_blocks = self.config.num_blocks or num_blocks_from_memory(self.info, self.config, self.max_model_len)
         self.runner = ModelRunner(model, self.info, num_blocks, self.config)
         self.adapter_store = AdapterStore(self.runner, self.config)
         self.block_pool = BlockPool(num_blocks, self.config.enable_prefix_caching)
-        self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size, self.runner.kv_tier)
+        state_slots = StateSlots(state_slot_count(self.config)) if self.info.is_hybrid else None
+        self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size, self.runner.kv_tier, state_slots)
         self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    max_loras=adapter_slots(self.config, self.info), is_ready=adapter_is_ready,
-                                   policy=self.config.scheduling_policy, tenant_weights=self.config.tenant_weights)
+                                   policy=self.config.scheduling_policy, tenant_weights=self.config.tenant_weights,
+                                   max_stream_gap_s=self.config.max_stream_gap_s)
         self.sampler = Sampler(self.info.eos_token_ids)
         self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len)
         speculative = self.config.speculative

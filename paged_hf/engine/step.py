@@ -15,7 +15,8 @@ import torch
 
 from paged_hf.beam.group import BeamGroup
 from paged_hf.core.request import Request
-from paged_hf.core.scheduler import Scheduler, SchedulerOutput
+from paged_hf.core.scheduler import Scheduler
+from paged_hf.core.scheduler_output import SchedulerOutput
 from paged_hf.engine.adapter_store import AdapterStore
 from paged_hf.engine.beam_search import route_beam_rows
 from paged_hf.engine.embedding import finish_pooled

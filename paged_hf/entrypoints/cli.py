@@ -48,11 +48,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="as --model (vLLM's form)")
-    parser.add_argument("--api-key", action="append", default=None, metavar="[NAME=]KEY",
-                        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (all routes but /health); "
-                        f"repeatable, each key a tenant (NAME=KEY names it); default: ${API_KEY_ENV_VAR}")
-    parser.add_argument("--api-key-file", default=None, metavar="FILE",
-                        help='more API keys by name: a JSON object {"name": "key"} or NAME=KEY lines')
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the names clients use (default: the --model folder's name, or its hub id); the first is "
                         "reported")
@@ -64,10 +59,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-root", default=None, metavar="DIR", help="serve every adapter folder under DIR by "
                         "its name (model=NAME reads DIR/NAME on first use, no load call), and allow "
                         "/v1/load_lora_adapter and /v1/unload_lora_adapter for folders under DIR only (off by default)")
-    parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
-    parser.add_argument("--max-n", type=int, default=16, help="most completions per request (n)")
-    parser.add_argument("--max-tokens-cap", type=int, default=4096, help="most max_tokens per request (0: none)")
-    parser.add_argument("--max-queue", type=int, default=8192, help="unfinished requests at once; more get 503")
     parser.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
                         help="how tool calls are found in the model's output (tool_choice auto)")
     parser.add_argument("--log-level", "--uvicorn-log-level", default="info", help="uvicorn log level")
@@ -79,10 +70,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "in chat messages are tokenized as plain text, so content cannot forge a turn")
     parser.add_argument("--chat-template-timeout", type=float, default=2.0, help="seconds a chat template render "
                         "may run (default: 2); longer is a 400")
-    parser.add_argument("--max-rendered-chat-chars", type=int, default=16 << 20,
-                        help="longest rendered chat (default: 16M characters)")
-    parser.add_argument("--max-logprob-entries", type=int, default=200_000, help="most prompt logprob entries "
-                        "per request: prompt tokens x (logprobs + 1) x n (default: 200000)")
     parser.add_argument("--responses-store-max-count", type=int, default=1000, help="/v1/responses: most stored "
                         "responses (store=true; least recently used evicted beyond; default: 1000)")
     parser.add_argument("--responses-store-max-bytes", type=int, default=64 << 20, help="/v1/responses: most "
@@ -95,7 +82,44 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
     parser.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory, least "
                         "recently used dropped and read again from their folder on use (default: all)")
+    add_tenant_args(parser)
+    add_limit_args(parser)
     add_scaling_args(parser)
+
+
+def add_tenant_args(parser: argparse.ArgumentParser) -> None:
+    """API keys as tenants: who may call, and what one key may see of another's."""
+    parser.add_argument("--api-key", action="append", default=None, metavar="[NAME=]KEY",
+                        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (all routes but /health); "
+                        f"repeatable, each key a tenant (NAME=KEY names it); default: ${API_KEY_ENV_VAR}")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help='more API keys by name: a JSON object {"name": "key"} or NAME=KEY lines')
+    parser.add_argument("--prefix-cache-isolation", choices=("none", "key"), default="none",
+                        help="key: a request's prefix-cache hits come only from its own API key's requests (no "
+                        "timing side channel between keys; docs/serving.md); default: none")
+    parser.add_argument("--metrics-key", action="append", default=[], metavar="NAME",
+                        help="with named API keys: the key NAME's /metrics shows every tenant's series (others see "
+                        "their own); repeatable")
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """Bounds on one request, so no client can make the server spend without limit."""
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    parser.add_argument("--max-json-depth", type=int, default=1000, help="request bodies nested deeper get 400 "
+                        "(default: 1000)")
+    parser.add_argument("--max-request-items", type=int, default=2048, help="most messages, input items, content "
+                        "blocks and tools in one request, or prompts in one completions batch (default: 2048)")
+    parser.add_argument("--max-embedding-inputs", type=int, default=2048, help="most inputs of one /v1/embeddings "
+                        "request (default: 2048, OpenAI's)")
+    parser.add_argument("--max-detokenize-tokens", type=int, default=131072, help="most ids of one /detokenize "
+                        "request (default: 131072)")
+    parser.add_argument("--max-n", type=int, default=16, help="most completions per request (n)")
+    parser.add_argument("--max-tokens-cap", type=int, default=4096, help="most max_tokens per request (0: none)")
+    parser.add_argument("--max-queue", type=int, default=8192, help="unfinished requests at once; more get 503")
+    parser.add_argument("--max-rendered-chat-chars", type=int, default=16 << 20,
+                        help="longest rendered chat (default: 16M characters)")
+    parser.add_argument("--max-logprob-entries", type=int, default=200_000, help="most prompt logprob entries "
+                        "per request: prompt tokens x (logprobs + 1) x n (default: 200000)")
 
 
 def add_scaling_args(parser: argparse.ArgumentParser) -> None:

@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", choices=(*KV_CACHE_DTYPE_NAMES, "fp8"),
                        help="KV cache storage: auto (the model's dtype) or int8/fp8 with per-block scales (2x the "
                        "tokens of bf16 in the same memory)")
+    group.add_argument("--quantization", choices=("int8", "w4a16"), default=None,
+                       help="quantize the model's linears at load, round to nearest (int8: W8A8 per channel; w4a16: "
+                       "4-bit groups of 64); a quantized checkpoint folder is served quantized without it")
     group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                        help="disable automatic prefix caching")
     group.add_argument("--enable-prefix-caching", action="store_true", help="(vLLM's flag; on by default)")
@@ -71,6 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "lower ones) or fair (tenants share the step budget: user field, else API key, else adapter)")
     group.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=WEIGHT",
                        help="--scheduling-policy fair: a tenant's share weight (default 1; repeatable)")
+    group.add_argument("--max-stream-gap", type=float, dest="max_stream_gap_s", metavar="SECONDS",
+                       help="while requests decode, a step carries only the prefill that keeps it within SECONDS, "
+                       "so a big prompt does not stall running streams (default: none, the whole budget)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "PATH", '
@@ -83,7 +89,7 @@ def engine_config(args: argparse.Namespace) -> dict:
     for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len",
                  "max_stop_strings", "max_stop_string_chars", "kv_cache_dtype", "max_grammar_bytes",
                  "max_grammar_depth", "grammar_compile_timeout_s", "grammar_cache_bytes", "max_bad_words",
-                 "kv_offloading_size", "kv_cache_dir", "kv_cache_dir_size"):
+                 "kv_offloading_size", "kv_cache_dir", "kv_cache_dir_size", "quantization", "max_stream_gap_s"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     if args.kv_cache_memory is not None:

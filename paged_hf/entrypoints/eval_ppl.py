@@ -23,6 +23,7 @@ from paged_hf.config import PagedConfig
 from paged_hf.engine.generator import ContinuousBatchGenerator
 from paged_hf.entrypoints.cli_args import add_engine_args, add_model_args, engine_config
 from paged_hf.loader import default_model
+from paged_hf.loader.quantized import describe_linears, quantize_model
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.utils import cdiv
 
@@ -147,13 +148,16 @@ def cmd_eval_ppl(args) -> int:
         with open(args.text, encoding="utf-8") as fh:
             text = fh.read()
     model, tokenizer = default_model.load_model(args.model, getattr(torch, args.dtype), args.device)
+    quantization = config.pop("quantization", None)
+    if quantization is not None:  # the engine and plain HF alike compute with the quantized linears
+        quantize_model(model, quantization)
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:args.max_tokens]
     spans = windows(len(ids), args.context_len, args.stride)  # checks the numbers before any engine starts
     if not (config.get("num_blocks") or config.get("kv_cache_memory")):  # room for 16 windows at once
         config["num_blocks"] = 16 * cdiv(args.context_len + 1, config.get("block_size", 16))
     scored = sum(w.num_scored for w in spans)
     print(f"eval-ppl: {len(ids)} tokens, {len(spans)} windows of {args.context_len} (stride {args.stride}), "
-          f"{scored} scored; model dtype {args.dtype}", flush=True)
+          f"{scored} scored; model dtype {args.dtype}, linears {describe_linears(model)}", flush=True)
     results = {}
     for kv_dtype in kv_dtypes:
         results[kv_dtype] = engine_perplexity(model, ids, args.context_len, args.stride, kv_cache_dtype=kv_dtype,

@@ -7,6 +7,7 @@ from transformers.utils import logging
 
 from paged_hf.config import PagedConfig
 from paged_hf.engine.generator import ContinuousBatchGenerator
+from paged_hf.loader.quantized import quantize_model
 
 logger = logging.get_logger(__name__)
 
@@ -50,5 +51,10 @@ class PagedModel:
 
 
 def wrap(model: torch.nn.Module, tokenizer=None, **config) -> PagedModel:
-    """Serve `model` with a paged KV cache and continuous batching. `config`: the `PagedConfig` fields."""
-    return PagedModel(model, tokenizer, PagedConfig.from_kwargs(**config))
+    """Serve `model` with a paged KV cache and continuous batching. `config`: the `PagedConfig` fields.
+    `quantization="int8"` replaces the model's float linears by int8 ones first, in place (their float weights
+    are freed: `unwrap()` then gives the quantized model)."""
+    config = PagedConfig.from_kwargs(**config)
+    if config.quantization is not None:
+        quantize_model(model, config.quantization)
+    return PagedModel(model, tokenizer, config)

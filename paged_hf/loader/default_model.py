@@ -286,7 +286,14 @@ def load_model(
 
         kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    from paged_hf.loader.quantized import load_quantized_model, quantization_config  # noqa: PLC0415
+
+    if quantization_config(source) is not None:  # served on its own integers (docs/quantization.md)
+        if tp_plan is not None:
+            raise ValueError("a quantized checkpoint is not served tensor-parallel")
+        model = load_quantized_model(source, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(source)
     if tp_plan is None:
         model.to(device)

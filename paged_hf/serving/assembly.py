@@ -88,7 +88,10 @@ def serve_settings(args: argparse.Namespace, model):
     defaults = generation_config_defaults(model) if args.generation_config == "auto" else {}
     return ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
                           api_keys=read_api_key_file(getattr(args, "api_key_file", None)),
-                          max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+                          prefix_cache_isolation=args.prefix_cache_isolation, metrics_keys=tuple(args.metrics_key),
+                          max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                          max_request_items=args.max_request_items, max_embedding_inputs=args.max_embedding_inputs,
+                          max_detokenize_tokens=args.max_detokenize_tokens, max_n=args.max_n,
                           max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
                           chat_template=read_chat_template(args.chat_template), sampling_defaults=defaults,
                           cors_origins=tuple(_origins(args.allowed_origins)), tool_call_parser=args.tool_call_parser,

@@ -23,7 +23,7 @@ import torch
 from paged_hf.core.block_pool import BlockPool
 from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
 from paged_hf.core.request import Request
-from paged_hf.core.scheduler import ScheduledRequest, SchedulerOutput
+from paged_hf.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from paged_hf.spec_decode.proposer import Proposer
 from paged_hf.utils import cdiv
 from paged_hf.worker.distributed import broadcast_tokens

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from paged_hf.integrations.lora import updates_over
 from paged_hf.kernels import layer_ops
 from paged_hf.worker.attention_switch import attention_function
-from paged_hf.worker.packed_linears import ModuleSwaps, packable_dtypes, weight_version
+from paged_hf.worker.packed_linears import ModuleSwaps, StandIn, packable_dtypes, weight_version
 
 #: sibling Linears that read the same input in the transformers models that follow Llama's layout
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -82,11 +82,11 @@ class ProjectionGroup:
         self._input, self._outputs = None, ()
 
 
-class ProjectionSlice(torch.nn.Module):
+class ProjectionSlice(StandIn):
     """One projection of a group. `base` is the user's Linear (the LoRA wrappers compute on top of `self`)."""
 
     def __init__(self, base: torch.nn.Linear, group: ProjectionGroup, index: int):
-        super().__init__()
+        super().__init__(base)
         object.__setattr__(self, "base", base)  # not a submodule: nothing registered twice
         object.__setattr__(self, "group", group)
         self.index = index
@@ -97,12 +97,12 @@ class ProjectionSlice(torch.nn.Module):
         return self.group.output(x, self.index)
 
 
-class _AroundGroup(torch.nn.Module):
+class _AroundGroup(StandIn):
     """A module (`owner`) whose forward is rewritten around the projection group of its Linears `names`."""
 
     def __init__(self, owner: torch.nn.Module, names: tuple[str, ...], group: ProjectionGroup,
                  slices: tuple[ProjectionSlice, ...]):
-        super().__init__()
+        super().__init__(owner)
         object.__setattr__(self, "owner", owner)  # not submodules: nothing registered twice
         object.__setattr__(self, "group", group)
         self.names, self.slices = names, slices
@@ -175,11 +175,11 @@ class FusedAttention(_AroundGroup):
         return attention.o_proj(output), weights
 
 
-class FusedRMSNorm(torch.nn.Module):
+class FusedRMSNorm(StandIn):
     """LlamaRMSNorm's forward as one compiled op (its own forward where the op cannot serve the input)."""
 
     def __init__(self, norm: torch.nn.Module):
-        super().__init__()
+        super().__init__(norm)
         object.__setattr__(self, "norm", norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,21 +9,43 @@ from dataclasses import dataclass
 import torch
 
 from paged_hf.integrations import accelerate as accelerate_integration
+from paged_hf.worker.model_probe import AttentionLayer, probe_layers
+from paged_hf.worker.recurrent_state import StateLayer
 
 
 @dataclass
 class ModelInfo:
-    num_layers: int
-    num_kv_heads: list[int]  # per layer
-    head_dim: list[int]  # per layer
+    num_layers: int  # cache layers (what the model's attention writes; usually its decoder layers)
+    attention_layers: list[AttentionLayer]  # per cache layer: heads, K and V head_dim, device, sinks
+    state_layers: list[StateLayer]  # a hybrid model's recurrent layers (their states per request); else []
     dtype: torch.dtype
-    layer_devices: list[torch.device]
     input_device: torch.device  # where input_ids go (where the embedding computes)
     logits_device: torch.device  # where the logits come out (where the LM head computes)
     vocab_size: int
     max_positions: int | None
     eos_token_ids: list[int]
     accepts_logits_to_keep: bool
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.state_layers)
+
+    @property
+    def num_kv_heads(self) -> list[int]:
+        return [layer.num_kv_heads for layer in self.attention_layers]
+
+    @property
+    def head_dim(self) -> list[int]:
+        """Of the keys, per layer (the values' may differ: `value_head_dim`)."""
+        return [layer.head_dim for layer in self.attention_layers]
+
+    @property
+    def value_head_dim(self) -> list[int]:
+        return [layer.value_head_dim for layer in self.attention_layers]
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        return [layer.device for layer in self.attention_layers]
 
 
 def text_config(config):
@@ -33,18 +55,15 @@ def text_config(config):
 
 def inspect_model(model: torch.nn.Module) -> ModelInfo:
     config = text_config(model.config)
-    num_layers = config.num_hidden_layers
     embeddings = model.get_input_embeddings()
     output_embeddings = model.get_output_embeddings()
     input_device = accelerate_integration.module_device(model, embeddings)
-    num_kv_heads, head_dim = _probe_kv_shapes(model, input_device)
-    layer_devices = accelerate_integration.layer_devices(model, num_layers)
+    attention_layers, state_layers = probe_layers(model, config, input_device)
     return ModelInfo(
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        num_layers=len(attention_layers),
+        attention_layers=attention_layers,
+        state_layers=state_layers,
         dtype=embeddings.weight.dtype,
-        layer_devices=layer_devices,
         input_device=input_device,
         logits_device=input_device if output_embeddings is None else
         accelerate_integration.module_device(model, output_embeddings),
@@ -53,16 +72,6 @@ def inspect_model(model: torch.nn.Module) -> ModelInfo:
         eos_token_ids=eos_token_ids(model),
         accepts_logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
     )
-
-
-@torch.inference_mode()
-def _probe_kv_shapes(model: torch.nn.Module, device: torch.device) -> tuple[list[int], list[int]]:
-    """Each layer's (num_kv_heads, head_dim), read off a one-token forward: configs name these fields in
-    many ways (and a tensor-parallel shard holds only some heads), the cached keys never lie."""
-    output = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True)
-    cache = output["cache"] if "cache" in output else output["past_key_values"]  # transformers >= 5.x renamed it
-    shapes = [layer.keys.shape for layer in cache.layers]  # [1, num_kv_heads, 1, head_dim]
-    return [s[1] for s in shapes], [s[-1] for s in shapes]
 
 
 def eos_token_ids(model) -> list[int]:

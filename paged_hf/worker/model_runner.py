@@ -7,14 +7,19 @@ import contextlib
 import torch
 
 from paged_hf.config import PagedConfig
-from paged_hf.core.scheduler import SchedulerOutput
-from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
+from paged_hf.core.scheduler_output import SchedulerOutput
+from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register, step_scope
 from paged_hf.kernels import select_kernel
 from paged_hf.kernels.quant import storage_dtype
 from paged_hf.worker.attention_switch import AttentionSwitch
+from paged_hf.worker.engine_probe import verify_engine
 from paged_hf.worker.fused_layers import FusedLayers
 from paged_hf.worker.kv_offload import make_kv_offload
-from paged_hf.worker.model_info import ModelInfo
+from paged_hf.worker.model_info import ModelInfo, text_config
+from paged_hf.worker.own_attention import OwnAttentions
+from paged_hf.worker.recurrent_mixers import RecurrentMixers
+from paged_hf.worker.recurrent_state import RecurrentStates
+from paged_hf.worker.cache_sizing import state_slot_count
 from paged_hf.worker.packed_linears import PackedLinears
 from paged_hf.worker.paged_cache import PagedCache
 from paged_hf.worker.pooling import HiddenStateCapture, pooling_rows, pooling_spans
@@ -28,16 +33,24 @@ class ModelRunner:
         self.info = info
         self.block_size = config.block_size
         kv_dtype = storage_dtype(config.kv_cache_dtype, info.dtype)
-        self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim, kv_dtype)
-        self.cache = PagedCache(num_blocks, config.block_size, info.num_kv_heads, info.head_dim, info.dtype,
-                                info.layer_devices, self.kernel, kv_dtype)
+        layers = info.attention_layers
+        self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim, kv_dtype,
+                                    info.value_head_dim, sinks=any(layer.has_sinks for layer in layers),
+                                    chunked=any(layer.chunk_size for layer in layers))
+        states = RecurrentStates(info.state_layers, state_slot_count(config)) if info.is_hybrid else None
+        self.cache = PagedCache(num_blocks, config.block_size, info.attention_layers, info.dtype, self.kernel, kv_dtype,
+                                states)
+        self.recurrent_mixers = RecurrentMixers(model, states)  # a hybrid's recurrent layers, request by request
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)
+        self.own_attentions = OwnAttentions(model, text_config(model.config))  # older families' inline attention
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
         fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()
         fused = fused_layers.fused_linears if fused_layers is not None else set()
         self.packed_linears = PackedLinears(model, fused) if config.pack_linear_weights else contextlib.nullcontext()
+        self.kv_offload = None
+        verify_engine(self)  # the engine computes the model's own forward, or the model is refused here
         # the KV tier under the prefix cache (host memory, a directory): None unless configured
         self.kv_offload = make_kv_offload(model, info.dtype, self.cache, config)
         self.kv_tier = self.kv_offload.tier if self.kv_offload is not None else None
@@ -48,6 +61,8 @@ class ModelRunner:
         (with embedding requests: their rows' final hidden states in `inputs.pooled_hidden_states`)."""
         transfers = self.kv_offload.save_blocks() if self.kv_offload is not None else None  # before any write
         self.cache.copy_blocks([src for src, _ in out.block_copies], [dst for _, dst in out.block_copies])
+        if self.cache.states is not None:
+            self.cache.states.copy_slots(out.state_copies)  # forked children start from their parent's state
         if transfers is not None:
             self.kv_offload.load_blocks(transfers)
         request_slots = None
@@ -60,7 +75,6 @@ class ModelRunner:
             position_ids=inputs.positions.to(device)[None],
             attention_mask=STEP_MASK_SENTINEL,
             cache=self.cache,
-            paged_cache=self.cache,
             use_cache=True,
         )
         if self.info.accepts_logits_to_keep:
@@ -70,9 +84,10 @@ class ModelRunner:
                    else contextlib.nullcontext())
         self.cache.begin_step(inputs.attention)
         try:
-            with (self.attention_switch, self.packed_linears, self.fused_layers, self._lora_step(inputs.adapter_slots),
-                  capture):
+            with (step_scope(self.cache), self.attention_switch, self.own_attentions, self.recurrent_mixers,
+                  self.packed_linears, self.fused_layers, self._lora_step(inputs.adapter_slots), capture):
                 logits = self.model(**kwargs).logits[0]  # [num_kept, vocab_size]
+            self.cache.check_step()  # every layer went through the paged attention, or the step fails
         finally:
             self.cache.end_step()
         if inputs.pooling_spans:  # [num_rows, hidden_size] -> one [count, hidden_size] per span

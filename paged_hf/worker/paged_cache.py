@@ -1,9 +1,15 @@
 """`PagedCache`: a `transformers.Cache` whose K/V live in fixed-size blocks shared by all requests.
 
-Each layer's K/V tensor is `[num_blocks, block_size, num_kv_heads, head_dim]` on that layer's device. The
-step's metadata lives here (not in forward kwargs, which accelerate's hooks would copy to every layer's
-device again and again): `begin_step` plans once per device, every layer then writes and attends with it.
+Each layer's K tensor is `[num_blocks, block_size, num_kv_heads, head_dim]` on that layer's device, its V the
+same with V's own head_dim (MLA models cache K and V of different widths). The step's metadata lives here (not
+in forward kwargs, which accelerate's hooks would copy to every layer's device again and again): `begin_step`
+plans once per device, every layer then writes and attends with it.
 An int8/fp8 cache (`kv_dtype`) also holds each layer's scales per (block, KV head), `kernels.quant.KVScales`.
+
+The step keeps books (worker/step_books.py): every cache layer is written once and attended, and each attention
+call is matched to its layer; a layer that never reaches the paged attention fails the step (`check_step`)
+instead of returning another model's tokens. A module that attends its cached K/V transformed (MLA's latent
+expanded, heads rearranged) is attended over its gathered, transformed blocks (worker/gathered_attention.py).
 """
 
 from __future__ import annotations
@@ -11,42 +17,78 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from paged_hf.integrations.transformers import UnservedAttention
 from paged_hf.kernels.quant import KVScales, as_bytes, is_quantized
+from paged_hf.worker.gathered_attention import GatheredAttention
+from paged_hf.worker.model_probe import AttentionLayer
+from paged_hf.worker.recurrent_mixers import RecurrentStep
+from paged_hf.worker.recurrent_state import RecurrentStates
+from paged_hf.worker.step_books import StepBooks
 from paged_hf.worker.step_inputs import AttentionMetadata
 
 
+class NoLayerObjects(list):
+    """`PagedCache.layers`: empty, and a model that indexes it (compressed or indexed attention with cache layers
+    of its own: DeepSeek-V4, MiniMax-M3) is told why instead of getting an IndexError."""
+
+    def __getitem__(self, index):
+        raise UnservedAttention("the model reads its cache's layer objects (cache layers of its own, as compressed "
+                                "or indexed attention keeps): not served by the paged cache")
+
+
 class PagedCache(Cache):
-    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: list[int], head_dim: list[int],
-                 dtype: torch.dtype, devices: list[torch.device], kernel, kv_dtype: torch.dtype | None = None):
-        """dtype: the model's; kv_dtype: the cache's storage dtype when it is quantized (int8/fp8)."""
-        super().__init__(layers=[])
+    def __init__(self, num_blocks: int, block_size: int, layers: list[AttentionLayer], dtype: torch.dtype, kernel,
+                 kv_dtype: torch.dtype | None = None, states: RecurrentStates | None = None):
+        """layers: one per cache slot (worker.model_probe); dtype: the model's; kv_dtype: the cache's storage
+        dtype when it is quantized (int8/fp8); states: a hybrid model's recurrent-state slots."""
+        super().__init__(layers=NoLayerObjects())
         kv_dtype = kv_dtype or dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kernel = kernel
-        self.layer_devices = [torch.device(d) for d in devices]
+        self.attention_layers = layers
+        self.layer_devices = [torch.device(layer.device) for layer in layers]
         # zeros, not empty: padded decode gathers read unwritten slots (masked, but NaN * 0 would leak)
         self.key_cache = [
-            torch.zeros(num_blocks, block_size, h, d, dtype=kv_dtype, device=dev)
-            for h, d, dev in zip(num_kv_heads, head_dim, self.layer_devices)
+            torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=kv_dtype, device=dev)
+            for layer, dev in zip(layers, self.layer_devices)
         ]
-        self.value_cache = [torch.zeros_like(k) for k in self.key_cache]
+        self.value_cache = [
+            torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.value_head_dim, dtype=kv_dtype, device=dev)
+            for layer, dev in zip(layers, self.layer_devices)
+        ]
         self.scales: list[KVScales | None] = [
-            KVScales.create(num_blocks, h, dev, dynamic=kernel.per_block_kv_scales) if is_quantized(kv_dtype) else None
-            for h, dev in zip(num_kv_heads, self.layer_devices)
+            KVScales.create(num_blocks, layer.num_kv_heads, dev, dynamic=kernel.per_block_kv_scales)
+            if is_quantized(kv_dtype) else None
+            for layer, dev in zip(layers, self.layer_devices)
         ]
         self.metadata: AttentionMetadata | None = None
         self._plans: dict[torch.device, object] = {}
+        self.books = StepBooks([layer.layer_idx for layer in layers])
+        self.states = states
+        self.recurrent_step: RecurrentStep | None = None  # how the step's row splits for the recurrent mixers
+        self.gathered_attention = GatheredAttention()
 
     # --- one step -------------------------------------------------------------------------------------
     def begin_step(self, metadata: AttentionMetadata) -> None:
         """Plan the step once per device; every layer on that device reuses the plan."""
         self.metadata = metadata
         self._plans = {device: self.kernel.plan(metadata, device) for device in dict.fromkeys(self.layer_devices)}
+        self.books.begin()
+        self.gathered_attention.begin_step()
+        if self.states is not None:
+            self.recurrent_step = RecurrentStep.of(metadata.query_start_loc, metadata.context_lens,
+                                                   metadata.state_slots)
+
+    def check_step(self) -> None:
+        """After the forward: every layer was written and attended, through the paged kernels."""
+        self.books.check()
 
     def end_step(self) -> None:
         self.metadata = None
         self._plans = {}
+        self.recurrent_step = None
+        self.books.begin()  # holds no tensor past the step
 
     @property
     def in_step(self) -> bool:
@@ -74,20 +116,43 @@ class PagedCache(Cache):
         """key/value_states: [1, num_kv_heads, num_tokens, head_dim] (RoPE applied). Written through
         `slot_mapping`; returned unchanged (the attention function reads the cache, not these)."""
         assert self.in_step, "PagedCache.update outside of a paged step"
-        plan = self._plans[self.layer_devices[layer_idx]]
+        slot = self.books.write(layer_idx, key_states, value_states)
+        plan = self._plans[self.layer_devices[slot]]
         self.kernel.write_kv(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1),
-                             self.key_cache[layer_idx], self.value_cache[layer_idx], plan, self.scales[layer_idx])
+                             self.key_cache[slot], self.value_cache[slot], plan, self.scales[slot])
         return key_states, value_states
 
-    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-               scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-        """query: [1, num_heads, num_tokens, head_dim] -> [1, num_tokens, num_heads, head_dim]."""
-        output = self.kernel.attend(
-            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-            self.key_cache[layer_idx], self.value_cache[layer_idx], self._plans[self.layer_devices[layer_idx]],
-            scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=self.scales[layer_idx],
-        )
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+               scaling: float, sliding_window: int | None, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query: [1, num_heads, num_tokens, head_dim] -> [1, num_tokens, num_heads, value_head_dim]; key/value:
+        what the module hands its attention function (its layer is found by them, step_books.py)."""
+        layer_idx, transform = self.books.resolve(module, key, value)
+        query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, dim]
+        masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                       chunk_size=self.attention_layers[layer_idx].chunk_size)
+        key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        if transform is None:
+            output = self.kernel.attend(query, key, value, key_cache, value_cache,
+                                        self._plans[self.layer_devices[layer_idx]], scales=self.scales[layer_idx],
+                                        **masking)
+        elif self.scales[layer_idx] is not None:
+            raise UnservedAttention("an attention of transformed K/V (MLA, rearranged heads) over an int8/fp8 cache")
+        else:
+            output = self.gathered_attention.attend(transform, query, key, value, key_cache, value_cache,
+                                                    self.metadata, **masking)
         return output.unsqueeze(0)
+
+    def get_conv_state(self, *args, **kwargs):
+        raise UnservedAttention("the model keeps a convolution state in its cache: hybrid layers are not paged")
+
+    def get_recurrent_state(self, *args, **kwargs):
+        raise UnservedAttention("the model keeps a recurrent state in its cache: hybrid layers are not paged")
+
+    update_conv_state, update_recurrent_state = get_conv_state, get_recurrent_state
+
+    def update_indexer(self, *args, **kwargs):
+        raise UnservedAttention("the model indexes its cache (sparse attention): not served by the paged kernels")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions always come from the step; nothing in the model should ask

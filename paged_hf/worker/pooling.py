@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_hf.core.scheduler import SchedulerOutput
+from paged_hf.core.scheduler_output import SchedulerOutput
 
 
 @dataclass

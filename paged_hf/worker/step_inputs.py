@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_hf.core.scheduler import SchedulerOutput
+from paged_hf.core.scheduler_output import SchedulerOutput
 from paged_hf.worker.pooling import PoolingSpan
 
 
@@ -19,6 +19,7 @@ class AttentionMetadata:
     context_lens: list[int]  # [num_requests]: K/V length of each request once this step is written
     block_tables: list[list[int]]  # [num_requests][num_blocks_of_request]
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes (block * size + offset)
+    state_slots: list[int | None] | None = None  # [num_requests]: a hybrid model's recurrent-state slots
 
     @property
     def num_requests(self) -> int:
@@ -112,6 +113,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
             context_lens=context_lens,
             block_tables=block_tables,
             slot_mapping=torch.tensor(slots, dtype=torch.long),
+            state_slots=[scheduled.request.state_slot for scheduled in out.scheduled],
         ),
         adapter_slots=token_adapter_slots(out, request_slots),
         prompt_logprob_spans=spans,

@@ -334,7 +334,7 @@ def test_paced_steps_give_the_greedy_output_of_transformers(policy):
     expected = [hf_greedy(model, p, n) for p, n in zip(prompts, max_new)]
     generator = paged_hf.ContinuousBatchGenerator(model, PagedConfig(
         block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=16, scheduling_policy=policy))
-    generator.scheduler.pacer.clock = lambda: 0.0  # untimed steps: the least cap (the host's timings would vary it)
+    generator.scheduler.step_timer.clock = lambda: 0.0  # untimed steps: the least cap (the host's timings would vary it)
     ids = [generator.add_request(p, greedy(n), tenant="bulk") for p, n in zip(prompts[:2], max_new[:2])]
     generator.step()
     urgent = {"priority": {"priority": -1}, "fair": {"tenant": "quiet"}}[policy]

@@ -4,24 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, assert_no_leak, random_prompts, tiny_model
+from conftest import FAMILIES, assert_no_leak, hf_beam, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import BeamSearchParams, PagedConfig, SamplingParams
-
-
-def hf_beam(model, prompt, width, max_new, eos=None, **kwargs):
-    """The oracle: HF generate(num_beams=width) on one prompt -> [(generated tokens, sequences_score)]."""
-    kwargs.setdefault("num_return_sequences", width)  # the engine's default: every beam
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         num_beams=width, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0,
-                         return_dict_in_generate=True, output_scores=True, **kwargs)
-    result = []
-    for row, score in zip(out.sequences, out.sequences_scores.tolist()):
-        tokens = row[len(prompt):].tolist()
-        ends = [i for i, t in enumerate(tokens) if eos is not None and t in eos]
-        result.append((tokens[: ends[0] + 1] if ends else tokens, score))
-    return result
 
 
 def engine_beam(generator, prompts, params):

@@ -52,12 +52,13 @@ def test_real_model_in_bfloat16_is_close_to_hf_bfloat16(converted):
     own: agree until the first mismatch, where each token is in the other's top 5."""
     model, tokenizer = load_model(str(converted[0]), torch.bfloat16)
     prompts = [chat(tokenizer, q) for q in QUESTIONS]
-    expected, expected_top = [], []
+    expected, expected_top, first_two = [], [], []
     for prompt in prompts:  # the oracle: HF generate in bf16, one prompt at a time
         out = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         expected.append(out.sequences[0, len(prompt):].tolist())
         expected_top.append([set(s[0].float().topk(5).indices.tolist()) for s in out.scores])
+        first_two.append(set(out.scores[0][0].float().topk(2).indices.tolist()))
     engine = paged_hf.wrap(model, tokenizer, num_blocks=64, max_num_batched_tokens=48).generator
     assert engine.runner.kernel.name == "cpu"  # decode attention reads the bf16 cache in place
     # and, with AVX512-BF16, prompt chunks (48-token budget: the prompts are split) run the compiled prefill kernel
@@ -67,4 +68,7 @@ def test_real_model_in_bfloat16_is_close_to_hf_bfloat16(converted):
     agreed = [agree_until_close_mismatch(list(o.token_ids), [set(t) for t in o.logprobs], e, t)
               for o, e, t in zip(outputs, expected, expected_top)]
     print(f"\n[bf16] tokens equal to HF bf16 before the first divergence: {sum(agreed)}/{24 * len(prompts)} {agreed}")
-    assert "Paris" in outputs[0].text
+    # each answer starts with one of HF's two likeliest first tokens. (Not "Paris" in the first answer: its first
+    # token is a near-tie, 'The' and 'L' 0.08 apart in float32 logprobs, under one bf16 rounding of the logits; on
+    # an AMD EPYC host without AVX-512 the engine's bf16 ties them exactly and answers "L'Etoile...".)
+    assert all(output.token_ids[0] in two for output, two in zip(outputs, first_two)), first_two

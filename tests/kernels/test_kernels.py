@@ -8,6 +8,8 @@ import torch
 from paged_hf.integrations.transformers import register
 from paged_hf.kernels import TorchKernel, cpu_kernel, select_kernel
 from paged_hf.kernels.cpu_kernel import CpuKernel
+from paged_hf.kernels.torch_kernel import Query
+from paged_hf.utils import cpu_flags
 from paged_hf.worker.step_inputs import AttentionMetadata
 
 
@@ -115,6 +117,7 @@ def test_cpu_kernel_serves_multi_token_queries(num_heads, num_kv_heads, head_dim
     limit = cpu_kernel.MAX_FLOAT64_QUERY_LEN
     shapes = [(300, limit), (47, 5), (0, 100), (511, 2), (15, limit + 1), (130, 1), (29, 3), (33, 17)]
     kernel = make_kernel("cpu", dtype, head_dim)
+    kernel.tiles_beat_sdpa = True  # the tiles' arithmetic on any CPU (who takes prompt chunks by default: below)
     starts = [sum(n for _, n in shapes[:i]) for i in range(len(shapes) + 1)]
     metadata = AttentionMetadata(16, starts, [p + n for p, n in shapes], [[0] * -(-(p + n) // 16) for p, n in shapes],
                                  torch.zeros(starts[-1], dtype=torch.long))
@@ -125,6 +128,20 @@ def test_cpu_kernel_serves_multi_token_queries(num_heads, num_kv_heads, head_dim
     check_against_dense(kernel, shapes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         block_size=16, dtype=dtype, window=window, softcap=softcap, seed=head_dim,
                         scaling=head_dim ** -0.5)
+
+
+def test_float32_prompt_chunks_go_to_the_tiles_only_on_an_avx512_cpu():
+    """Without AVX-512 each 16-float vector of the tiles takes two registers and SDPA is faster for prompt
+    chunks; short multi-token queries (a last token and its drafts) stay in the decode kernel's rows."""
+    kernel = make_kernel("cpu", torch.float32, 64)
+    assert kernel.tiles_beat_sdpa == ("avx512f" in cpu_flags())
+    limit = cpu_kernel.MAX_FLOAT64_QUERY_LEN
+    queries = [Query(start=0, length=limit, context_len=limit, block_table=[0]),
+               Query(start=limit, length=limit + 1, context_len=limit + 1, block_table=[1])]
+    for tiles in (True, False):
+        kernel.tiles_beat_sdpa = tiles
+        plan = kernel.plan_queries(torch.zeros(2 * limit + 1, dtype=torch.long), queries, torch.device("cpu"))
+        assert [chunk.query_len for chunk in plan.prefills] == ([] if tiles else [limit + 1])
 
 
 def test_kernel_selection():

@@ -34,8 +34,9 @@ def start(policy: str, **settings):
 
 @pytest.fixture(scope="module")
 def fair():
-    """A fair server with two named keys: alice's on the command line, bob's from a keys file."""
-    model, generator, app = start("fair", api_key=["alice=key-a"], api_keys={"bob": "key-b"})
+    """A fair server with two named keys: alice's on the command line, bob's from a keys file; alice's /metrics
+    shows every tenant (--metrics-key alice)."""
+    model, generator, app = start("fair", api_key=["alice=key-a"], api_keys={"bob": "key-b"}, metrics_keys=["alice"])
     with serving(app) as url:
         yield url, model, generator
     assert_no_leak(generator)
@@ -45,8 +46,8 @@ def client(url: str, key: str):
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", headers={"x-api-key": KEYS["alice"]}, timeout=30).text
+def metrics(url: str, key: str = KEYS["alice"]) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", headers={"x-api-key": key}, timeout=30).text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
 
@@ -109,6 +110,17 @@ def test_the_tenant_is_the_user_field_else_the_key_and_metrics_are_per_tenant(fa
     assert grew("paged_hf_tenant_time_to_first_token_seconds_count", "alice") == 1
     response = completion(url, "key-a", [5, 6], 2, user="")
     assert response.status_code == 400 and "user" in response.json()["error"]["message"]
+
+
+def test_a_key_without_metrics_key_sees_only_its_own_tenants_series(fair):
+    url = fair[0]
+    assert completion(url, "key-a", [5, 6, 7], 2, user="dave").status_code == 200
+    assert completion(url, "key-b", [5, 6], 2).status_code == 200
+    tenants = {name.split('tenant="')[1].split('"')[0] for name in metrics(url, "key-b")
+               if name.startswith("paged_hf_tenant_requests_total")}
+    assert "bob" in tenants and not tenants & {"alice", "dave"}, tenants
+    everyone = {name for name in metrics(url) if name.startswith("paged_hf_tenant_requests_total")}
+    assert {'paged_hf_tenant_requests_total{tenant="dave"}', 'paged_hf_tenant_requests_total{tenant="bob"}'} <= everyone
 
 
 def test_priority_needs_the_priority_policy_and_an_int(fair):

@@ -6,6 +6,8 @@ plain key is named `key1`, `key2`... by its place among the flags. `--api-key-fi
 object {"name": "key"}, or lines `NAME=KEY` (blank lines and `#` comments skipped; the key is everything
 after the first `=`).
 
+Keys with names are tenants whose stored responses, adapters and metrics are kept apart (tenancy.py).
+
 A client sends its key as OpenAI's SDK does (`Authorization: Bearer KEY`) or as Anthropic's does
 (`x-api-key: KEY`). Every configured key is compared in constant time, so the answer's timing does not tell
 which prefix of which key was right.
@@ -39,6 +41,15 @@ def named_api_keys(api_key, file_keys: dict | None = None) -> dict[str, str]:
     for name, key in (file_keys or {}).items():
         _add(keys, name, key)
     return keys
+
+
+def has_tenants(api_key, file_keys: dict | None = None) -> bool:
+    """Whether the keys make tenants whose data is kept apart (tenancy.py): any named key, or several keys. No
+    key, or a single plain one, is the single-tenant server of before."""
+    values = [] if api_key is None else [api_key] if isinstance(api_key, str) else list(api_key)
+    if file_keys or len(values) > 1:
+        return True
+    return bool(values) and isinstance(values[0], str) and split_named_key(values[0])[0] is not None
 
 
 def _add(keys: dict[str, str], name, key) -> None:

@@ -12,14 +12,13 @@ import gc
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from paged_hf.serving.openai.api_keys import key_name, named_api_keys
+from paged_hf.serving.openai.api_keys import key_name
 from paged_hf.serving.openai.completions import completion_choices, last_output, merged, prompt_logprob_entries
 from paged_hf.serving.openai.embeddings import add_embeddings_route
 from paged_hf.serving.openai.engine_loop import EngineError, EngineLoop
@@ -27,9 +26,10 @@ from paged_hf.serving.openai.errors import ApiError, error_body, error_response,
 from paged_hf.serving.openai.extra_routes import add_extra_routes
 from paged_hf.serving.openai.lifecycle import AbortingStreamingResponse
 from paged_hf.serving.openai.logprobs import Deltas, chat_logprobs, completion_logprobs
-from paged_hf.serving.openai.memory import freeze_startup_objects
+from paged_hf.serving.openai.memory import LARGE_BODY_BYTES, freeze_startup_objects, trim_heap
 from paged_hf.serving.openai.messages import add_messages_routes
-from paged_hf.serving.openai.metrics import ServerMetrics
+from paged_hf.serving.openai.metrics import MetricsView, ServerMetrics
+from paged_hf.serving.openai.prep_threads import install_prep_executor
 from paged_hf.serving.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,50 +44,27 @@ from paged_hf.serving.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from paged_hf.serving.openai.request_body import read_body
 from paged_hf.serving.openai.responses import add_responses_routes
-from paged_hf.serving.openai.serving import Prepared, ServerContext, outputs, prepare_off_loop, submit, usage
+from paged_hf.serving.openai.server_settings import ServerSettings
+from paged_hf.serving.openai.serving import (
+    Prepared,
+    ServerContext,
+    outputs,
+    prepare_off_loop,
+    request_key_name,
+    submit,
+    usage,
+)
+from paged_hf.serving.openai.tenancy import owner_of
 from paged_hf.serving.openai.tool_calls import ToolCallStreamer, finish_reason, parse_output, parser_for
 from paged_hf.serving.openai.vllm_metrics import vllm_aliases
 
 
-@dataclass
-class ServerSettings:
-    """Limits that keep one client from exhausting the server (each over-limit request gets a 4xx/503)."""
-
-    # one key, or several (`KEY` or `NAME=KEY` each: api_keys.py); each key is a tenant, named
-    api_key: str | list[str] | None = None
-    api_keys: dict[str, str] = field(default_factory=dict)  # more keys by name (--api-key-file)
-    max_body_bytes: int = 4 << 20  # 413 above
-    max_n: int = 16  # 400 above
-    max_tokens_cap: int | None = 4096  # 400 above; also caps the default max_tokens
-    max_queue: int = 8192  # unfinished requests at once; 503 above (vLLM's benchmark sends 1000 at once)
-    tool_call_parser: str = "hermes"  # how tool calls are found in the output: hermes, llama3_json, mistral
-    chat_template: str | None = None  # a Jinja chat template that replaces the tokenizer's
-    sampling_defaults: dict = field(default_factory=dict)  # request field -> default (generation_config.json)
-    cors_origins: tuple[str, ...] = ()  # browsers on these origins may call the API (CORS); "*" for any
-    lora_root: str | None = None  # enables /v1/load_lora_adapter, for folders under this one only
-    engine_threads: int | None = None  # torch threads of the engine thread (engine_loop.reserve_torch_threads)
-    trust_request_chat_template: bool = False  # else a request's chat_template is a 400 (a template is a program)
-    escape_special_tokens: bool = False  # special tokens in chat content are tokenized as text (chat_template.py)
-    chat_template_timeout_s: float = 2.0  # a render that runs longer is a 400
-    max_rendered_chat_chars: int = 16 << 20  # a longer rendered chat is a 400
-    max_logprob_entries: int = 200_000  # prompt logprobs: prompt tokens x (logprobs + 1) x n; 400 above
-    responses_store_max_count: int = 1000  # /v1/responses store=true: most stored responses (LRU beyond)
-    responses_store_max_bytes: int = 64 << 20  # ... and most bytes of JSON they hold
-    responses_store_dir: str | None = None  # ... kept as files there (they survive a restart); None: in memory
-
-    named_keys: dict[str, str] = field(init=False, repr=False, default_factory=dict)  # every key, by name
-
-    def __post_init__(self) -> None:
-        if isinstance(self.api_key, (list, tuple)):  # --api-key given once is the one key, as before
-            self.api_key = None if not self.api_key else self.api_key[0] if len(self.api_key) == 1 else list(
-                self.api_key)
-        self.named_keys = named_api_keys(self.api_key, self.api_keys)
-
-
 class GuardMiddleware:
     """API key and body size, in plain ASGI: checked before a handler runs, and without wrapping responses
-    (Starlette's BaseHTTPMiddleware would buffer streams and hide client disconnects)."""
+    (Starlette's BaseHTTPMiddleware would buffer streams and hide client disconnects). After a large request or
+    answer body the freed heap goes back to the system (memory.py)."""
 
     OPEN_PATHS = ("/health", "/ping")
 
@@ -115,7 +92,19 @@ class GuardMiddleware:
                     raise StarletteHTTPException(413, f"the request body is larger than {limit} bytes")
             return message
 
-        await self.app(scope, limited_receive, send)
+        sent = 0
+
+        async def counted_send(message):
+            nonlocal sent
+            if message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, counted_send)
+        finally:
+            if max(received, sent) >= LARGE_BODY_BYTES:  # answered or refused: what it took is garbage now
+                await asyncio.to_thread(trim_heap)
 
 
 def guard_rejection(settings: ServerSettings, path: str, headers: dict) -> JSONResponse | None:
@@ -146,6 +135,7 @@ def create_app(generator, tokenizer, model_name: str | list[str], settings: Serv
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         freeze_startup_objects()
+        install_prep_executor(asyncio.get_running_loop())  # asyncio.to_thread's threads yield the CPU to the engine
         engine.start()
         try:
             yield
@@ -174,23 +164,36 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics_route():
-        text = ctx.metrics.render(ctx.engine.stats, ctx.engine.num_in_flight)
+    async def metrics_route(http_request: Request):
+        text = ctx.metrics.render(ctx.engine.stats, ctx.engine.num_in_flight, metrics_view(ctx, http_request))
         return PlainTextResponse(text + vllm_aliases(text, ctx.model_name), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models():
+    async def models(http_request: Request):
+        owner = owner_of(ctx.settings, request_key_name(http_request))
         cards = [ModelCard(id=name, root=ctx.model_name) for name in ctx.served_names]
-        cards += [ModelCard(id=name, root=name, parent=ctx.model_name) for name in ctx.engine.adapter_names]
+        cards += [ModelCard(id=name, root=name, parent=ctx.model_name) for name in ctx.adapters_seen_by(owner)]
         return ModelList(data=cards)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http_request: Request):
+    async def completions(http_request: Request):
+        body = await read_body(http_request, CompletionRequest, ctx.settings, ("prompt",))
         return await _serve(ctx, body, http_request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http_request: Request):
+    async def chat_completions(http_request: Request):
+        body = await read_body(http_request, ChatCompletionRequest, ctx.settings, ("messages", "tools"))
         return await _serve(ctx, body, http_request, chat=True)
+
+
+def metrics_view(ctx: ServerContext, http_request: Request) -> MetricsView:
+    """With tenants (tenancy.py), a key sees its own requests' per-tenant series and not the adapters other keys
+    loaded; a key named by --metrics-key (a scraper's) and a server without tenants see everything."""
+    key = request_key_name(http_request)
+    if not ctx.settings.tenant_isolation or key in ctx.settings.metrics_keys:
+        return MetricsView()
+    hidden = frozenset(name for name in ctx.adapter_owners.owned if not ctx.adapter_owners.visible(name, key))
+    return MetricsView(owner=key, hidden_adapters=hidden)
 
 
 async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):

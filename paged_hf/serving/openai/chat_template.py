@@ -23,15 +23,13 @@ import time
 from dataclasses import dataclass
 
 from paged_hf.serving.openai.errors import ApiError
+from paged_hf.serving.openai.gil_pacing import FULL_SPEED_S, PAUSE_S, SLICE_S
 from paged_hf.serving.openai.tool_calls import ToolMode, parser_for, template_messages
 
 #: Jinja compiles a template given as text under this file name: its lines are the ones the deadline watches.
 TEMPLATE_FILENAME = "<template>"
-#: A render runs at full speed this long (every real template renders well within it), then in slices of
-#: SLICE_S, each followed by a PAUSE_S sleep. Why: a thread running pure Python holds the GIL for the whole
-#: switch interval (5 ms), and the engine thread gives the GIL up and waits for it again around every torch
-#: op, so one long render starved the engine (measured: 0.5 s gaps in a stream for a 0.5 s render).
-FULL_SPEED_S, SLICE_S, PAUSE_S = 0.05, 0.001, 0.004
+#: A render runs at full speed for FULL_SPEED_S (every real template renders well within it), then paced
+#: (gil_pacing.py): one long render starved the engine (measured: 0.5 s gaps in a stream for a 0.5 s render).
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class RequestStream:
     # engine-thread bookkeeping for the latency metrics
     num_sequences: int = 1  # n
     tenant: str = ""  # the per-tenant metrics' label (metrics.py)
+    tenant_owner: str | None = None  # the API key those series belong to (tenancy.py; None without tenants)
     started: bool = False
     num_tokens_seen: dict = field(default_factory=dict)  # child index -> tokens delivered
     last_token_time: dict = field(default_factory=dict)  # child index -> time of its last token
@@ -177,13 +178,13 @@ class EngineLoop:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params, adapter: str | None,
                      arrival_time: float, reserved: bool = False, cache_salt: str | None = None, priority: int = 0,
-                     tenant: str | None = None) -> RequestStream:
+                     tenant: str | None = None, owner: str | None = None) -> RequestStream:
         """Queue a request; raises QueueFullError, or the generator's ValueError for bad input. `reserved`: the
         caller already holds its slot (`reserve()`)."""
         if not reserved:
             self.reserve()
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, arrival_time, tenant=tenant or adapter or "")
+        stream = RequestStream(request_id, loop, arrival_time, tenant=tenant or adapter or "", tenant_owner=owner)
         accepted = loop.create_future()
         self._commands.put(("add", stream, prompt_token_ids, params, adapter, cache_salt, accepted,
                             {"priority": priority, "tenant": tenant}))
@@ -324,7 +325,8 @@ class EngineLoop:
             if children is None or getattr(children[0], "num_computed_tokens", 1) > 0:
                 stream.started = True
                 self.metrics.observe(queue_time=now - stream.arrival_time)
-                self.metrics.observe_tenant(stream.tenant, queue_time=now - stream.arrival_time)
+                self.metrics.observe_tenant(stream.tenant, queue_time=now - stream.arrival_time,
+                                            owner=stream.tenant_owner)
 
     def _observe(self, stream: RequestStream, output, now: float) -> None:
         if not isinstance(output.outputs, list):  # an embedding (EmbeddingRequestOutput): no tokens, one output
@@ -336,7 +338,8 @@ class EngineLoop:
             if num_tokens > num_seen:
                 last = stream.last_token_time.get(completion.index)
                 self.metrics.observe_tenant(stream.tenant, generation_tokens=num_tokens - num_seen,
-                                            ttft=None if last is not None else now - stream.arrival_time)
+                                            ttft=None if last is not None else now - stream.arrival_time,
+                                            owner=stream.tenant_owner)
                 if last is None:
                     self.metrics.observe(ttft=now - stream.arrival_time)
                 else:

@@ -15,8 +15,6 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-
 from paged_hf.serving.openai.chat_runner import (
     Block,
     BlockStream,
@@ -28,8 +26,9 @@ from paged_hf.serving.openai.chat_runner import (
     tool_arguments,
 )
 from paged_hf.serving.openai.engine_loop import EngineError
-from paged_hf.serving.openai.errors import ApiError, validation_message
+from paged_hf.serving.openai.errors import ApiError
 from paged_hf.serving.openai.messages_protocol import MessagesRequest
+from paged_hf.serving.openai.request_body import read_body
 from paged_hf.serving.openai.serving import ServerContext
 
 #: HTTP status -> Anthropic's error type.
@@ -49,26 +48,22 @@ def add_messages_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/messages")
     async def create_message(http_request: Request):
         try:
-            body = parse_request(await http_request.body())
-            return await _create(ctx, body, http_request)
+            body, request = await read_body(http_request, MessagesRequest, ctx.settings,
+                                            ("messages", "system", "tools"), then=translate)
+            return await _create(ctx, body, request, http_request)
         except ApiError as exc:
             ctx.metrics.count_error(exc.status_code)
             where = f" ({exc.param})" if exc.param and exc.param not in exc.message else ""
             return anthropic_error(exc.status_code, exc.message + where)
 
 
-def parse_request(raw: bytes) -> MessagesRequest:
-    try:
-        return MessagesRequest.model_validate(json.loads(raw))
-    except ValueError as exc:  # pydantic's ValidationError is one too
-        if not isinstance(exc, ValidationError):
-            raise ApiError(400, "the request body is not valid JSON", "invalid_request") from None
-        message, param = validation_message(exc)
-        raise ApiError(400, message, "invalid_request", param) from None
+def translate(body: MessagesRequest):
+    """-> (the request, the chat request it becomes); in the worker thread that parsed it."""
+    return body, chat_request(chat_fields(body))
 
 
-async def _create(ctx: ServerContext, body: MessagesRequest, http_request: Request):
-    prepared, source = await start(ctx, chat_request(chat_fields(body)), http_request)
+async def _create(ctx: ServerContext, body: MessagesRequest, request, http_request: Request):
+    prepared, source = await start(ctx, request, http_request)
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         return sse_response(ctx, prepared, _events(ctx, prepared, source, message_id))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
+from dataclasses import dataclass
 
 # Seconds; wide enough for a CPU engine (slow) and a GPU one (fast).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -53,6 +54,13 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def add(self, other: Histogram) -> Histogram:
+        """This histogram with `other`'s observations added (same buckets)."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.sum += other.sum
+        self.count += other.count
+        return self
+
     def render(self, labels: tuple[tuple[str, str], ...] = (), header: bool = True) -> list[str]:
         lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"] if header else []
         cumulative = 0
@@ -62,6 +70,15 @@ class Histogram:
         lines += [f"{self.name}_sum{_labels(labels)} {_number(self.sum)}",
                   f"{self.name}_count{_labels(labels)} {self.count}"]
         return lines
+
+
+@dataclass(frozen=True)
+class MetricsView:
+    """What one reader of /metrics sees (tenancy.py): every tenant (`owner` None), or only the per-tenant series
+    of one API key's requests, and no label naming an adapter that another key loaded (`hidden_adapters`)."""
+
+    owner: str | None = None
+    hidden_adapters: frozenset = frozenset()
 
 
 class TenantMetrics:
@@ -75,6 +92,14 @@ class TenantMetrics:
                                     "Per tenant: time from arrival until the engine first scheduled the request.")
         self.ttft = Histogram("paged_hf_tenant_time_to_first_token_seconds",
                               "Per tenant: time from arrival to the first output token.")
+
+    def add(self, other: TenantMetrics) -> TenantMetrics:
+        self.requests += other.requests
+        self.prompt_tokens += other.prompt_tokens
+        self.generation_tokens += other.generation_tokens
+        self.queue_time.add(other.queue_time)
+        self.ttft.add(other.ttft)
+        return self
 
 
 class ServerMetrics:
@@ -93,28 +118,28 @@ class ServerMetrics:
         self.errors = defaultdict(int)  # HTTP status -> error responses
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.tenants: dict[str, TenantMetrics] = {}
+        self.tenants: dict[tuple[str | None, str], TenantMetrics] = {}  # (API key owner, tenant) -> series
 
-    def _tenant(self, tenant: str) -> TenantMetrics:
-        """Under the lock."""
-        if tenant not in self.tenants and len(self.tenants) >= MAX_TENANTS:
+    def _tenant(self, tenant: str, owner: str | None) -> TenantMetrics:
+        """Under the lock. `owner`: the API key whose requests these are (tenancy.py; None without tenants)."""
+        if (owner, tenant) not in self.tenants and len(self.tenants) >= MAX_TENANTS:
             tenant = OTHER_TENANT
-        return self.tenants.setdefault(tenant, TenantMetrics())
+        return self.tenants.setdefault((owner, tenant), TenantMetrics())
 
     def observe_tenant(self, tenant: str, queue_time: float | None = None, ttft: float | None = None,
-                       generation_tokens: int = 0) -> None:
+                       generation_tokens: int = 0, owner: str | None = None) -> None:
         """Engine thread: a tenant's queue time, time to first token (seconds) and newly served tokens."""
         with self._lock:
-            metrics = self._tenant(tenant)
+            metrics = self._tenant(tenant, owner)
             if queue_time is not None:
                 metrics.queue_time.observe(queue_time)
             if ttft is not None:
                 metrics.ttft.observe(ttft)
             metrics.generation_tokens += generation_tokens
 
-    def count_tenant_request(self, tenant: str, num_prompt_tokens: int) -> None:
+    def count_tenant_request(self, tenant: str, num_prompt_tokens: int, owner: str | None = None) -> None:
         with self._lock:
-            metrics = self._tenant(tenant)
+            metrics = self._tenant(tenant, owner)
             metrics.requests += 1
             metrics.prompt_tokens += num_prompt_tokens
 
@@ -138,12 +163,13 @@ class ServerMetrics:
         with self._lock:
             self.errors[status_code] += 1
 
-    def render(self, stats: dict, num_in_flight: int) -> str:
-        """The whole exposition; `stats` is the engine's latest `generator.stats()` snapshot."""
+    def render(self, stats: dict, num_in_flight: int, view: MetricsView = MetricsView()) -> str:
+        """The whole exposition as `view` may see it; `stats` is the engine's latest `generator.stats()`."""
         with self._lock:
-            lines = _engine_lines(stats, num_in_flight)
+            lines = _engine_lines(stats, num_in_flight, view.hidden_adapters)
             lines += _counter("paged_hf_requests_total", "Requests accepted, per served model and adapter.",
-                              {(("model", m), ("adapter", a)): n for (m, a), n in self.requests.items()})
+                              {(("model", m), ("adapter", a)): n for (m, a), n in self.requests.items()
+                               if a not in view.hidden_adapters})
             lines += _counter("paged_hf_sequences_finished_total", "Finished sequences (n per request), per finish reason.",
                               {(("finish_reason", r),): n for r, n in self.finished.items()})
             lines += _counter("paged_hf_request_errors_total", "Error responses, per HTTP status.",
@@ -152,15 +178,18 @@ class ServerMetrics:
             lines += _counter("paged_hf_generation_tokens_total", "Generated tokens.", {(): self.generation_tokens})
             for histogram in (self.ttft, self.itl, self.e2e, self.queue_time):
                 lines += histogram.render()
-            lines += self._tenant_lines()
+            lines += self._tenant_lines(view.owner)
         return "\n".join(lines) + "\n"
 
-
-    def _tenant_lines(self) -> list[str]:
-        """Under the lock."""
-        if not self.tenants:
+    def _tenant_lines(self, owner: str | None) -> list[str]:
+        """Under the lock. `owner`: only that API key's series; None: every key's, one series per tenant."""
+        merged: dict[str, TenantMetrics] = {}
+        for (series_owner, tenant), metrics in self.tenants.items():
+            if owner is None or series_owner == owner:
+                merged.setdefault(tenant, TenantMetrics()).add(metrics)
+        if not merged:
             return []
-        tenants = sorted(self.tenants.items())
+        tenants = sorted(merged.items())
         lines = []
         for name, help_text, attr in (("paged_hf_tenant_requests_total", "Requests accepted, per tenant.", "requests"),
                                       ("paged_hf_tenant_prompt_tokens_total", "Prompt tokens, per tenant.",
@@ -186,7 +215,7 @@ def _counter(name: str, help_text: str, samples: dict) -> list[str]:
     return lines
 
 
-def _engine_lines(stats: dict, num_in_flight: int) -> list[str]:
+def _engine_lines(stats: dict, num_in_flight: int, hidden_adapters: frozenset = frozenset()) -> list[str]:
     num_blocks = stats.get("num_blocks", 0)
     num_free = stats.get("num_free_blocks", 0)
     usage = (num_blocks - num_free) / num_blocks if num_blocks else 0.0
@@ -202,10 +231,10 @@ def _engine_lines(stats: dict, num_in_flight: int) -> list[str]:
                       {(): stats.get("prefix_cache_queries", 0)})
     lines += _counter("paged_hf_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                       {(): stats.get("prefix_cache_hits", 0)})
-    return lines + _spec_decode_lines(stats) + _lora_lines(stats) + _kv_tier_lines(stats)
+    return lines + _spec_decode_lines(stats) + _lora_lines(stats, hidden_adapters) + _kv_tier_lines(stats)
 
 
-def _lora_lines(stats: dict) -> list[str]:
+def _lora_lines(stats: dict, hidden_adapters: frozenset = frozenset()) -> list[str]:
     """The adapter store's three levels (engine.adapter_store), when adapters are served; vLLM's info gauge."""
     if "lora_in_memory" not in stats:
         return []
@@ -217,8 +246,10 @@ def _lora_lines(stats: dict) -> list[str]:
     for name in ("lora_load_seconds_p50", "lora_load_seconds_p99", "lora_wait_seconds_p99"):
         lines += _gauge(f"paged_hf_{name}", "Adapter reads (load) and requests' queue time waiting for one (wait), "
                         "over the last 4096.", stats[name])
-    info = (("max_lora", str(stats["max_loras"])), ("running_lora_adapters", ",".join(stats["lora_running_adapters"])),
-            ("waiting_lora_adapters", ",".join(stats["lora_waiting_adapters"])))
+    running, waiting = ([name for name in stats[key] if name not in hidden_adapters]
+                        for key in ("lora_running_adapters", "lora_waiting_adapters"))
+    info = (("max_lora", str(stats["max_loras"])), ("running_lora_adapters", ",".join(running)),
+            ("waiting_lora_adapters", ",".join(waiting)))
     lines += ["# HELP paged_hf_lora_requests_info Running and waiting requests' adapters (vLLM's gauge).",
               "# TYPE paged_hf_lora_requests_info gauge", f"paged_hf_lora_requests_info{_labels(info)} 1"]
     return lines

@@ -27,9 +27,11 @@ from paged_hf.serving.openai.chat_runner import (
 )
 from paged_hf.serving.openai.engine_loop import EngineError
 from paged_hf.serving.openai.errors import ApiError
+from paged_hf.serving.openai.request_body import read_body
 from paged_hf.serving.openai.responses_protocol import ResponsesRequest
 from paged_hf.serving.openai.responses_store import RESPONSE_ID, ResponseStore
-from paged_hf.serving.openai.serving import ServerContext
+from paged_hf.serving.openai.serving import ServerContext, request_key_name
+from paged_hf.serving.openai.tenancy import owner_of
 
 #: The chat request's field names that a Responses client knows by another name (a 400's `param`).
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
@@ -42,28 +44,36 @@ def add_responses_routes(app: FastAPI, ctx: ServerContext) -> ResponseStore:
     app.state.responses_store = store
 
     @app.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, http_request: Request):
+    async def create_response(http_request: Request):
         try:
+            body = await read_body(http_request, ResponsesRequest, ctx.settings, ("input", "tools"))
             return await _create(ctx, store, body, http_request)
         except ApiError as exc:
             exc.param = PARAMS.get(exc.param, exc.param)
             raise
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        return JSONResponse((await _stored(store, response_id))["response"])
+    async def get_response(response_id: str, http_request: Request):
+        return JSONResponse((await _stored(store, response_id, request_owner(ctx, http_request)))["response"])
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        if not RESPONSE_ID.match(response_id) or not await asyncio.to_thread(store.delete, response_id):
+    async def delete_response(response_id: str, http_request: Request):
+        owner = request_owner(ctx, http_request)
+        if not RESPONSE_ID.match(response_id) or not await asyncio.to_thread(store.delete, response_id, owner):
             raise ApiError(404, f"No response with id {response_id!r} is stored", "response_not_found", "response_id")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     return store
 
 
-async def _stored(store: ResponseStore, response_id: str, param: str = "response_id") -> dict:
-    record = await asyncio.to_thread(store.get, response_id) if RESPONSE_ID.match(response_id) else None
+def request_owner(ctx: ServerContext, http_request: Request) -> str | None:
+    """Whose stored responses the request may see and makes (tenancy.py)."""
+    return owner_of(ctx.settings, request_key_name(http_request))
+
+
+async def _stored(store: ResponseStore, response_id: str, owner: str | None, param: str = "response_id") -> dict:
+    """The record `owner` stored; another key's is a 404 exactly like an unknown id."""
+    record = await asyncio.to_thread(store.get, response_id, owner) if RESPONSE_ID.match(response_id) else None
     if record is None:
         raise ApiError(404, f"No response with id {response_id!r} is stored (never stored, deleted, or evicted "
                        "from the bounded store)", "response_not_found", param)
@@ -71,17 +81,24 @@ async def _stored(store: ResponseStore, response_id: str, param: str = "response
 
 
 async def _create(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest, http_request: Request):
+    owner = request_owner(ctx, http_request)
     history = []
     if body.previous_response_id is not None:
-        history = (await _stored(store, body.previous_response_id, "previous_response_id"))["messages"]
-    conversation = history + input_messages(body.input)
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    prepared, source = await start(ctx, chat_request(chat_fields(body, system + conversation)), http_request)
-    answer = Answer(ctx, store, body, prepared, conversation)
+        history = (await _stored(store, body.previous_response_id, owner, "previous_response_id"))["messages"]
+    conversation, request = await asyncio.to_thread(translate, body, history)  # thousands of items: off the loop
+    prepared, source = await start(ctx, request, http_request)
+    answer = Answer(ctx, store, body, prepared, conversation, owner)
     if body.stream:
         return sse_response(ctx, prepared, answer.events(source))
     blocks, result = await final_blocks(ctx, prepared, source)
     return JSONResponse(await answer.finish(blocks, result))
+
+
+def translate(body: ResponsesRequest, history: list[dict]):
+    """-> (the conversation: the stored one and this request's input, the chat request that continues it)."""
+    conversation = history + input_messages(body.input)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return conversation, chat_request(chat_fields(body, system + conversation))
 
 
 def chat_fields(body: ResponsesRequest, messages: list[dict]) -> dict:
@@ -165,9 +182,10 @@ def _text(content, where: str) -> str:
 class Answer:
     """One response being written: its output items, the response object, the streamed events, the record."""
 
-    def __init__(self, ctx: ServerContext, store: ResponseStore, body: ResponsesRequest, prepared, conversation):
+    def __init__(self, ctx: ServerContext, store: ResponseStore, body: ResponsesRequest, prepared, conversation,
+                 owner: str | None = None):
         self.ctx, self.store, self.body, self.prepared = ctx, store, body, prepared
-        self.conversation = conversation
+        self.conversation, self.owner = conversation, owner
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.sequence_number = 0
@@ -202,7 +220,8 @@ class Answer:
         response = self.response(status, blocks, result)
         if self.body.store:
             messages = self.conversation + assistant_messages(blocks)
-            await asyncio.to_thread(self.store.put, self.id, {"response": response, "messages": messages})
+            await asyncio.to_thread(self.store.put, self.id, {"response": response, "messages": messages},
+                                    self.owner)
         return response
 
     def event(self, event_type: str, **data) -> str:

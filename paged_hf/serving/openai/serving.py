@@ -12,80 +12,22 @@ import contextlib
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-from paged_hf.integrations.peft import adapter_folder_under
 from paged_hf.sampling_params import SamplingParams
-from paged_hf.serving.openai.chat_template import TemplatePolicy, chat_prompt_ids
+from paged_hf.serving.openai.chat_template import chat_prompt_ids
+from paged_hf.serving.openai.context import Prepared, ServerContext
 from paged_hf.serving.openai.engine_loop import EngineError, QueueFullError, RequestStream
 from paged_hf.serving.openai.errors import ApiError
 from paged_hf.serving.openai.memory import trim_if_large
 from paged_hf.serving.openai.protocol import CompletionRequest, Usage
+from paged_hf.serving.openai.request_body import too_deep
+from paged_hf.serving.openai.schema_limits import check_request_schemas
 from paged_hf.serving.openai.structured import structured_outputs
+from paged_hf.serving.openai.tenancy import owner_of, tenant_cache_salt
 from paged_hf.serving.openai.tool_calls import ToolMode, tool_mode
 
 #: How often a request waiting for tokens checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
-
-
-@dataclass
-class Prepared:
-    """A checked request, ready for the engine."""
-
-    request_id: str
-    model: str
-    adapter: str | None
-    prompts: list[list[int]]  # token ids; several for a batched /v1/completions request
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    chat: bool
-    arrival_time: float
-    tools: ToolMode = field(default_factory=ToolMode)
-    cache_salt: str | None = None
-    echo: bool = False  # /v1/completions: the prompt comes back before the completion
-    echo_only: bool = False  # echo with max_tokens=0: the prompt alone (one token is computed and dropped)
-    prompt_texts: list[str | None] = field(default_factory=list)  # the prompts as sent (echo)
-    priority: int = 0  # lower first (--scheduling-policy priority)
-    tenant: str | None = None  # the `user` field, else the API key's name; None: the engine takes the adapter
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.prompts[0]
-
-    def engine_request_id(self, index: int) -> str:
-        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
-
-
-@dataclass
-class ServerContext:
-    """What the handlers need: the engine loop, the tokenizer, the served names and the limits."""
-
-    engine: object  # EngineLoop
-    tokenizer: object
-    model_name: str
-    settings: object  # ServerSettings
-    max_model_len: int
-    metrics: object  # ServerMetrics
-    served_names: tuple[str, ...] = ()  # every name of the base model (--served-model-name a b ...)
-
-    @property
-    def template_policy(self) -> TemplatePolicy:
-        s = self.settings
-        return TemplatePolicy(s.trust_request_chat_template, s.escape_special_tokens, s.chat_template_timeout_s,
-                              s.max_rendered_chat_chars)
-
-    def resolve_model(self, name: str | None) -> str | None:
-        """Model name -> adapter (None = the base model). Adapters are served under their own names."""
-        if name is None or name == self.model_name or name in self.served_names:
-            return None
-        if name in self.engine.adapter_names:
-            return name
-        if self.engine.lora_root is not None and adapter_folder_under(self.engine.lora_root, name) is not None:
-            return name  # the engine reads it on first use
-        raise ApiError(404, f"The model {name!r} does not exist; served: "
-                       f"{[*(self.served_names or (self.model_name,)), *self.engine.adapter_names]}", "model_not_found",
-                       "model")
 
 
 def completion_prompts(request: CompletionRequest, tokenizer) -> list[str | list[int]]:
@@ -219,8 +161,9 @@ def engine_prompt_ids(request, tokenizer, chat: bool, max_model_len: int, chat_t
 
 
 def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float,
-            cancel: threading.Event | None = None) -> Prepared:
-    adapter = ctx.resolve_model(request.model)
+            cancel: threading.Event | None = None, key_name: str | None = None) -> Prepared:
+    adapter = ctx.resolve_model(request.model, owner_of(ctx.settings, key_name))
+    check_request_schemas(request, ctx.max_schema_depth)
     tools = tool_mode(request) if chat else ToolMode()
     if not chat:
         if request.echo and request.stream:
@@ -254,13 +197,18 @@ async def prepare_off_loop(ctx: ServerContext, request, chat: bool, arrival_time
     except QueueFullError as exc:
         raise ApiError(503, str(exc), "server_overloaded") from None
     cancel = threading.Event()
+    key_name = request_key_name(http_request)
     try:
-        prepared = await until_disconnected(asyncio.to_thread(prepare, request, ctx, chat, arrival_time, cancel),
-                                             http_request, cancel)
+        prepared = await until_disconnected(asyncio.to_thread(prepare, request, ctx, chat, arrival_time, cancel,
+                                                              key_name), http_request, cancel)
         await until_disconnected(ready(ctx, prepared), http_request, cancel)
         prepared.priority = getattr(request, "priority", 0) or 0
-        prepared.tenant = getattr(request, "user", None) or request_key_name(http_request)
+        prepared.tenant = getattr(request, "user", None) or key_name
+        prepared.key_name = key_name
         return prepared
+    except RecursionError:  # something the client sent nests deeper than a step of its preparation reaches
+        ctx.engine.release()
+        raise too_deep("too many levels", ctx.settings.max_json_depth) from None
     except BaseException as exc:
         ctx.engine.release()
         if isinstance(exc, ApiError) and exc.status_code == 499:  # left before it was queued: an abort
@@ -281,7 +229,14 @@ async def until_disconnected(work, http_request, cancel: threading.Event):
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if done:
-            return task.result()
+            error = task.exception()
+            if error is None:
+                return task.result()
+            task = done = None  # they hold the error, whose traceback will hold this frame: a cycle of every frame
+            try:  # of the work (a megabyte request's text in them) that only a full collection would free
+                raise error
+            finally:
+                error = None
         if http_request is not None and await http_request.is_disconnected():
             cancel.set()
             with contextlib.suppress(Exception):
@@ -322,25 +277,31 @@ def check_logprob_entries(params: SamplingParams, ids: list[list[int]], limit: i
 
 
 async def submit(ctx: ServerContext, prepared: Prepared, reserved: bool = False) -> list[RequestStream]:
-    """One engine request per prompt; if one is refused, those already queued are aborted. `reserved`: the
-    first prompt's --max-queue slot is already taken (prepare_off_loop); the others take their own."""
-    streams = []
-    try:
-        for index, ids in enumerate(prepared.prompts):
-            streams.append(await ctx.engine.submit(prepared.engine_request_id(index), ids, prepared.params,
-                                                   prepared.adapter, prepared.arrival_time,
-                                                   reserved=reserved and index == 0, cache_salt=prepared.cache_salt,
-                                                   priority=prepared.priority, tenant=prepared.tenant))
-    except (QueueFullError, ValueError) as exc:
-        for stream in streams:
-            ctx.engine.abort(stream.request_id)
+    """One engine request per prompt, all handed to the engine thread at once (one after the other, each
+    would wait out an engine step); if one is refused, the others are aborted. `reserved`: the first prompt's
+    --max-queue slot is already taken (prepare_off_loop); the others take their own."""
+    salt = tenant_cache_salt(ctx.settings, prepared.cache_salt, prepared.key_name)
+    owner = owner_of(ctx.settings, prepared.key_name)
+    results = await asyncio.gather(*(
+        ctx.engine.submit(prepared.engine_request_id(index), ids, prepared.params, prepared.adapter,
+                          prepared.arrival_time, reserved=reserved and index == 0, cache_salt=salt,
+                          priority=prepared.priority, tenant=prepared.tenant, owner=owner)
+        for index, ids in enumerate(prepared.prompts)), return_exceptions=True)
+    errors = [result for result in results if isinstance(result, BaseException)]
+    if errors:
+        for stream in results:
+            if isinstance(stream, RequestStream):
+                ctx.engine.abort(stream.request_id)
+        exc = next((e for e in errors if isinstance(e, QueueFullError)), errors[0])
         if isinstance(exc, QueueFullError):
             raise ApiError(503, str(exc), "server_overloaded") from None
-        raise ApiError(400, str(exc), "invalid_request") from None
+        if isinstance(exc, ValueError):
+            raise ApiError(400, str(exc), "invalid_request") from None
+        raise exc
     for ids in prepared.prompts:
         ctx.metrics.count_request(prepared.model, prepared.adapter, len(ids))
-        ctx.metrics.count_tenant_request(prepared.tenant or prepared.adapter or "", len(ids))
-    return streams
+        ctx.metrics.count_tenant_request(prepared.tenant or prepared.adapter or "", len(ids), owner)
+    return results
 
 
 async def outputs(ctx: ServerContext, http_request, stream: RequestStream, streaming: bool) -> AsyncIterator:

@@ -1,0 +1,372 @@
+// Linears on quantized weights, float32 activations in and out (kernels/quant_linear.py holds the torch reference
+// of each, which the tests compare these against):
+//   w8a8:  int8 weights per output channel, activations quantized per token (dynamic, symmetric):
+//          s_x = amax / 127, q_x = round_half_even(x * (127 / amax)) (0 for a zero row); the int32 sum of
+//          q_x * q_w, then y = (float(acc) * s_x) * s_w (+ bias). Every step is the reference's own float32
+//          operation, and the integer sum is exact: the outputs equal the reference's bit for bit.
+//   w8a16: int8 weights per output channel, float activations: y = (sum_k x * float(q_w)) * s_w (+ bias).
+//   w4a16: 4-bit weights u in groups along K with a scale s and a zero point z per group (w = (u - z) * s):
+//          y = sum_g s[g] * (sum_{k in g} x * u) - zs (+ bias), where zs = sum_g s[g] * z[g] * (sum_{k in g} x) is
+//          computed by the caller (one small matmul per call). Only the order of the float sums differs from the
+//          reference: each weight is one cvt and one FMA, the scale one FMA per group.
+//
+// Instruction sets, chosen when the library is built (-march=native, kernels/native.py): AVX2 (+FMA) runs the
+// int8 products as int16 pairs (vpmaddwd: exact; vpmaddubsw's u8 x s8 would saturate at 255 * 127 * 2 on full-
+// range int8 weights) and the float paths on 8-lane FMAs; without AVX2 the same loops are plain C++.
+//
+// Layouts (row-major): x [M, K] (row stride x_stride), out [M, N] (row stride out_stride);
+//   w8: q_w [N, Kp] int8, Kp = K rounded up to 16 (zero padded), s_w [N];
+//   w4: packed [N, K / 2] uint8, in blocks of 32 along K: byte j of a block holds k = j (low nibble) and
+//       k = 16 + j (high nibble); s [N, K / group] float32; K a multiple of 32, group a multiple of 32.
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGED_HF_AVX2 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kMR = 4;                     // activation rows per register tile
+constexpr int kNR = 3;                     // weight rows per register tile
+constexpr int64_t kSerialWork = 1 << 18;   // multiply-adds below which one thread is faster than two
+constexpr int64_t kPanelBytes = 256 << 10; // the activation block a thread keeps in its L2 cache
+
+// v, kept from being fused with the next operation (-march=native lets GCC contract a * b + c into an FMA, whose
+// single rounding the reference's separate multiply and add do not have)
+inline float rounded(float v) {
+#if defined(__x86_64__)
+  asm("" : "+x"(v));
+#else
+  volatile float kept = v;
+  v = kept;
+#endif
+  return v;
+}
+
+inline int threads_for(int64_t work, int threads) { return work < kSerialWork ? 1 : std::max(threads, 1); }
+
+// --- per-token int8 quantization of the activations ---------------------------------------------------------
+void quantize_row(const float *x, int64_t k, int64_t kp, int16_t *q, float *scale) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t i = 0; i < k; ++i) {
+    const float r = std::nearbyint(x[i] * inv);  // the default rounding mode: half to even, as torch.round
+    q[i] = static_cast<int16_t>(std::min(127.0f, std::max(-127.0f, r)));
+  }
+  for (int64_t i = k; i < kp; ++i) q[i] = 0;
+  *scale = amax / 127.0f;
+}
+
+// --- the integer dot products of a register tile: acc[i][j] = sum_k qx[i][k] * qw[j][k] ------------------------
+template <int MR, int NR>
+void int8_tile(const int16_t *qx, int64_t qx_stride, const int8_t *qw, int64_t kp, int32_t acc[kMR][kNR]) {
+#if PAGED_HF_AVX2
+  __m256i sums[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i][j] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < kp; k += 16) {
+    __m256i w[NR];
+    for (int j = 0; j < NR; ++j)
+      w[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(qw + j * kp + k)));
+    for (int i = 0; i < MR; ++i) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qx + i * qx_stride + k));
+      for (int j = 0; j < NR; ++j) sums[i][j] = _mm256_add_epi32(sums[i][j], _mm256_madd_epi16(x, w[j]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sums[i][j]), _mm256_extracti128_si256(sums[i][j], 1));
+      const __m128i quad = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+      acc[i][j] = _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
+    }
+#else
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kp; ++k) sum += int32_t(qx[i * qx_stride + k]) * int32_t(qw[j * kp + k]);
+      acc[i][j] = sum;
+    }
+#endif
+}
+
+// --- float dot products of a register tile, the weights dequantized by W::load8 -------------------------------
+// W: a view of NR weight rows that yields 8 consecutive dequantized weights of row j at k (k a multiple of 8).
+template <int MR, int NR, typename W>
+void float_tile(const float *x, int64_t x_stride, const W &w, int64_t k_begin, int64_t k_end, float acc[kMR][kNR]) {
+#if PAGED_HF_AVX2
+  __m256 sums[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i][j] = _mm256_setzero_ps();
+  for (int64_t k = k_begin; k < k_end; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = w.load8(j, k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * x_stride + k);
+      for (int j = 0; j < NR; ++j) sums[i][j] = _mm256_fmadd_ps(xv, wv[j], sums[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sums[i][j]), _mm256_extractf128_ps(sums[i][j], 1));
+      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      acc[i][j] += _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 0x55)));
+    }
+#else
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float sum = 0.0f;
+      for (int64_t k = k_begin; k < k_end; k += 8) {
+        float v[8];
+        w.load8(j, k, v);
+        for (int l = 0; l < 8; ++l) sum += x[i * x_stride + k + l] * v[l];
+      }
+      acc[i][j] += sum;
+    }
+#endif
+}
+
+// int8 weights, per-channel scale applied after the sum
+struct Int8Rows {
+  const int8_t *q;
+  int64_t kp;
+#if PAGED_HF_AVX2
+  __m256 load8(int j, int64_t k) const {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(q + j * kp + k))));
+  }
+#else
+  void load8(int j, int64_t k, float *v) const {
+    for (int l = 0; l < 8; ++l) v[l] = float(q[j * kp + k + l]);
+  }
+#endif
+};
+
+// 4-bit weights: the tile's integer values u of 32 consecutive k (one packed block of 16 bytes), as floats
+struct Int4Block {
+#if PAGED_HF_AVX2
+  __m256 v[4];  // k 0-7, 8-15, 16-23, 24-31
+  explicit Int4Block(const uint8_t *bytes) {
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(bytes)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(bytes + 8)));
+    const __m256i mask = _mm256_set1_epi32(15);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+  }
+#else
+  float v[32];
+  explicit Int4Block(const uint8_t *bytes) {
+    for (int l = 0; l < 16; ++l) v[l] = float(bytes[l] & 15), v[16 + l] = float(bytes[l] >> 4);
+  }
+#endif
+};
+
+// y[i][j] += sum_g s[j][g] * (sum_{k in g} x[i][k] * u[j][k]) over the tile's rows; the zero points' part,
+// sum_g s z sum_{k in g} x, is the caller's (it needs each group's sum of x once per row, not per weight row)
+template <int MR, int NR>
+void int4_tile(const float *x, int64_t x_stride, const uint8_t *packed, int64_t row_bytes, const float *s,
+               int64_t num_groups, int64_t group, float acc[kMR][kNR]) {
+#if PAGED_HF_AVX2
+  __m256 total[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) total[i][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m256 part[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) part[i][j] = _mm256_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+      for (int j = 0; j < NR; ++j) {
+        const Int4Block u(packed + j * row_bytes + k / 2);
+        for (int i = 0; i < MR; ++i)
+          for (int q = 0; q < 4; ++q)
+            part[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * x_stride + k + 8 * q), u.v[q], part[i][j]);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m256 scale = _mm256_set1_ps(s[j * num_groups + g]);
+      for (int i = 0; i < MR; ++i) total[i][j] = _mm256_fmadd_ps(part[i][j], scale, total[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total[i][j]), _mm256_extractf128_ps(total[i][j], 1));
+      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      acc[i][j] += _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 0x55)));
+    }
+#else
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float total = 0.0f;
+      for (int64_t g = 0; g < num_groups; ++g) {
+        float part = 0.0f;
+        for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+          const Int4Block u(packed + j * row_bytes + k / 2);
+          for (int l = 0; l < 32; ++l) part += x[i * x_stride + k + l] * u.v[l];
+        }
+        total += part * s[j * num_groups + g];
+      }
+      acc[i][j] += total;
+    }
+#endif
+}
+
+// --- the loops around the tiles ------------------------------------------------------------------------------
+// Rows of x in blocks that stay in cache; each thread takes a contiguous range of weight rows (N) and runs
+// every activation row of the block against it, kMR x kNR outputs at a time.
+template <typename Tile>
+void for_tiles(int64_t m, int64_t n, int64_t row_bytes, int threads, Tile tile) {
+  const int64_t block = std::max<int64_t>(kMR, (kPanelBytes / std::max<int64_t>(row_bytes, 1)) / kMR * kMR);
+  const int64_t n_tiles = (n + kNR - 1) / kNR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < n_tiles; ++t) {
+    const int64_t n0 = t * kNR, nr = std::min<int64_t>(kNR, n - n0);
+    for (int64_t m_block = 0; m_block < m; m_block += block)
+      for (int64_t m0 = m_block; m0 < std::min(m, m_block + block); m0 += kMR)
+        tile(m0, int(std::min<int64_t>(kMR, m - m0)), n0, int(nr));
+  }
+}
+
+// dispatch a run-time (mr, nr) to the compile-time tile sizes
+template <template <int, int> class F, typename... A>
+void by_size(int mr, int nr, A &&...args) {
+#define PAGED_HF_CASE(MR)                                   \
+  if (mr == MR) {                                           \
+    if (nr == 3) return F<MR, 3>::run(args...);             \
+    if (nr == 2) return F<MR, 2>::run(args...);             \
+    return F<MR, 1>::run(args...);                          \
+  }
+  PAGED_HF_CASE(4) PAGED_HF_CASE(3) PAGED_HF_CASE(2) PAGED_HF_CASE(1)
+#undef PAGED_HF_CASE
+}
+
+struct W8A8Args {
+  const int16_t *qx; int64_t kp; const float *sx;
+  const int8_t *qw; const float *sw; const float *bias;
+  float *out; int64_t out_stride;
+};
+
+template <int MR, int NR> struct W8A8Tile {
+  static void run(const W8A8Args &a, int64_t m0, int64_t n0) {
+    int32_t acc[kMR][kNR];
+    int8_tile<MR, NR>(a.qx + m0 * a.kp, a.kp, a.qw + n0 * a.kp, a.kp, acc);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) {
+        float y = rounded(rounded(float(acc[i][j]) * a.sx[m0 + i]) * a.sw[n0 + j]);
+        if (a.bias) y += a.bias[n0 + j];
+        a.out[(m0 + i) * a.out_stride + n0 + j] = y;
+      }
+  }
+};
+
+struct FloatArgs {
+  const float *x; int64_t x_stride, k;
+  const float *bias; float *out; int64_t out_stride;
+};
+
+template <typename W> struct WeightRows;  // how a tile views NR weight rows starting at n0
+
+template <> struct WeightRows<Int8Rows> {
+  const int8_t *q; int64_t kp; const float *s;
+  Int8Rows at(int64_t n0) const { return Int8Rows{q + n0 * kp, kp}; }
+};
+
+template <int MR, int NR> struct W8A16Tile {
+  static void run(const FloatArgs &a, const WeightRows<Int8Rows> &w, int64_t m0, int64_t n0) {
+    float acc[kMR][kNR] = {};
+    float_tile<MR, NR>(a.x + m0 * a.x_stride, a.x_stride, w.at(n0), 0, a.k, acc);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) {
+        float y = rounded(acc[i][j] * w.s[n0 + j]);
+        if (a.bias) y += a.bias[n0 + j];
+        a.out[(m0 + i) * a.out_stride + n0 + j] = y;
+      }
+  }
+};
+
+struct W4A16Args {
+  const float *x; int64_t x_stride, k;
+  const uint8_t *packed; const float *s; const float *zs;  // zs [m, n]: the zero points' part of each output
+  int64_t num_groups, group;
+  const float *bias; float *out; int64_t out_stride;
+};
+
+template <int MR, int NR> struct W4A16Tile {
+  static void run(const W4A16Args &a, int64_t m0, int64_t n0) {
+    float acc[kMR][kNR] = {};
+    int4_tile<MR, NR>(a.x + m0 * a.x_stride, a.x_stride, a.packed + n0 * (a.k / 2), a.k / 2, a.s + n0 * a.num_groups,
+                      a.num_groups, a.group, acc);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) {
+        float y = acc[i][j] - a.zs[(m0 + i) * a.out_stride + n0 + j];
+        if (a.bias) y += a.bias[n0 + j];
+        a.out[(m0 + i) * a.out_stride + n0 + j] = y;
+      }
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// out [m, n] = the w8a8 linear of x [m, k]; qx_scratch [m, kp] int16 and sx_scratch [m] float: caller's memory
+int w8a8_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *qw, const float *sw,
+                const float *bias, int64_t n, int64_t kp, float *out, int64_t out_stride, int16_t *qx_scratch,
+                float *sx_scratch, int threads) {
+  if (kp % 16 || kp < k) return 1;
+  const int used = threads_for(m * n * kp, threads);
+#pragma omp parallel for num_threads(used) schedule(static) if (m > 1)
+  for (int64_t i = 0; i < m; ++i) quantize_row(x + i * x_stride, k, kp, qx_scratch + i * kp, sx_scratch + i);
+  const W8A8Args args{qx_scratch, kp, sx_scratch, qw, sw, bias, out, out_stride};
+  for_tiles(m, n, kp * 2, used, [&](int64_t m0, int mr, int64_t n0, int nr) {
+    by_size<W8A8Tile>(mr, nr, args, m0, n0);
+  });
+  return 0;
+}
+
+// the per-token quantization alone (tests: its q and scales against the reference)
+int quantize_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t kp, int16_t *q, float *scales) {
+  for (int64_t i = 0; i < m; ++i) quantize_row(x + i * x_stride, k, kp, q + i * kp, scales + i);
+  return 0;
+}
+
+int w8a16_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *qw, const float *sw,
+                 const float *bias, int64_t n, int64_t kp, float *out, int64_t out_stride, int threads) {
+  if (k % 8 || kp < k) return 1;
+  const FloatArgs args{x, x_stride, k, bias, out, out_stride};
+  const WeightRows<Int8Rows> rows{qw, kp, sw};
+  for_tiles(m, n, k * 4, threads_for(m * n * k, threads), [&](int64_t m0, int mr, int64_t n0, int nr) {
+    by_size<W8A16Tile>(mr, nr, args, rows, m0, n0);
+  });
+  return 0;
+}
+
+// zs [m, n]: sum_g s[n][g] * z[n][g] * (sum of x[m] over group g), the caller's (a small matmul); out may be zs
+int w4a16_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint8_t *packed, const float *s,
+                 const float *zs, int64_t group, const float *bias, int64_t n, float *out, int64_t out_stride,
+                 int threads) {
+  if (k % 32 || group % 32 || k % group) return 1;
+  const W4A16Args args{x, x_stride, k, packed, s, zs, k / group, group, bias, out, out_stride};
+  for_tiles(m, n, k * 4, threads_for(m * n * k, threads), [&](int64_t m0, int mr, int64_t n0, int nr) {
+    by_size<W4A16Tile>(std::min(mr, 2), nr, args, m0, n0);
+    if (mr > 2) by_size<W4A16Tile>(mr - 2, nr, args, m0 + 2, n0);
+  });
+  return 0;
+}
+
+// which instructions this build computes with (kernels/quant_gemm.py reports it)
+const char *quant_gemm_isa() {
+#if PAGED_HF_AVX2
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,118 @@
+"""The compiled quantized linears (`csrc/quant_gemm.cpp`) on torch tensors: W8A8, W8A16 and W4A16 on float32
+activations. Each function returns None where the compiled code cannot serve its arguments (another device, a
+shape it does not take, no compiler); the caller then runs the torch reference (`kernels.quant_linear`), which is
+also what these are tested against.
+
+The library is built for this machine's CPU (`-march=native`): AVX2 with FMA where the CPU has them, else plain
+loops; `isa()` says which. `extra_flags` builds another variant on the same machine (tests: the portable loops
+with `-mno-avx2`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from paged_hf.kernels import native
+
+#: the flags that build the portable loops on an x86 machine with AVX2 (tests compare both builds)
+PORTABLE_FLAGS = ("-mno-avx2", "-mno-fma")
+
+
+@functools.lru_cache(maxsize=None)
+def library(extra_flags: tuple[str, ...] = ()):
+    """The typed library, or None (no compiler; logged once)."""
+    lib = native.load_or_warn(lambda: native.load_quant_gemm(extra_flags), "quantized linears")
+    if lib is None:
+        return None
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    native.entry_point(lib, "w8a8_linear", [p, i64, i64, i64, p, p, p, i64, i64, p, i64, p, p, c_int])
+    native.entry_point(lib, "quantize_rows", [p, i64, i64, i64, i64, p, p])
+    native.entry_point(lib, "w8a16_linear", [p, i64, i64, i64, p, p, p, i64, i64, p, i64, c_int])
+    native.entry_point(lib, "w4a16_linear", [p, i64, i64, i64, p, p, p, i64, p, i64, p, i64, c_int])
+    lib.quant_gemm_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def isa(extra_flags: tuple[str, ...] = ()) -> str | None:
+    """"avx2" or "generic": what the build computes with; None without a build."""
+    lib = library(extra_flags)
+    return None if lib is None else lib.quant_gemm_isa().decode()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x [..., k] as float32 rows [m, k] with unit stride along k (a view where it already is), or None."""
+    if x.device.type != "cpu" or x.requires_grad:
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+         in_features: int, extra_flags: tuple[str, ...] = ()) -> torch.Tensor | None:
+    """float32 [m, n] of x [..., in]: qweight [n, kp] int8 (kp: in_features padded to 16), scale [n] float32,
+    bias [n] float32 or None."""
+    lib, rows = library(extra_flags), _rows(x)
+    if lib is None or rows is None or qweight.shape[1] % 16:
+        return None
+    m, (n, kp) = rows.shape[0], qweight.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    qx, sx = torch.empty(m, kp, dtype=torch.int16), torch.empty(m, dtype=torch.float32)
+    status = lib.w8a8_linear(rows.data_ptr(), rows.stride(0), m, in_features, qweight.data_ptr(), scale.data_ptr(),
+                             _ptr(bias), n, kp, out.data_ptr(), n, qx.data_ptr(), sx.data_ptr(),
+                             torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def quantize_rows(x: torch.Tensor, kp: int, extra_flags: tuple[str, ...] = ()) -> tuple | None:
+    """(q [m, kp] int16, scales [m] float32): the kernel's per-token quantization of x [m, k] float32."""
+    lib, rows = library(extra_flags), _rows(x)
+    if lib is None or rows is None:
+        return None
+    m, k = rows.shape
+    q, scales = torch.empty(m, kp, dtype=torch.int16), torch.empty(m, dtype=torch.float32)
+    lib.quantize_rows(rows.data_ptr(), rows.stride(0), m, k, kp, q.data_ptr(), scales.data_ptr())
+    return q, scales
+
+
+def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+          in_features: int, extra_flags: tuple[str, ...] = ()) -> torch.Tensor | None:
+    """float32 [m, n] of x [..., in] on int8 weights, the activations in float."""
+    lib, rows = library(extra_flags), _rows(x)
+    if lib is None or rows is None or in_features % 8:
+        return None
+    m, (n, kp) = rows.shape[0], qweight.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    status = lib.w8a16_linear(rows.data_ptr(), rows.stride(0), m, in_features, qweight.data_ptr(), scale.data_ptr(),
+                              _ptr(bias), n, kp, out.data_ptr(), n, torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor, group_size: int,
+          bias: torch.Tensor | None, extra_flags: tuple[str, ...] = ()) -> torch.Tensor | None:
+    """float32 [m, n] of x [..., in]: packed [n, in / 2] uint8 (kernels.quant_linear.pack_int4's layout), scales
+    and scaled_zeros (s * z) [n, in / group_size] float32."""
+    lib, rows = library(extra_flags), _rows(x)
+    if lib is None or rows is None:
+        return None
+    m, k, n = rows.shape[0], rows.shape[1], packed.shape[0]
+    if k % 32 or group_size % 32 or k % group_size:
+        return None
+    out = zero_point_part(rows, scaled_zeros, group_size)  # [m, n]; the kernel writes the outputs over it
+    status = lib.w4a16_linear(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), scales.data_ptr(),
+                              out.data_ptr(), group_size, _ptr(bias), n, out.data_ptr(), n, torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def zero_point_part(x32: torch.Tensor, scaled_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """sum_g s z (sum of x over group g) [m, n]: what the zero points take off each output."""
+    m, k = x32.shape
+    return (x32.view(m, k // group_size, group_size).sum(-1) @ scaled_zeros.T).contiguous()

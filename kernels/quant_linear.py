@@ -1,0 +1,200 @@
+"""Linear layers on quantized weights, and the plain-torch reference of each one's arithmetic.
+
+- `Int8Linear`: int8 weights with one scale per output channel. W8A8 (`act_quant=True`): each token's
+  activations quantized to int8 at run time (symmetric, s_x = amax / 127, round half to even), an exact integer
+  sum, then `(float(acc) * s_x) * s_w`. W8A16 (`act_quant=False`): `(x @ float(q_w).T) * s_w`.
+- `Int4Linear`: 4-bit weights in groups along the input dimension, `w = (u - z) * s` per group (u in [0, 15];
+  without zero points z = 8), computed as `sum_g s_g * (x_g @ u_g.T) - sum_g s_g * z_g * sum(x_g)`: the weights'
+  integers are multiplied as they are, the scale applied once per group.
+
+Both compute in float32 whatever the model's dtype (a bf16 or float64 input is converted, the output converted
+back), add the bias in float32, and keep the checkpoint's integers as they are: the weights are never expanded to
+a dense float matrix for a step. On CPU the compiled kernels (`kernels.quant_gemm`) run them; elsewhere, or
+where the kernel cannot take a shape, `reference()` does, which is also what the kernels are tested against
+(W8A8: equal bit for bit; the float paths: equal up to the order of the sums).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_hf.kernels import quant_gemm
+
+
+class QuantizedLinear(torch.nn.Module):
+    """What the quantized linears share: in_features, out_features, the model's dtype and an optional bias."""
+
+    scheme = "quantized"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).clone())
+        self.use_kernel = True  # False: always the torch reference (tests, debugging)
+
+    def bias32(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x) if self.use_kernel and x.device.type == "cpu" else None
+        if y is None:
+            return self.reference(x)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        """float32 [tokens, out] from the compiled code, or None where it cannot serve x."""
+        return None
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, " \
+               f"bias={self.bias is not None}"
+
+
+class Int8Linear(QuantizedLinear):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 act_quant: bool):
+        """qweight [out, in] int8, scale [out] (any float dtype: kept as float32, exactly)."""
+        out_features, in_features = qweight.shape
+        super().__init__(in_features, out_features, bias, dtype)
+        padded = -(-in_features // 16) * 16  # the kernel reads 16 at a time: zeros past in_features
+        q = torch.zeros(out_features, padded, dtype=torch.int8)
+        q[:, :in_features] = qweight
+        self.register_buffer("qweight", q)
+        self.register_buffer("weight_scale", scale.detach().reshape(out_features).float().clone())
+        self.act_quant = act_quant
+        self.scheme = "w8a8" if act_quant else "w8a16"
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        run = quant_gemm.w8a8 if self.act_quant else quant_gemm.w8a16
+        return run(x, self.qweight, self.weight_scale, self.bias32(), self.in_features)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.reshape(-1, self.in_features).float()
+        q_w = self.qweight[:, :self.in_features]
+        if self.act_quant:
+            q_x, s_x = quantize_tokens(x32)
+            acc = (q_x.long() @ q_w.long().T).float()  # exact integer sums
+            y = (acc * s_x[:, None]) * self.weight_scale[None, :]
+        else:
+            y = (x32 @ q_w.float().T) * self.weight_scale[None, :]
+        if self.bias is not None:
+            y = y + self.bias32()
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(QuantizedLinear):
+    scheme = "w4a16"
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                 bias: torch.Tensor | None, dtype: torch.dtype):
+        """values [out, in] integers in [0, 15] (any int dtype), scales [out, in / group_size], zeros likewise
+        (None: symmetric, z = 8)."""
+        out_features, in_features = values.shape
+        if in_features % group_size or group_size % 2:
+            raise ValueError(f"a group size of {group_size} does not divide in_features={in_features}")
+        super().__init__(in_features, out_features, bias, dtype)
+        self.group_size = group_size
+        self.register_buffer("qweight", pack_int4(values))
+        self.register_buffer("scales", scales.detach().float().reshape(out_features, -1).clone())
+        z = torch.full_like(self.scales, 8.0) if zeros is None else zeros.detach().float().reshape(out_features, -1)
+        self.register_buffer("zeros", z.clone())
+        self.has_zero_points = zeros is not None
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        return quant_gemm.w4a16(x, self.qweight, self.scales, self.scaled_zeros(), self.group_size, self.bias32())
+
+    def scaled_zeros(self) -> torch.Tensor:
+        if getattr(self, "_scaled_zeros", None) is None or self._scaled_zeros.device != self.scales.device:
+            self._scaled_zeros = (self.scales * self.zeros).contiguous()  # [out, groups]
+        return self._scaled_zeros
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.reshape(-1, self.in_features).float()
+        groups, size = self.scales.shape[1], self.group_size
+        u = unpack_int4(self.qweight, self.in_features).float()  # [out, in]: integers, exactly
+        y = torch.zeros(x32.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        for g in range(groups):
+            y += (x32[:, g * size:(g + 1) * size] @ u[:, g * size:(g + 1) * size].T) * self.scales[:, g]
+        y = y - quant_gemm.zero_point_part(x32, self.scaled_zeros(), size)
+        if self.bias is not None:
+            y = y + self.bias32()
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}, zero_points={self.has_zero_points}"
+
+
+# --- the arithmetic's pieces ------------------------------------------------------------------------------------
+
+def quantize_tokens(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8 of x32 [m, k] float32: (q [m, k] float32 holding integers in [-127, 127],
+    scales [m] float32), as the compiled kernel computes them."""
+    amax = x32.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(x32 * inv[:, None]).clamp(-127, 127)
+    return q, amax / 127.0
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest symmetric int8 per output channel of weight [out, in]: (q int8, scale [out] float32),
+    scale = amax / 127 (1 for an all-zero row)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric 4-bit of weight [out, in] in groups of `group_size` along in (GPTQ's and AWQ's
+    min/max rule without calibration): (values [out, in] uint8 in [0, 15], scales and zeros [out, groups] float32),
+    w ~ (u - z) * s."""
+    n, k = weight.shape
+    view = weight.detach().float().view(n, k // group_size, group_size)
+    low, high = view.amin(-1).clamp(max=0), view.amax(-1).clamp(min=0)
+    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    zeros = torch.round(-low / scales).clamp(0, 15)
+    values = torch.clamp(torch.round(view / scales[:, :, None]) + zeros[:, :, None], 0, 15)
+    return values.view(n, k).to(torch.uint8), scales, zeros
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """values [n, k] in [0, 15] -> [n, k / 2] uint8, in blocks of 32 along k: byte j of a block holds k = j
+    (low nibble) and k = 16 + j (high nibble). k not a multiple of 32: the last block zero padded."""
+    n, k = values.shape
+    v = values.to(torch.uint8)
+    padded = -(-k // 32) * 32
+    if padded != k:
+        v = torch.cat([v, torch.zeros(n, padded - k, dtype=torch.uint8)], 1)
+    blocks = v.view(n, padded // 32, 2, 16)
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, padded // 2)
+    return packed[:, :k // 2].contiguous() if padded != k else packed.contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """pack_int4's inverse: [n, k] uint8 values in [0, 15]."""
+    n = packed.shape[0]
+    padded = -(-k // 32) * 32
+    p = packed if padded == k else torch.cat([packed, torch.zeros(n, (padded - k) // 2, dtype=torch.uint8)], 1)
+    blocks = p.view(n, padded // 32, 1, 16)
+    values = torch.cat([blocks & 15, blocks >> 4], 2).reshape(n, padded)
+    return values[:, :k]
+
+
+def dequantize_int4(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 weight [n, k] the reference multiplies: (u - z) * s, each element rounded once."""
+    n, groups = scales.shape
+    k = groups * group_size
+    u = unpack_int4(packed, k).float().view(n, groups, group_size)
+    return ((u - zeros[:, :, None]) * scales[:, :, None]).view(n, k)
+
+
+def linear_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype a Linear computes in: its weight's, or a quantized linear's model dtype."""
+    return module.dtype if isinstance(module, QuantizedLinear) else module.weight.dtype
+
+
+def linear_device(module: torch.nn.Module) -> torch.device:
+    return module.qweight.device if isinstance(module, QuantizedLinear) else module.weight.device

@@ -1,0 +1,162 @@
+"""Quantized models: a quantized checkpoint folder loaded onto its own integers, and a float model's linears
+quantized at load (`quantization="int8"`).
+
+A folder whose config.json has a `quantization_config` is built from its config without that entry (no weights
+initialized), each linear the config quantizes replaced by its quantized module made from the folder's tensors
+(quant_formats.py), and every other tensor loaded as usual (embeddings, norms, an unquantized lm_head). Nothing is
+decompressed to a dense float weight: the engine then sees a model whose linears are quantized modules, applied
+"from the outside" before it is wrapped, as gpt-fast applies its quantization. transformers' own quantizers are
+not involved (they would decompress on every forward, or need a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers.utils import logging
+
+from paged_hf.kernels.quant_linear import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    quantize_int4_groups,
+    quantize_int8_per_channel,
+)
+from paged_hf.loader.quant_formats import QuantizationConfig, UnsupportedQuantization, build_linear
+
+logger = logging.get_logger(__name__)
+
+#: what `quantization=` (PagedConfig, LLM, --quantization) accepts for a float model: "int8" (W8A8, per output
+#: channel) and "w4a16" (4-bit weights in groups of W4A16_GROUP with zero points)
+QUANTIZATION_NAMES = ("int8", "w4a16")
+W4A16_GROUP = 64
+
+
+def quantization_config(folder) -> dict | None:
+    """The `quantization_config` of a local checkpoint folder's config.json, or None."""
+    path = Path(str(folder)) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    found = config.get("quantization_config")
+    return found if isinstance(found, dict) else None
+
+
+def load_quantized_model(folder, dtype: torch.dtype, device="cpu"):
+    """The model of a quantized checkpoint folder, its quantized linears on the folder's integers. Raises
+    UnsupportedQuantization (a ValueError) naming the scheme when the folder is not served."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+    from transformers.initialization import no_init_weights  # noqa: PLC0415
+
+    spec = QuantizationConfig(quantization_config(folder) or {})
+    config = AutoConfig.from_pretrained(folder)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = read_tensors(folder)
+    quantized = _replace_linears(model, spec, tensors, dtype)
+    _load_the_rest(model, tensors, quantized)
+    model.to(device)
+    model.eval()
+    logger.info(f"paged_hf: {len(quantized)} linears of {folder} served quantized ({spec.method}, {spec.describe()})")
+    return model
+
+
+def read_tensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    files = sorted(Path(str(folder)).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no .safetensors files (a quantized checkpoint is read from safetensors)")
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def _replace_linears(model: torch.nn.Module, spec: QuantizationConfig, tensors: dict, dtype: torch.dtype) -> set[str]:
+    """Every linear the config quantizes, replaced by its quantized module; their names."""
+    quantized_names = {key.rsplit(".", 1)[0] for key in tensors
+                       if key.endswith((".weight_scale", ".weight_packed", ".qweight"))}
+    replaced = set()
+    for name, module in list(model.named_modules()):
+        scheme = spec.scheme_of(name, module) if isinstance(module, torch.nn.Linear) else None
+        if name not in quantized_names:  # left as it is (the lm_head, an ignored module)
+            continue
+        if not isinstance(module, torch.nn.Linear) or scheme is None:
+            raise UnsupportedQuantization(f"{name}: quantized tensors for a {type(module).__name__} that the "
+                                          f"{spec.method} config does not quantize as a Linear (not served)")
+        prefix = name + "."
+        own = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
+        _swap(model, name, build_linear(scheme, own, module.in_features, module.out_features, dtype, name))
+        replaced.add(name)
+    missing = quantized_names - replaced
+    if missing:
+        raise UnsupportedQuantization(f"quantized tensors for modules this model has no Linear at: {sorted(missing)[:5]}"
+                                      " (fused or renamed layers are not served quantized)")
+    return replaced
+
+
+def _load_the_rest(model: torch.nn.Module, tensors: dict, quantized: set[str]) -> None:
+    rest = {key: value for key, value in tensors.items() if key.rsplit(".", 1)[0] not in quantized}
+    result = model.load_state_dict(rest, strict=False)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = [key for key in result.missing_keys if key.rsplit(".", 1)[0] not in quantized and key not in tied]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors: {missing[:5]}")
+    if result.unexpected_keys:
+        logger.warning(f"paged_hf: {len(result.unexpected_keys)} checkpoint tensors unused: "
+                       f"{result.unexpected_keys[:5]}")
+
+
+def _swap(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attribute, module)
+
+
+def quantize_model(model: torch.nn.Module, quantization: str) -> int:
+    """Quantize the float model's linears in place, round to nearest: "int8" symmetric per output channel, W8A8 with
+    dynamic per-token activations; "w4a16" 4-bit in groups of 64 with zero points (min/max). The output layer
+    (lm_head) and the embeddings stay as they are. Returns how many linears were quantized. A model already
+    quantized keeps its quantized modules."""
+    if quantization not in QUANTIZATION_NAMES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_NAMES)}, got {quantization!r}")
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (getattr(model, "tp_size", None) or 1) > 1:
+        raise ValueError("quantization='int8' is not supported on a tensor-parallel model")
+    count = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear or module is output or module.weight.device.type == "meta":
+            continue
+        _swap(model, name, _quantized(module, quantization).to(module.weight.device))
+        count += 1
+    if count == 0 and not any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        raise ValueError(f"quantization={quantization!r}: the model has no plain nn.Linear layers to quantize")
+    return count
+
+
+def _quantized(linear: torch.nn.Linear, quantization: str) -> QuantizedLinear:
+    if quantization == "int8" or linear.in_features % W4A16_GROUP:
+        q, scale = quantize_int8_per_channel(linear.weight)
+        return Int8Linear(q, scale, linear.bias, linear.weight.dtype, act_quant=quantization == "int8")
+    values, scales, zeros = quantize_int4_groups(linear.weight, W4A16_GROUP)
+    return Int4Linear(values, scales, zeros, W4A16_GROUP, linear.bias, linear.weight.dtype)
+
+
+def describe_linears(model: torch.nn.Module) -> str:
+    """What the model's linears compute with, e.g. "w8a8 x210, float x1" (banners, eval-ppl, bench)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            counts[module.scheme] = counts.get(module.scheme, 0) + 1
+        elif isinstance(module, torch.nn.Linear):
+            counts["float"] = counts.get("float", 0) + 1
+    return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))

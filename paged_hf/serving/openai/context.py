@@ -1,0 +1,90 @@
+"""What a handler works with: the server's context (`ServerContext`) and a checked request (`Prepared`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paged_hf.integrations.peft import adapter_folder_under
+from paged_hf.sampling_params import SamplingParams
+from paged_hf.serving.openai.chat_template import TemplatePolicy
+from paged_hf.serving.openai.errors import ApiError
+from paged_hf.serving.openai.tenancy import AdapterOwners
+from paged_hf.serving.openai.tool_calls import ToolMode
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready for the engine."""
+
+    request_id: str
+    model: str
+    adapter: str | None
+    prompts: list[list[int]]  # token ids; several for a batched /v1/completions request
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat: bool
+    arrival_time: float
+    tools: ToolMode = field(default_factory=ToolMode)
+    cache_salt: str | None = None
+    echo: bool = False  # /v1/completions: the prompt comes back before the completion
+    echo_only: bool = False  # echo with max_tokens=0: the prompt alone (one token is computed and dropped)
+    prompt_texts: list[str | None] = field(default_factory=list)  # the prompts as sent (echo)
+    priority: int = 0  # lower first (--scheduling-policy priority)
+    tenant: str | None = None  # the `user` field, else the API key's name; None: the engine takes the adapter
+    key_name: str | None = None  # the API key's name (tenancy.py: the owner, the prefix cache's salt)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompts[0]
+
+    def engine_request_id(self, index: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
+
+
+@dataclass
+class ServerContext:
+    """What the handlers need: the engine loop, the tokenizer, the served names and the limits."""
+
+    engine: object  # EngineLoop
+    tokenizer: object
+    model_name: str
+    settings: object  # ServerSettings
+    max_model_len: int
+    metrics: object  # ServerMetrics
+    served_names: tuple[str, ...] = ()  # every name of the base model (--served-model-name a b ...)
+    adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # adapters keys loaded (tenancy.py)
+
+    @property
+    def max_schema_depth(self) -> int:
+        """The engine's --max-grammar-depth: every JSON schema a request carries is held to it (schema_limits.py)."""
+        return getattr(getattr(self.engine.generator, "config", None), "max_grammar_depth", 64)
+
+    @property
+    def template_policy(self) -> TemplatePolicy:
+        s = self.settings
+        return TemplatePolicy(s.trust_request_chat_template, s.escape_special_tokens, s.chat_template_timeout_s,
+                              s.max_rendered_chat_chars)
+
+    def resolve_model(self, name: str | None, owner: str | None = None) -> str | None:
+        """Model name -> the engine's adapter (None = the base model). Adapters are served under their own names;
+        one that a key loaded at run time, only to that key (`owner`, tenancy.py): to others it does not exist."""
+        if name is None or name == self.model_name or name in self.served_names:
+            return None
+        own = self.adapter_owners.own(name, owner, self.engine.adapter_names)
+        if own is not None:
+            return own
+        if name not in self.adapter_owners.owned:  # an owned adapter's engine name is nobody's model name
+            if name in self.engine.adapter_names:
+                return name
+            if self.engine.lora_root is not None and adapter_folder_under(self.engine.lora_root, name) is not None:
+                return name  # the engine reads it on first use
+        raise ApiError(404, f"The model {name!r} does not exist; served: "
+                       f"{[*(self.served_names or (self.model_name,)), *self.adapters_seen_by(owner)]}",
+                       "model_not_found", "model")
+
+    def adapters_seen_by(self, owner: str | None) -> list[str]:
+        """The adapter names a key with `owner` may use: the command line's, and those it loaded itself."""
+        owners = self.adapter_owners
+        return list(dict.fromkeys(owners.client_name(name) for name in self.engine.adapter_names
+                                  if owners.visible(name, owner)))

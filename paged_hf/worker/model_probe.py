@@ -1,0 +1,170 @@
+"""What a model's attention layers are, read off one short forward of the model itself.
+
+Configs name heads and dims in many ways (and a tensor-parallel shard holds only some heads); the model's own
+calls never lie. One forward of two tokens runs with a `DynamicCache` whose `update` records each call (the
+cache slot, K and V shapes, the device) and an attention function that records what each layer hands it
+(attention sinks, its sliding window). Each layer's mask pattern comes from the config's layer types, as
+transformers builds its masks: a sliding window must also reach the attention call (where the paged kernels
+apply it), a chunked layer (Llama 4) is masked by chunk. A hybrid model's linear-attention, SSM and convolution
+layers are read off the same cache after the forward: their states' shapes (worker/recurrent_state.py). Models
+the engine cannot page are refused here, naming why: cache layers of a kind of their own, sparse indexed
+attention, no cache at all, a window only the mask knows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import (
+    DynamicCache,
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
+
+from paged_hf.integrations.transformers import eager_attention
+from paged_hf.worker.attention_switch import AttentionSwitch
+from paged_hf.worker.own_attention import OwnAttentions
+from paged_hf.worker.recurrent_state import StateLayer, read_state_layers
+
+PROBE_ATTENTION = "paged_hf_probe"
+
+
+class UnsupportedModelError(ValueError):
+    """The engine cannot compute this model's forward exactly: refused at `wrap()`, never served differently."""
+
+
+@dataclass
+class AttentionLayer:
+    """One slot of the paged cache: what one `cache.update(key, value, layer_idx)` writes."""
+    layer_idx: int
+    num_kv_heads: int
+    head_dim: int  # of the keys
+    value_head_dim: int
+    device: torch.device
+    has_sinks: bool = False  # a per-head logit in the softmax (gpt-oss's `s_aux`)
+    chunk_size: int | None = None  # chunked attention: a query sees the keys of its own chunk only (Llama 4)
+
+
+def model_name(model: torch.nn.Module) -> str:
+    return type(model).__name__
+
+
+@torch.inference_mode()
+def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[list[AttentionLayer], list[StateLayer]]:
+    """-> one AttentionLayer per layer that writes K/V, in layer order, and one StateLayer per hybrid layer that
+    keeps a recurrent state. UnsupportedModelError for what cannot be paged."""
+    cache = _probe_cache(model, config)
+    updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cache layer -> (key, value) written
+    returned: dict[int, tuple[int, torch.Tensor]] = {}  # id of the key update() returned -> (layer, that key)
+    sinks: set[int] = set()
+    windows: dict[int, int | None] = {}  # cache layer -> the sliding_window its attention call passed
+    original_update = cache.update
+
+    def record_update(key, value, layer_idx, *args, **kwargs):
+        if layer_idx in updates:
+            raise UnsupportedModelError(f"{model_name(model)} writes cache layer {layer_idx} twice in one forward")
+        updates[layer_idx] = (key, value)
+        result = original_update(key, value, layer_idx, *args, **kwargs)
+        returned[id(result[0])] = (layer_idx, result[0])
+        return result
+
+    def record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                         s_aux=None, **kwargs):  # sliding_window stays in kwargs: eager_attention masks by the mask
+        if id(key) in returned:
+            layer = returned[id(key)][0]
+            windows[layer] = kwargs.get("sliding_window")
+            if s_aux is not None:
+                sinks.add(layer)
+        return eager_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux)
+
+    cache.update = record_update
+    AttentionInterface.register(PROBE_ATTENTION, record_attention)
+    input_ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    try:
+        own_attentions = OwnAttentions(model, config)
+        with AttentionSwitch(model, PROBE_ATTENTION), own_attentions:
+            output = model(input_ids=input_ids, cache=cache, use_cache=True)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model's own error, named in the refusal
+        raise UnsupportedModelError(f"{model_name(model)}: its forward fails with its attention switched to another "
+                                    f"implementation ({type(exc).__name__}: {exc}); a model that computes attention "
+                                    "with its own code is not served") from exc
+    returned = output.get("cache", output.get("past_key_values")) if hasattr(output, "get") else None
+    if returned is not cache:
+        raise UnsupportedModelError(f"{model_name(model)} does not keep its K/V in the transformers cache it is "
+                                    "given (own cache code or none)")
+    state_layers = read_state_layers(cache)
+    without_kv = {i for i, layer in enumerate(cache.layers) if isinstance(layer, DummyLayer)}  # MLP-only layers
+    layers = _layers(model, updates, sinks, {layer.layer_idx for layer in state_layers} | without_kv)
+    if not own_attentions.sites:  # (older families window in their own code, which their stand-ins pass on)
+        _apply_mask_patterns(model, config, layers, windows)
+    return layers, state_layers
+
+
+def _probe_cache(model: torch.nn.Module, config) -> DynamicCache:
+    """The model's own dynamic cache for its config; refuses layers that hold anything but per-token K/V."""
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 - a config transformers cannot lay out: layers are then added as written
+        return DynamicCache()
+    kinds = {type(layer).__name__ for layer in cache.layers  # a DummyLayer reuses another's K/V (Gemma 3n)
+             if not isinstance(layer, (DynamicLayer, DummyLayer, LinearAttentionCacheLayerMixin))}
+    if kinds:
+        raise UnsupportedModelError(f"{model_name(model)} has cache layers of kind {', '.join(sorted(kinds))} "
+                                    f"({_kinds_reason(kinds)}); paged_hf serves models whose every layer keeps "
+                                    "per-token K/V")
+    indexed = sorted(type(layer).__name__ for layer in cache.layers if hasattr(layer, "update_indexer"))
+    if indexed:
+        raise UnsupportedModelError(f"{model_name(model)} uses indexed sparse attention ({indexed[0]}), "
+                                    "which the paged kernels do not compute")
+    return cache
+
+
+def _kinds_reason(kinds: set[str]) -> str:
+    return "a cache layout of its own"
+
+
+def _layers(model, updates: dict, sinks: set[int], without_kv: set[int]) -> list[AttentionLayer]:
+    """`without_kv`: layers that write no K/V by design (recurrent layers, MLP-only layers, K/V reused)."""
+    if not updates and not without_kv:
+        raise UnsupportedModelError(f"{model_name(model)} wrote no K/V to the cache: its attention does not use "
+                                    "transformers' cache")
+    missing = sorted(set(range(max(updates, default=-1) + 1)) - set(updates) - without_kv)
+    if missing:
+        raise UnsupportedModelError(f"{model_name(model)} leaves cache layers {missing} unwritten")
+    layers = []
+    for index in sorted(updates):
+        key, value = updates[index]  # [1, num_kv_heads, num_tokens, head_dim]
+        if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
+            raise UnsupportedModelError(f"{model_name(model)} writes K {tuple(key.shape)} and V {tuple(value.shape)} "
+                                        f"to cache layer {index}: not [batch, kv_heads, tokens, head_dim] pairs")
+        layers.append(AttentionLayer(index, key.shape[1], key.shape[-1], value.shape[-1], key.device, index in sinks))
+    return layers
+
+
+def _apply_mask_patterns(model, config, layers: list[AttentionLayer], windows: dict[int, int | None]) -> None:
+    """Each layer's mask as transformers would build it (the config's layer types), checked against what its
+    attention call passes: the paged kernels window by the call, so a window only the mask knows is refused."""
+    try:
+        types, per_layer = get_layer_types_and_kwargs(config)
+    except Exception:  # noqa: BLE001 - a config without per-layer patterns: the calls' windows are all there is
+        return
+    if any(layer.layer_idx >= len(types) for layer in layers):
+        return  # cache slots that are not decoder layers (recurrent stacks): the calls' windows are all there is
+    for layer in layers:
+        index, kind, kwargs = layer.layer_idx, types[layer.layer_idx], per_layer[layer.layer_idx]
+        kind = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}.get(kind, kind)
+        window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
+        passed = windows.get(index)
+        if kind == "chunked_attention":
+            layer.chunk_size = kwargs["sliding_window"]
+        if passed != window and not (kind == "chunked_attention" and passed is None):
+            raise UnsupportedModelError(
+                f"{model_name(model)} layer {index} is {kind.replace('_', ' ')}"
+                + (f" over {window} tokens" if window else "") + f" in its mask, but its attention call passes "
+                f"sliding_window={passed}: the paged kernels window by the call")

@@ -1,0 +1,113 @@
+"""Attention modules of older transformers families that compute attention with their own code, routed through
+the attention interface for the engine's steps (and the model probe).
+
+GPT-Neo, GPT-NeoX-Japanese and Falcon (rotary) compute plain causal softmax attention inline instead of calling
+transformers' `AttentionInterface`, so a paged step would never reach the paged kernels (and the step books
+would fail it). Their stand-ins run the module's own code for everything else, projections, rotary, the cache
+write, the output projection, and hand only the attention itself to the interface with the module's scaling
+and window:
+- GPT-Neo and GPT-NeoX-Japanese: the module's own forward runs with the stand-in as `self`, whose `_attn`
+  is the interface's (their local layers attend `window_size` tokens, GPT-Neo does not scale its scores);
+- Falcon: its forward is short and inline; the stand-in's is the same with the attention through the
+  interface (ALiBi variants raise: the paged kernels have no ALiBi).
+The engine probe checks each against the model's own forward; families not listed keep their own code and are
+refused there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_hf.integrations.transformers import UnservedAttention
+from paged_hf.worker.attention_switch import attention_function
+from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
+
+
+def _call_interface(module, config, query, key, value, attention_mask, scaling, window):
+    """[batch, heads, tokens, head_dim] q/k/v -> [batch, tokens, heads, head_dim] through the attention interface."""
+    function = attention_function(_WithConfig(module, config), None)
+    output, _ = function(module, query, key, value, attention_mask, scaling=scaling, dropout=0.0,
+                         sliding_window=window)
+    return output
+
+
+class _WithConfig:
+    """What `attention_function` reads of a module (its config's implementation), for modules without a config."""
+
+    def __init__(self, module, config):
+        self.config = getattr(module, "config", None) or config
+
+
+class OwnAttnMethod(StandIn):
+    """`original`'s own forward, with its `_attn(query, key, value, attention_mask)` through the interface."""
+
+    def __init__(self, original: torch.nn.Module, config, scaling: float, window: int | None):
+        super().__init__(original)
+        object.__setattr__(self, "model_config", config)
+        self.scaling, self.window = scaling, window
+
+    def forward(self, *args, **kwargs):
+        return type(self.original).forward(self, *args, **kwargs)
+
+    def _attn(self, query, key, value, attention_mask=None, *args, **kwargs):
+        output = _call_interface(self.original, self.model_config, query, key, value, attention_mask, self.scaling,
+                                 self.window)
+        return output.transpose(1, 2), None  # [batch, heads, tokens, head_dim], as the module's own _attn
+
+
+class FalconPagedAttention(StandIn):
+    """FalconAttention's forward (rotary variants) with its attention through the interface."""
+
+    def __init__(self, original: torch.nn.Module, config):
+        super().__init__(original)
+        object.__setattr__(self, "model_config", config)
+
+    def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
+                output_attentions=False, position_embeddings=None, **kwargs):
+        attention = self.original
+        if alibi is not None:
+            raise UnservedAttention("Falcon with ALiBi: the paged kernels have no ALiBi")
+        batch_size, query_length = hidden_states.shape[:2]
+        num_kv_heads = attention.num_heads if attention.new_decoder_architecture else attention.num_kv_heads
+        query, key, value = attention._split_heads(attention.query_key_value(hidden_states))
+        query = query.transpose(1, 2).reshape(batch_size, attention.num_heads, query_length, attention.head_dim)
+        key = key.transpose(1, 2).reshape(batch_size, num_kv_heads, query_length, attention.head_dim)
+        value = value.transpose(1, 2).reshape(batch_size, num_kv_heads, query_length, attention.head_dim)
+        rotary = _module_function(attention, "apply_rotary_pos_emb")
+        query, key = rotary(query, key, *position_embeddings)
+        if layer_past is not None:
+            key, value = layer_past.update(key, value, attention.layer_idx)
+        output = _call_interface(attention, self.model_config, query, key, value, attention_mask,
+                                 attention.head_dim ** -0.5, None)
+        output = output.reshape(batch_size, query_length, attention.num_heads * attention.head_dim)
+        return attention.dense(output), None
+
+
+def _module_function(module: torch.nn.Module, name: str):
+    """A function of the module's own modeling file (what its forward calls by that name)."""
+    return type(module).forward.__globals__[name]
+
+
+def stand_in_for(module: torch.nn.Module, config) -> torch.nn.Module | None:
+    """The stand-in of an attention module with its own code, None for any other module."""
+    name = type(module).__name__
+    if name == "GPTNeoSelfAttention":
+        window = config.window_size if module.attention_type == "local" else None
+        return OwnAttnMethod(module, config, 1.0, window)
+    if name == "GPTNeoXJapaneseAttention":
+        return OwnAttnMethod(module, config, 1.0 / module.norm_factor, None)
+    if name == "FalconAttention":
+        return FalconPagedAttention(module, config)
+    return None
+
+
+class OwnAttentions(ModuleSwaps):
+    """Every attention module with its own code that has a stand-in here, swapped for it in a step."""
+
+    def __init__(self, model: torch.nn.Module, config):
+        self.sites = []
+        for parent in model.modules():
+            for name, child in parent._modules.items():
+                stand_in = stand_in_for(child, config) if child is not None else None
+                if stand_in is not None:
+                    self.sites.append((parent, name, child, stand_in))

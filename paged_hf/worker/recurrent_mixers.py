@@ -1,0 +1,159 @@
+"""A hybrid model's recurrent layers on the packed row: the model's own layer code, called per request group.
+
+A linear-attention, SSM or convolution mixer reads its input as one sequence per batch row, so the packed row
+of a step (many requests' tokens one after the other) must not reach it whole. Its stand-in splits the row:
+- the step's continuing one-token queries (decodes) go in one call as a batch, `[num_decodes, 1, hidden]`, with
+  their slots' states gathered: the mixer's own single-token path;
+- each prompt chunk goes in a call of its own, `[1, chunk, hidden]`, starting from its slot's state when it
+  continues a prompt (the mixer's own chunked path carries it), from none when it starts one;
+and the outputs are put back in row order. (A mixer whose multi-token path ignores the state, as Mamba's
+selective scan does, computes continuing chunks token by token in lockstep with the decodes instead.) Each call sees a `StateView` of its slots (worker/recurrent_state.py)
+in place of the paged cache. Mixers are found by what their code calls: the cache's state API
+(`update_conv_state`, `update_recurrent_state`, ...), on a module with a `layer_idx` of a state layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from paged_hf.integrations.transformers import UnservedAttention
+from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
+from paged_hf.worker.recurrence_kernels import RecurrenceKernels
+from paged_hf.worker.recurrent_state import RecurrentStates, StateView
+
+STATE_CALLS = frozenset({"get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state"})
+
+
+@dataclass
+class RecurrentStep:
+    """How a step's packed row splits for the mixers: (first row, length, slot) of each query."""
+    continuing: list[tuple[int, int, int]]  # queries after a computed past (decodes, later prompt chunks)
+    fresh: list[tuple[int, int, int]]  # first chunks of prompts
+
+    @classmethod
+    def of(cls, query_start_loc: list[int], context_lens: list[int], slots: list[int | None]) -> RecurrentStep:
+        continuing, fresh = [], []
+        for i, slot in enumerate(slots):
+            start, length = query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i]
+            assert slot is not None, "a hybrid model's request without a state slot"
+            (continuing if context_lens[i] > length else fresh).append((start, length, slot))
+        return cls(continuing, fresh)
+
+    def lockstep(self, whole_chunks: bool) -> list[tuple[list[int], list[int]]]:
+        """(rows, slots) of the calls over continuing queries: the one-token queries in one batch and each longer
+        one whole (`whole_chunks`), or every query token by token, its t-th token in the t-th batch."""
+        if whole_chunks:
+            singles = [(start, slot) for start, length, slot in self.continuing if length == 1]
+            calls = [([row for row, _ in singles], [slot for _, slot in singles])] if singles else []
+            return calls + [(list(range(start, start + length)), [slot])
+                            for start, length, slot in self.continuing if length > 1]
+        calls = []
+        for t in range(max((length for _, length, _ in self.continuing), default=0)):
+            batch = [(start + t, slot) for start, length, slot in self.continuing if t < length]
+            calls.append(([row for row, _ in batch], [slot for _, slot in batch]))
+        return calls
+
+
+def calls_state_api(module: torch.nn.Module) -> bool:
+    """Some method of the module's class reads or writes the cache's recurrent states."""
+    for klass in type(module).__mro__:
+        if klass is torch.nn.Module:
+            return False
+        for function in vars(klass).values():
+            code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
+            if code is not None and STATE_CALLS & set(code.co_names):
+                return True
+    return False
+
+
+class MixerStandIn(StandIn):
+    """`original`'s forward, called per group of the step's queries (module docstring). `mode.whole_chunks`:
+    a continuing prompt chunk in one call (the mixer's chunked path starts from its state), else token by
+    token in lockstep with the decodes (for a mixer whose multi-token path starts from no state: Mamba's)."""
+
+    def __init__(self, original: torch.nn.Module, mode: RecurrentMixers):
+        super().__init__(original)
+        object.__setattr__(self, "mode", mode)
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = list(args), dict(kwargs)
+        cache = _paged_cache_in(args, kwargs)
+        step: RecurrentStep = cache.recurrent_step
+        hidden = args[0] if args else kwargs["hidden_states"]  # [1, num_tokens, hidden]
+        pieces = []  # (rows of the packed row, the call's output [len(rows), hidden])
+        for rows, slots in step.lockstep(self.mode.whole_chunks):
+            if len(slots) == 1:  # one sequence: its rows as [1, tokens, hidden]
+                select = lambda t, rows=rows: t[:, rows[0]: rows[-1] + 1]  # noqa: E731
+            else:  # one token of each sequence: [batch, 1, hidden]
+                index = torch.tensor(rows, device=hidden.device)
+                select = lambda t, index=index: t[0].index_select(0, index)[:, None]  # noqa: E731
+            output = self._call(args, kwargs, cache, select(hidden), slots, True, select)
+            pieces.append((rows, output.reshape(len(rows), -1)))
+        for start, length, slot in step.fresh:
+            select = lambda t, start=start, length=length: t[:, start: start + length]  # noqa: E731
+            output = self._call(args, kwargs, cache, select(hidden), [slot], False, select)
+            pieces.append((list(range(start, start + length)), output[0]))
+        output = hidden.new_empty(hidden.shape[1], pieces[0][1].shape[-1], dtype=pieces[0][1].dtype)
+        for rows, piece in pieces:
+            output[rows] = piece
+        return output[None]
+
+    def _call(self, args, kwargs, cache, hidden, slots, continuing, select) -> torch.Tensor:
+        """The original mixer on `hidden` [batch, tokens, hidden] with a view of `slots`; per-token keyword
+        tensors of the packed row are selected the same way (`select`)."""
+        view = StateView(cache.states, slots, continuing)
+        num_tokens = cache.metadata.slot_mapping.shape[0]
+        call_args = [view if a is cache else a for a in args]
+        if call_args:
+            call_args[0] = hidden
+        call_kwargs = {k: (view if v is cache else select(v) if _per_token(v, num_tokens) else v)
+                       for k, v in kwargs.items() if k != "attention_mask"}
+        if not args:
+            call_kwargs["hidden_states"] = hidden
+        output = self.original(*call_args, **call_kwargs)
+        view.write_back()
+        if not isinstance(output, torch.Tensor):
+            raise UnservedAttention(f"{type(self.original).__name__} returns {type(output).__name__}, not a tensor")
+        return output
+
+
+def _per_token(value, num_tokens: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == num_tokens
+
+
+def _paged_cache_in(args: list, kwargs: dict):
+    for value in (*args, *kwargs.values()):
+        if getattr(value, "recurrent_step", None) is not None:
+            return value
+    raise UnservedAttention("a recurrent mixer was called without the paged cache")
+
+
+class RecurrentMixers(ModuleSwaps):
+    """Every module that computes a state layer with the cache's state API, swapped for its stand-in in a step,
+    and the reference recurrences their modeling modules call swapped for faster ones (recurrence_kernels.py).
+    `whole_chunks`: how continuing prompt chunks run (MixerStandIn); the engine probe turns it off for mixers
+    whose multi-token path ignores the state."""
+
+    def __init__(self, model: torch.nn.Module, states: RecurrentStates | None):
+        self.sites = []
+        self.whole_chunks = True
+        self.kernels = RecurrenceKernels([])
+        if states is None:
+            return
+        layers = states.layer_indices
+        for parent in model.modules():
+            for name, child in parent._modules.items():
+                if child is not None and getattr(child, "layer_idx", None) in layers and calls_state_api(child):
+                    self.sites.append((parent, name, child, MixerStandIn(child, self)))
+        self.kernels = RecurrenceKernels([original for _, _, original, _ in self.sites])
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        self.kernels.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.kernels.__exit__(*exc)
+        super().__exit__(*exc)
