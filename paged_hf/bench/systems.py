@@ -39,8 +39,7 @@ QUANT_SYSTEMS = {"paged_hf_int8": "int8", "paged_hf_w4a16": "w4a16"}
 KV_DISK_SYSTEM = "paged_hf_kvdisk"
 PAGED_SYSTEMS = ("paged_hf", "paged_hf_base", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS,
                  KV_DISK_SYSTEM, KV_HOST_SYSTEM, *QUANT_SYSTEMS)
-SYSTEM_NAMES = (*PAGED_SYSTEMS, "vllm",
-                "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
+SYSTEM_NAMES = (*PAGED_SYSTEMS, "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
 #: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
 DEFAULT_SYSTEMS = {
     "mixed": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
@@ -125,6 +124,8 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     start = time.perf_counter()
     outputs = generate_in_waves(generator, workload, params, adapters)  # one generate() call per wave
     wall = time.perf_counter() - start
+    if generator.runner.kv_tier is not None:  # every write of the run counted (flushed after the wall: they overlap)
+        generator.runner.kv_tier.flush()
     after = generator.stats()
     ttft, tpot = [], []
     for out in outputs:

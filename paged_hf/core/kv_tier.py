@@ -90,6 +90,9 @@ class TierStore(Protocol):
     def fetch(self, key: bytes) -> object | None:
         """The block's payload, read and checked; None when missing or unreadable (never a bad payload)."""
 
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until the saves handed over so far landed -> whether they did in time."""
+
     def stats(self) -> dict: ...
 
 
@@ -173,6 +176,10 @@ class KVTier:
     def take_transfers(self) -> TierTransfers:
         transfers, self.pending = self.pending, TierTransfers()
         return transfers
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until the store landed the saves the runner handed it (its writer runs in the background)."""
+        return self.store.flush(timeout)
 
     def stats(self) -> dict:
         return {"kv_tier_queries": self.num_queried_tokens, "kv_tier_hits": self.num_hit_tokens,

@@ -388,6 +388,11 @@ class TieredStore:
             self.host.put(key, payload)
         return payload
 
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until the disk's queued writes landed (the writer runs at the lowest priority: on a busy host a
+        step's blocks can still be queued when a run ends) -> whether they did in time."""
+        return self.disk.flush(timeout) if self.disk is not None else True
+
     def stats(self) -> dict:
         disk = self.disk
         return {"kv_tier_host_bytes": self.host.index.bytes_held,
