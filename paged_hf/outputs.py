@@ -44,6 +44,10 @@ class RequestOutput:
     error: str | None = None  # this request failed inside the engine (finished, finish_reason "abort"); others ran on
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # vLLM's: prompt tokens found in the prefix cache or the KV tier when the request was first scheduled
+    num_cached_tokens: int = 0
+    # vLLM's: what a KV consumer needs to find this prompt's blocks (a kv_producer's finished requests)
+    kv_transfer_params: dict | None = None
 
 
 @dataclass

@@ -135,8 +135,7 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
     extra = {key: after[key] - before[key] for key in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")}
     if speculate:
         extra["spec_decode"] = spec_decode_delta(before, after)
-    extra["num_blocks"] = after["num_blocks"]
-    extra["max_num_running"] = after.get("max_num_running")
+    extra.update(num_blocks=after["num_blocks"], max_num_running=after.get("max_num_running"))
     extra["kv_cache_dtype"] = config.get("kv_cache_dtype", "auto")
     extra["engine_config"] = config
     if "kv_tier_bytes_written" in after:  # the KV tier: what was written through, read back, dropped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from paged_hf.config.kv_transfer import KVTransferConfig
 from paged_hf.config.speculative import SpeculativeConfig
 from paged_hf.kernels.quant import KV_CACHE_DTYPE_NAMES
 
@@ -62,6 +63,10 @@ class PagedConfig:
     kv_offloading_size: float | None = None
     kv_cache_dir: str | None = None
     kv_cache_dir_size: float = 16.0
+    # disaggregated prefill/decode (vLLM's kv_transfer_config, docs/disaggregated.md): a KVTransferConfig or its
+    # fields as a dict / JSON text, e.g. {"kv_connector": "PagedHFConnector", "kv_role": "kv_producer"}; it
+    # needs the KV tier's directory (a fresh temporary one unless kv_cache_dir names one)
+    kv_transfer_config: object = None
     # who is served first (paged_hf.core.request_queue): "fcfs" (arrival order), "priority" (a request's
     # priority, lower first; it may preempt lower-ranked running requests) or "fair" (tenants share the step
     # budget by virtual token counters, weighted by tenant_weights {tenant: weight}, default 1)
@@ -108,6 +113,7 @@ class PagedConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPE_NAMES))} (or 'fp8'), "
                              f"got {self.kv_cache_dtype!r}")
         self.speculative = SpeculativeConfig.parse(self.speculative)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         for name in ("kv_offloading_size", "kv_cache_dir_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0)):

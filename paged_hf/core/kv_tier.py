@@ -142,6 +142,12 @@ class KVTier:
             keys.append(tier_block_key(keys[-1] if keys else root, tokens[start : start + size]))
         return keys
 
+    def prompt_params(self, request: Request) -> dict:
+        """What a KV consumer needs to find `request`'s full prompt blocks (disaggregated prefill/decode): the
+        namespace (another model's blocks are never looked up) and the blocks' keys, in prompt order."""
+        num_full = request.num_prompt_tokens // self.block_size
+        return {"namespace": self.namespace.hex(), "block_keys": [k.hex() for k in self.block_keys(request)[:num_full]]}
+
     def lookup(self, key: bytes) -> TierHit | None:
         payload = self.store.fetch(key)
         return None if payload is None else TierHit(key, payload)
@@ -172,6 +178,11 @@ class KVTier:
         if previous is not None and previous[0] != key:
             return  # the block's earlier content is still to be read: it goes first, the runner reads it once
         self.pending.saves[block_id] = (key, evicted or (previous is not None and previous[1]))
+
+    def take_saves(self) -> dict[int, tuple[bytes, bool]]:
+        """The pending saves alone (the loads wait for their step's copies)."""
+        saves, self.pending.saves = self.pending.saves, {}
+        return saves
 
     def take_transfers(self) -> TierTransfers:
         transfers, self.pending = self.pending, TierTransfers()

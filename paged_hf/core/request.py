@@ -88,6 +88,7 @@ class Request:
     state_slot: int | None = None  # a hybrid model's recurrent-state slot while it holds blocks (core/state_slots.py)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
     block_hashes_key: bytes | None = None  # the extra keys `block_hashes` were computed with
+    num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache at the first scheduling
     num_cached_blocks: int = 0  # how many leading blocks of `block_ids` were offered to the prefix cache
     pending_forks: list["Request"] = field(default_factory=list, repr=False)  # siblings that fork from this one
     fork_parent: "Request | None" = field(default=None, repr=False)  # set while waiting in a parent's pending_forks

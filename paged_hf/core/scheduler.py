@@ -296,6 +296,8 @@ class Scheduler:
             self.pacer.scheduled(request, num_new)
 
     def _count_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit_tokens
         if not self.kv_cache_manager.enable_caching:
             return
         if request.num_preemptions:

@@ -62,6 +62,8 @@ class ContinuousBatchGenerator:
         self.adapter_store = AdapterStore(self.runner, self.config)
         self.block_pool = BlockPool(num_blocks, self.config.enable_prefix_caching)
         state_slots = StateSlots(state_slot_count(self.config)) if self.info.is_hybrid else None
+        transfer = self.config.kv_transfer_config
+        self._kv_producer = transfer is not None and transfer.is_producer  # finished outputs carry their blocks' keys
         self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size, self.runner.kv_tier, state_slots)
         self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    max_loras=adapter_slots(self.config, self.info), is_ready=adapter_is_ready,
@@ -238,7 +240,10 @@ class ContinuousBatchGenerator:
         error = self.engine_step.errors.pop(group.request_id, None)
         if error is None:
             try:
-                return group.output()
+                output = group.output()
+                if output.finished and self._kv_producer and isinstance(group, RequestGroup):
+                    output.kv_transfer_params = self.runner.kv_tier.prompt_params(group.children[0])
+                return output
             except Exception as exc:  # noqa: BLE001
                 error = exc
         logger.error("request %s failed: %r", group.request_id, error)

@@ -26,8 +26,9 @@ def hybrid_config(config: PagedConfig, info: ModelInfo) -> PagedConfig:
     if config.speculative is not None:
         raise ValueError("speculative decoding of a hybrid model (recurrent layers): its states cannot roll back "
                          "rejected drafts; leave `speculative` unset")
-    if config.kv_offloading_size or config.kv_cache_dir:
-        raise ValueError("kv_offloading_size / kv_cache_dir: a hybrid model keeps no prefix cache to extend")
+    if config.kv_offloading_size or config.kv_cache_dir or config.kv_transfer_config is not None:
+        raise ValueError("kv_offloading_size / kv_cache_dir / kv_transfer_config: a hybrid model keeps no prefix "
+                         "cache to extend (its recurrent states are not in the KV blocks)")
     if config.enable_prefix_caching:
         logger.info("paged_hf: prefix caching is off for a hybrid model (a cached block does not hold the "
                     "recurrent layers' state as of that block)")

@@ -30,6 +30,7 @@ class RequestGroup:
                 finish_time=max(finish) if finish and self.finished else None,
             ),
             prompt_logprobs=self._prompt_logprobs(),
+            num_cached_tokens=self.children[0].num_cached_tokens or 0,
         )
 
     def _prompt_logprobs(self) -> list[dict[int, float] | None] | None:

@@ -84,6 +84,8 @@ class EngineStep:
             logits, spec_logits = logits[: -inputs.num_spec_rows], logits[-inputs.num_spec_rows:]
         for scheduled in out.scheduled:
             self.scheduler.advance(scheduled)
+        if self.runner.kv_offload is not None:
+            self.runner.kv_offload.save_computed_blocks()
         return logits, spec_logits, inputs
 
     def _postprocess(self, requests: list[Request], logits: torch.Tensor, spec_logits: torch.Tensor | None,

@@ -7,6 +7,7 @@ import argparse
 import json
 from dataclasses import asdict
 
+from paged_hf.config.kv_transfer import KVTransferConfig
 from paged_hf.config.speculative import SpeculativeConfig
 from paged_hf.kernels.quant import KV_CACHE_DTYPE_NAMES
 from paged_hf.loader.device_dtype import DTYPE_NAMES, resolve_device, resolve_model_dtype
@@ -56,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="directory of KV block files under the prefix cache; a restart with it finds them again")
     group.add_argument("--kv-cache-dir-size", type=float, metavar="GIB",
                        help="most GiB --kv-cache-dir holds (default: 16)")
+    group.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                       help='disaggregated prefill/decode, vLLM\'s form: \'{"kv_connector": "PagedHFConnector", '
+                            '"kv_role": "kv_producer"}\' (or kv_consumer, kv_both; docs/disaggregated.md)')
     group.add_argument("--max-stop-strings", type=int, help="most stop strings per request (default: 64)")
     group.add_argument("--max-stop-string-chars", type=int, help="longest stop string (default: 512 characters)")
     group.add_argument("--max-grammar-bytes", type=int, help="largest structured-output spec (default: 64 KiB)")
@@ -99,6 +103,8 @@ def engine_config(args: argparse.Namespace) -> dict:
         config["enable_prefix_caching"] = False
     if args.speculative_config is not None:
         config["speculative"] = asdict(SpeculativeConfig.parse(args.speculative_config))  # checked, JSON-able
+    if getattr(args, "kv_transfer_config", None) is not None:
+        config["kv_transfer_config"] = asdict(KVTransferConfig.parse(args.kv_transfer_config))
     if getattr(args, "scheduling_policy", None) is not None:
         config["scheduling_policy"] = args.scheduling_policy
     if getattr(args, "tenant_weight", None):

@@ -13,8 +13,11 @@ byte of a large model would cost seconds at each start. Weights changed in place
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import shutil
+import tempfile
 
 import torch
 
@@ -23,7 +26,7 @@ from paged_hf.core.kv_tier import KVTier, TierTransfers
 from paged_hf.core.request import Request
 from paged_hf.kernels.quant import as_bytes
 from paged_hf.worker.distributed import is_multi_rank
-from paged_hf.worker.kv_store import DiskStore, HostStore, TieredStore
+from paged_hf.worker.kv_store import WRITE_THROUGH_QUEUED, DiskStore, HostStore, TieredStore
 from paged_hf.worker.paged_cache import PagedCache
 
 GIB = 1 << 30
@@ -135,12 +138,20 @@ class KVOffloader:
         """Read the blocks to save into the store -> the transfers, whose loads `load_blocks` makes. Blocks the
         store would drop (its writer is behind) are not even read: a step never waits for the disk."""
         transfers = self.tier.take_transfers()
-        if transfers.saves:
-            saves = self.store.admit([(block_id, *save) for block_id, save in transfers.saves.items()])
+        self._save(transfers.saves)
+        return transfers
+
+    def save_computed_blocks(self) -> None:
+        """After a step's forward: the blocks it filled go to the store now, not before the next step's (an idle
+        engine has no next step, and a KV producer's answer waits for its prompt's blocks)."""
+        self._save(self.tier.take_saves())
+
+    def _save(self, pending: dict[int, tuple[bytes, bool]]) -> None:
+        if pending:
+            saves = self.store.admit([(block_id, *save) for block_id, save in pending.items()])
             if saves:
                 gathered = gather_blocks(self.cache, [block_id for block_id, _, _ in saves])
                 self.store.put_many([(key, evicted) for _, key, evicted in saves], gathered)
-        return transfers
 
     def load_blocks(self, transfers: TierTransfers) -> None:
         if transfers.loads:
@@ -153,16 +164,29 @@ def make_kv_offload(model: torch.nn.Module, model_dtype: torch.dtype, cache: Pag
     """The tier the config asks for (`kv_offloading_size` GiB of host memory, `kv_cache_dir` of at most
     `kv_cache_dir_size` GiB), or None."""
     host_bytes = int((config.kv_offloading_size or 0) * GIB)
-    if not host_bytes and not config.kv_cache_dir:
+    transfer = config.kv_transfer_config
+    if not host_bytes and not config.kv_cache_dir and transfer is None:
         return None
     if not config.enable_prefix_caching:
-        raise ValueError("kv_offloading_size / kv_cache_dir need enable_prefix_caching=True (the tier extends it)")
+        raise ValueError("kv_offloading_size / kv_cache_dir / kv_transfer_config need enable_prefix_caching=True "
+                         "(the tier extends it)")
     if is_multi_rank():
-        raise ValueError("kv_offloading_size / kv_cache_dir: not supported with tensor parallelism yet")
+        raise ValueError("kv_offloading_size / kv_cache_dir / kv_transfer_config: not supported with tensor "
+                         "parallelism yet")
     kv_dtype = cache.key_cache[0].dtype
     namespace = model_fingerprint(model, model_dtype, kv_dtype, cache.block_size)
     disk = None
-    if config.kv_cache_dir:
-        disk = DiskStore(config.kv_cache_dir, int(config.kv_cache_dir_size * GIB), namespace, expected_payload(cache))
+    folder = config.kv_cache_dir or (transfer and temporary_folder("paged_hf_kv_transfer_"))
+    if folder:
+        producer = transfer is not None and transfer.is_producer  # every computed block, none dropped
+        disk = DiskStore(folder, int(config.kv_cache_dir_size * GIB), namespace, expected_payload(cache),
+                         write_through_queued=(1 << 62) if producer else WRITE_THROUGH_QUEUED)
     store = TieredStore(HostStore(host_bytes or READ_CACHE_BYTES), disk, host_is_tier=bool(host_bytes))
     return KVOffloader(cache, KVTier(namespace, store, RequestKeys(), cache.block_size), store)
+
+
+def temporary_folder(prefix: str) -> str:
+    """A fresh folder, removed at exit (after the tier's writer landed its writes: registered before it)."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, True)
+    return folder

@@ -17,26 +17,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import queue
 import sys
 import threading
 import time
 import weakref
-import zlib
 from pathlib import Path
 
 import numpy as np
-import safetensors.torch
 import torch
 from transformers.utils import logging
 
 from paged_hf.core.kv_tier import LRUIndex
+from paged_hf.worker.kv_block_file import FORMAT, BlockLayout, checksum, decode, payload_nbytes
 
 logger = logging.get_logger(__name__)
 
-FORMAT = "paged_hf-kv/2"
 SUFFIX = ".safetensors"
 STALE_TEMP_SECONDS = 600  # temporary files older than this are leftovers of a crash
 #: the writer's queue (it runs at the lowest OS priority and falls behind while steps run): at most these bytes
@@ -44,69 +41,6 @@ STALE_TEMP_SECONDS = 600  # temporary files older than this are leftovers of a c
 #: WRITE_THROUGH_QUEUED wait; a block the pool drops is its only copy and may use it all. Past it, dropped.
 MAX_QUEUED_BYTES = 768 << 20
 WRITE_THROUGH_QUEUED = 256
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.uint8: "U8", torch.int8: "I8"}
-
-
-def payload_nbytes(payload: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in payload.values())
-
-
-class BlockLayout:
-    """One block's file: a safetensors header (the cache's tensors, in the cache's order, their bytes back to
-    back; the metadata) and the bytes. Every block of a cache has the same tensor entries, so a file is written
-    as one header and one row of bytes, with no work per tensor (the writer thread holds the GIL less)."""
-
-    def __init__(self, expected: dict[str, tuple[torch.dtype, tuple]]):
-        self.names = list(expected)
-        self.entries, offset = {}, 0
-        for name, (dtype, shape) in expected.items():
-            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-            self.entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                                  "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        self.nbytes = offset
-
-    def header(self, metadata: dict[str, str]) -> bytes:
-        text = json.dumps({"__metadata__": metadata, **self.entries}, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
-        return len(text).to_bytes(8, "little") + text
-
-    def rows(self, gathered: dict[str, torch.Tensor]):
-        """[num_blocks, nbytes] uint8 (numpy): each block's bytes in file order, one copy for a chunk of blocks
-        (numpy: no torch op, so the writer thread starts no intra-op threads of its own)."""
-        num = next(iter(gathered.values())).shape[0]
-        parts = [gathered[name].reshape(num, -1).view(torch.uint8).numpy() for name in self.names]
-        return np.concatenate(parts, axis=1)
-
-
-def checksum(data) -> str:
-    """CRC-32 of a block's bytes: it finds torn and flipped bytes at ~7 GB/s (blake2b: ~1.4). Not a defence
-    against someone who can write the folder: they could as well write a valid file."""
-    return f"{zlib.crc32(data):08x}"
-
-
-def decode(data: bytes, namespace: bytes, key: bytes, layout: BlockLayout) -> dict:
-    """The payload in `data`; ValueError unless it is this namespace's block `key`, whole and of the cache's shapes."""
-    if len(data) < 8:
-        raise ValueError("shorter than a safetensors header")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > len(data) - 8:
-        raise ValueError("truncated header")
-    try:
-        header = json.loads(data[8 : 8 + header_len])
-        metadata = header.pop("__metadata__")
-    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
-        raise ValueError(f"unreadable: {exc}") from None
-    if (metadata.get("format"), metadata.get("namespace"), metadata.get("key")) != (FORMAT, namespace.hex(), key.hex()):
-        raise ValueError("another format, model or key")
-    if header != layout.entries:
-        raise ValueError("tensors of other names, dtypes or shapes than the cache's")
-    if len(data) != 8 + header_len + layout.nbytes:
-        raise ValueError("truncated or padded data")
-    if metadata.get("checksum") != checksum(memoryview(data)[8 + header_len :]):
-        raise ValueError("checksum mismatch")
-    return safetensors.torch.load(data)
 
 
 class HostStore:
@@ -138,7 +72,8 @@ class DiskStore:
     The engine thread reads; one writer thread writes and deletes. The index is shared under a lock."""
 
     def __init__(self, folder: str | os.PathLike, capacity: int, namespace: bytes,
-                 expected: dict[str, tuple[torch.dtype, tuple]], max_queued_writes: int | None = None):
+                 expected: dict[str, tuple[torch.dtype, tuple]], max_queued_writes: int | None = None,
+                 write_through_queued: int = WRITE_THROUGH_QUEUED):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
@@ -153,6 +88,7 @@ class DiskStore:
         self.num_bad_files = 0
         self._scan()
         self.max_queued_writes = max_queued_writes or max(16, MAX_QUEUED_BYTES // max(1, self.layout.nbytes))
+        self.write_through_queued = write_through_queued  # a KV producer's: every computed block (kv_transfer)
         self.writes: queue.Queue = queue.Queue()  # chunks of blocks (one per step); bounded by max_queued_writes
         # the thread holds the store weakly: once the engine is gone it ends (a None in the queue wakes it)
         self.writer = threading.Thread(target=_write_loop, args=(self.writes, weakref.ref(self)),
@@ -196,7 +132,7 @@ class DiskStore:
 
     def room(self, evicted: bool = True) -> int:
         """How many more blocks the writer takes now, of blocks the pool drops or just computed (MAX_QUEUED_BYTES)."""
-        limit = self.max_queued_writes if evicted else min(self.max_queued_writes, WRITE_THROUGH_QUEUED)
+        limit = self.max_queued_writes if evicted else min(self.max_queued_writes, self.write_through_queued)
         return max(0, limit - len(self.queued))
 
     def put(self, key: bytes, payload: dict[str, torch.Tensor]) -> None:
@@ -246,12 +182,50 @@ class DiskStore:
             self.index.discard(key)
         return None
 
-    def write(self, key: bytes, data: np.ndarray) -> None:
+    def size(self, key: bytes) -> int | None:
+        """The bytes of the block's file, None when the folder does not hold it."""
+        with self.lock:
+            return self.index.entries.get(key)
+
+    def file_bytes(self, key: bytes) -> bytes | None:
+        """The block's file as it is (a KV producer serves it; the consumer checks it), or None."""
+        with self.lock:
+            if key not in self.index:
+                return None
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def adopt(self, key: bytes) -> bool:
+        """Index the block file another process wrote into this folder since the scan (a KV producer sharing it):
+        -> whether it is there. Its content is checked when it is read, as every file's."""
+        with self.lock:
+            if key in self.index or key in self.queued:
+                return True
+        try:
+            size = self.path(key).stat().st_size
+        except FileNotFoundError:
+            return False
+        with self.lock:
+            evicted = self.index.add(key, size)
+        for old in evicted:
+            _unlink(self.path(old))
+        return True
+
+    def receive(self, key: bytes, data: bytes) -> None:
+        """Keep a block file fetched from a KV producer; ValueError (nothing kept) unless it is this model's block
+        `key`, whole (the checks every read makes)."""
+        decode(data, self.namespace, key, self.layout)
+        header_len = 8 + int.from_bytes(data[:8], "little")
+        self.write(key, np.frombuffer(memoryview(data)[header_len:], dtype=np.uint8), header=data[:header_len])
+
+    def write(self, key: bytes, data: np.ndarray, header: bytes | None = None) -> None:
         """One block's file from its bytes (a row of `BlockLayout.rows`)."""
         path = self.path(key)
         temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        header = self.layout.header({"format": FORMAT, "namespace": self.namespace.hex(), "key": key.hex(),
-                                     "checksum": checksum(data)})
+        header = header or self.layout.header({"format": FORMAT, "namespace": self.namespace.hex(),
+                                               "key": key.hex(), "checksum": checksum(data)})
         with open(temp, "wb") as f:
             f.write(header)
             f.write(data)

@@ -24,6 +24,7 @@ from paged_hf.serving.openai.embeddings import add_embeddings_route
 from paged_hf.serving.openai.engine_loop import EngineError, EngineLoop
 from paged_hf.serving.openai.errors import ApiError, error_body, error_response, install_error_handlers
 from paged_hf.serving.openai.extra_routes import add_extra_routes
+from paged_hf.serving.openai.kv_transfer import KVTransfer, add_kv_transfer_routes
 from paged_hf.serving.openai.lifecycle import AbortingStreamingResponse
 from paged_hf.serving.openai.logprobs import Deltas, chat_logprobs, completion_logprobs
 from paged_hf.serving.openai.memory import LARGE_BODY_BYTES, freeze_startup_objects, trim_heap
@@ -131,6 +132,8 @@ def create_app(generator, tokenizer, model_name: str | list[str], settings: Serv
     # a request must also fit the whole KV cache: default max_tokens never asks for more than that holds
     max_model_len = min(generator.max_model_len, generator.block_pool.num_blocks * generator.config.block_size)
     ctx = ServerContext(engine, tokenizer, names[0], settings, max_model_len, metrics, tuple(names))
+    if getattr(getattr(generator, "config", None), "kv_transfer_config", None) is not None:
+        ctx.kv_transfer = KVTransfer(generator)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -155,6 +158,7 @@ def create_app(generator, tokenizer, model_name: str | list[str], settings: Serv
     add_embeddings_route(app, ctx)
     add_responses_routes(app, ctx)
     add_messages_routes(app, ctx)
+    add_kv_transfer_routes(app, ctx)
     return app
 
 
@@ -166,6 +170,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_route(http_request: Request):
         text = ctx.metrics.render(ctx.engine.stats, ctx.engine.num_in_flight, metrics_view(ctx, http_request))
+        text += ctx.kv_transfer.render() if ctx.kv_transfer is not None else ""
         return PlainTextResponse(text + vllm_aliases(text, ctx.model_name), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -198,6 +203,8 @@ def metrics_view(ctx: ServerContext, http_request: Request) -> MetricsView:
 
 async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):
     prepared = await prepare_off_loop(ctx, body, chat, time.monotonic(), http_request)
+    if ctx.kv_transfer is not None and body.kv_transfer_params:
+        await receive_blocks(ctx, prepared, body.kv_transfer_params, http_request)
     streams = await submit(ctx, prepared, reserved=True)  # bad input fails here, before any streamed byte
     sources = [outputs(ctx, http_request, stream, prepared.stream) for stream in streams]
     if prepared.stream:
@@ -212,10 +219,22 @@ async def _serve(ctx: ServerContext, body, http_request: Request, chat: bool):
         raise ApiError(500, str(exc), "engine_error") from None
     if any(final is None for final in finals):  # the client went away; nobody reads this
         raise ApiError(499, "client disconnected", "client_disconnected")
-    return await asyncio.to_thread(_json_answer, ctx, prepared, finals, chat)
+    transfer = None
+    if ctx.kv_transfer is not None and len(finals) == 1:
+        transfer = await ctx.kv_transfer.answer_params(finals[0], http_request)
+    return await asyncio.to_thread(_json_answer, ctx, prepared, finals, chat, transfer)
 
 
-def _json_answer(ctx: ServerContext, prepared: Prepared, finals: list, chat: bool) -> Response:
+async def receive_blocks(ctx: ServerContext, prepared: Prepared, params: dict, http_request: Request) -> None:
+    """A KV consumer's transfer, after the request took its queue slot (given back if the params are bad)."""
+    try:
+        await ctx.kv_transfer.receive(params, http_request, ctx.max_model_len // ctx.kv_transfer.block_size + 1)
+    except BaseException:
+        ctx.engine.release()
+        raise
+
+
+def _json_answer(ctx: ServerContext, prepared: Prepared, finals: list, chat: bool, transfer: dict | None) -> Response:
     """The whole answer, built and serialized in a worker thread: with logprobs it decodes every token and can
     be megabytes of JSON, which on the event loop would stall every stream and /health."""
     if chat:
@@ -223,6 +242,7 @@ def _json_answer(ctx: ServerContext, prepared: Prepared, finals: list, chat: boo
     else:
         answer = CompletionResponse(id=prepared.request_id, model=prepared.model,
                                     choices=completion_choices(ctx, prepared, finals), usage=usage(prepared, *finals))
+    answer.kv_transfer_params = transfer
     return Response(answer.model_dump_json(), media_type="application/json")
 
 

@@ -54,6 +54,7 @@ class ServerContext:
     metrics: object  # ServerMetrics
     served_names: tuple[str, ...] = ()  # every name of the base model (--served-model-name a b ...)
     adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # adapters keys loaded (tenancy.py)
+    kv_transfer: object = None  # KVTransfer with --kv-transfer-config (kv_transfer.py), else None
 
     @property
     def max_schema_depth(self) -> int:

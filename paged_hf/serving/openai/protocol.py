@@ -93,6 +93,8 @@ class SamplingFields(BaseModel):
     # vLLM's extension: lower is served first; needs --scheduling-policy priority (else only 0 is accepted)
     priority: int = Field(0, strict=True)
     user: str | None = Field(None, min_length=1, max_length=256)  # OpenAI: the end user; the tenant under fair
+    # vLLM's: disaggregated prefill/decode (serving/openai/kv_transfer.py); ignored without --kv-transfer-config
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -155,10 +157,15 @@ class ChatCompletionRequest(SamplingFields, _with_refused("_ChatRefused", CHAT_R
 
 # --- responses ------------------------------------------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # found in the prefix cache or the KV tier, not computed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class PromptLogprob(BaseModel):
@@ -192,6 +199,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a KV producer's: where its prompt blocks are
 
 
 class TopLogprob(BaseModel):
@@ -230,6 +238,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_logprobs: list[dict[int, "PromptLogprob"] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a KV producer's: where its prompt blocks are
 
 
 class ChatDelta(BaseModel):

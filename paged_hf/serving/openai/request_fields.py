@@ -33,7 +33,6 @@ _SHARED = {
     "routed_experts_prompt_start": (None, 0),
     "mm_payload": (None, "tensors"),
     "return_mm_kwargs": _FALSE,
-    "kv_transfer_params": _NONE,
     "ec_transfer_params": _NONE,
     "vllm_xargs": _NONE,
     "repetition_detection": _NONE,

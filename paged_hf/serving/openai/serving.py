@@ -19,7 +19,7 @@ from paged_hf.serving.openai.context import Prepared, ServerContext
 from paged_hf.serving.openai.engine_loop import EngineError, QueueFullError, RequestStream
 from paged_hf.serving.openai.errors import ApiError
 from paged_hf.serving.openai.memory import trim_if_large
-from paged_hf.serving.openai.protocol import CompletionRequest, Usage
+from paged_hf.serving.openai.protocol import CompletionRequest, PromptTokensDetails, Usage
 from paged_hf.serving.openai.request_body import too_deep
 from paged_hf.serving.openai.schema_limits import check_request_schemas
 from paged_hf.serving.openai.structured import structured_outputs
@@ -339,4 +339,6 @@ def usage(prepared: Prepared, *outputs) -> Usage:
     """Over every prompt of the request (an echo-only completion generated nothing)."""
     num_generated = 0 if prepared.echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt = sum(len(ids) for ids in prepared.prompts)
-    return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated)
+    cached = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated,
+                 prompt_tokens_details=cached)

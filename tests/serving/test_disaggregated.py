@@ -1,0 +1,162 @@
+"""Disaggregated prefill and decode between real `paged-hf serve` processes (float32 tiny Llama, block size 16):
+a producer computes the prompt (max_tokens=1) and answers with `kv_transfer_params`; a consumer given them pulls
+the blocks over HTTP (its own folder) or indexes them where they lie (the producer's folder), computes at most
+one block of the prompt, and answers with the tokens one instance gives. Faults (a truncated or overwritten
+block file, another model's params, the producer gone) cost recomputation, never a wrong token or a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import httpx
+import pytest
+from transformers import AutoModelForCausalLM
+
+pytest.importorskip("fastapi")
+
+from conftest import make_adapter  # noqa: E402
+from serve_process import MODEL, ServerProcess, save_tiny_model  # noqa: E402
+
+BLOCK = 16
+FLAGS = ("--max-num-batched-tokens", "48")  # a 200-token prompt is computed in several chunks
+
+
+def transfer_config(role: str) -> str:
+    return json.dumps({"kv_connector": "PagedHFConnector", "kv_role": role})
+
+
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory):
+    """(producer, consumer pulling over HTTP, consumer sharing the producer's folder, the producer's folder)."""
+    root = tmp_path_factory.mktemp("disagg")
+    folder = save_tiny_model(root / "model")
+    make_adapter(AutoModelForCausalLM.from_pretrained(folder), root / "adapter", seed=1, r=4, lora_alpha=8,
+                 target_modules=["q_proj", "v_proj"])
+    shared = str(root / "shared")
+    adapter = ("--adapter", f"ad={root / 'adapter'}")
+    with ServerProcess(folder, *FLAGS, *adapter, "--kv-cache-dir", shared, "--kv-transfer-config",
+                       transfer_config("kv_producer")) as producer, \
+         ServerProcess(folder, *FLAGS, *adapter, "--kv-transfer-config", transfer_config("kv_consumer")) as pulling, \
+         ServerProcess(folder, *FLAGS, *adapter, "--kv-cache-dir", shared, "--kv-transfer-config",
+                       transfer_config("kv_consumer")) as sharing:
+        yield producer, pulling, sharing, shared
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(7, 128) for _ in range(length)]
+
+
+def post(url: str, body: dict, route: str = "/v1/completions") -> dict:
+    response = httpx.post(url + route, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def request(ids, chat: bool, **fields) -> dict:
+    body = {"model": fields.pop("model", MODEL), "temperature": 0, "ignore_eos": True, **fields}
+    if chat:
+        return {**body, "messages": [{"role": "user", "content": " ".join(map(str, ids))}]}
+    return {**body, "prompt": ids}
+
+
+def answer_text(answer: dict) -> str:
+    choice = answer["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def disaggregated(producer, consumer, ids, chat: bool = False, **fields) -> tuple[dict, dict]:
+    """(the producer's params, the consumer's answer) of one request through both."""
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    first = post(producer.url, request(ids, chat, max_tokens=1, kv_transfer_params={"do_remote_decode": True},
+                                       **fields), route)
+    params = first["kv_transfer_params"]
+    answer = post(consumer.url, request(ids, chat, max_tokens=6, kv_transfer_params=params, **fields), route)
+    return params, answer
+
+
+def reference(producer, ids, chat: bool = False, **fields) -> str:
+    """One instance's greedy answer: the producer, under a salt of its own (no cache hit from the runs above)."""
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    salt = f"reference-{random.random()}"
+    return answer_text(post(producer.url, request(ids, chat, max_tokens=6, cache_salt=salt, **fields), route))
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+@pytest.mark.parametrize("length", [10, 2 * BLOCK, 2 * BLOCK + 1, 200])
+def test_consumers_answer_as_one_instance_and_compute_at_most_one_block(instances, length):
+    producer, pulling, sharing, _ = instances
+    ids = prompt(length, length)
+    expected = reference(producer, ids)
+    for seed, consumer in enumerate((pulling, sharing)):
+        ids_here = ids if seed == 0 else prompt(1000 + length, length)  # the sharing consumer: its own prompt
+        want = expected if seed == 0 else reference(producer, ids_here)
+        params, answer = disaggregated(producer, consumer, ids_here)
+        assert len(params["block_keys"]) == length // BLOCK and params["num_tokens"] == length // BLOCK * BLOCK
+        assert answer_text(answer) == want
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (length - 1) // BLOCK * BLOCK and length - cached <= BLOCK  # at most one block computed
+    assert metric(pulling.url, "paged_hf_kv_transfer_received_blocks_total") >= (length >= BLOCK)
+    assert metric(producer.url, "paged_hf_kv_transfer_sent_requests_total") >= 2
+
+
+def test_chat_and_an_adapter_transfer_too(instances):
+    producer, pulling, _, _ = instances
+    ids = prompt(7, 60)
+    for fields in ({}, {"model": "ad"}):
+        params, answer = disaggregated(producer, pulling, ids, chat=True, **fields)
+        assert answer_text(answer) == reference(producer, ids, chat=True, **fields)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(params["block_keys"]) * BLOCK - BLOCK
+    base = disaggregated(producer, pulling, prompt(8, 64))[0]["block_keys"]
+    adapted = disaggregated(producer, pulling, prompt(8, 64), model="ad")[0]["block_keys"]
+    assert not set(base) & set(adapted)  # the adapter is in every key: its K/V is never the base model's
+
+
+def test_bad_block_files_and_foreign_params_are_recomputed(instances):
+    producer, pulling, sharing, shared = instances
+    for consumer, seed, damaged in ((pulling, 21, 1), (sharing, 23, 3)):  # truncated / overwritten: a miss there
+        ids = prompt(seed, 5 * BLOCK)
+        params = post(producer.url, request(ids, False, max_tokens=1))["kv_transfer_params"]
+        path = os.path.join(shared, f"{params['block_keys'][damaged]}.safetensors")
+        with open(path, "r+b") as f:
+            if consumer is pulling:
+                f.truncate(os.path.getsize(path) // 2)
+            else:
+                f.seek(-64, os.SEEK_END)
+                f.write(os.urandom(64))
+        counter = "paged_hf_kv_transfer_rejected_blocks_total" if consumer is pulling else "paged_hf_kv_tier_bad_files_total"
+        before = metric(consumer.url, counter)
+        answer = post(consumer.url, request(ids, False, max_tokens=6, kv_transfer_params=params))
+        assert answer_text(answer) == reference(producer, ids)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == damaged * BLOCK  # up to the bad block
+        assert metric(consumer.url, counter) == before + 1
+    other = prompt(22, 4 * BLOCK)
+    params = post(producer.url, request(other, False, max_tokens=1))["kv_transfer_params"]
+    answer = post(pulling.url, request(other, False, max_tokens=6, kv_transfer_params={**params, "namespace": "0" * 32}))
+    assert answer_text(answer) == reference(producer, other)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert metric(pulling.url, "paged_hf_kv_transfer_foreign_requests_total") >= 1
+    bad = {**params, "block_keys": ["not hex"]}
+    response = httpx.post(pulling.url + "/v1/completions", json=request(other, False, kv_transfer_params=bad))
+    assert response.status_code == 400 and "block_keys" in response.json()["error"]["message"]
+
+
+def test_a_producer_gone_costs_recomputation(instances):
+    producer, pulling, _, _ = instances
+    ids = prompt(31, 6 * BLOCK)
+    expected = reference(producer, ids)
+    params = post(producer.url, request(ids, False, max_tokens=1))["kv_transfer_params"]
+    producer.process.kill()
+    producer.process.wait(30)
+    failed = metric(pulling.url, "paged_hf_kv_transfer_failed_pulls_total")
+    answer = post(pulling.url, request(ids, False, max_tokens=6, kv_transfer_params=params))
+    assert answer_text(answer) == expected and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert metric(pulling.url, "paged_hf_kv_transfer_failed_pulls_total") == failed + 1
