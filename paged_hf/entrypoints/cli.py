@@ -5,6 +5,7 @@
     paged-hf bench --workload embed [--concurrency 32] [--requests 256]   (/v1/embeddings beside sentence-transformers)
     paged-hf bench --serve [--concurrency 32] [--request-rate R] [--vllm-python .venv-vllm/bin/python]
     paged-hf serve [MODEL] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API; vLLM's flags too)
+    paged-hf proxy --prefill URL --decode URL [--port 8000]   (disaggregated prefill and decode: the router)
     paged-hf eval-ppl [--text FILE] [--context-len 1024] [--stride 512] [--kv-cache-dtypes auto,int8,fp8_e4m3]
 
 Without --model every command uses the default model (SmolLM2-135M-Instruct, see paged_hf.loader.default_model).
@@ -17,12 +18,14 @@ import sys
 
 from paged_hf.bench import run_bench
 from paged_hf.bench.model_shapes import MODEL_SHAPES
+from paged_hf.bench.disaggregated import run_disaggregated_bench
 from paged_hf.bench.serve import run_serve_bench
 from paged_hf.bench.systems import SYSTEM_NAMES, worker_main
 from paged_hf.bench.workloads import WORKLOAD_NAMES
 from paged_hf.entrypoints.cli_args import add_engine_args, add_model_args, engine_config, resolve_model_args
 from paged_hf.entrypoints.eval_ppl import add_parser as add_eval_ppl_parser
 from paged_hf.entrypoints.generate_command import cmd_generate
+from paged_hf.entrypoints.proxy_command import add_proxy_parser
 from paged_hf.serving.assembly import API_KEY_ENV_VAR, build_app, load_engine, make_server
 from paged_hf.serving.scaling import serve_scaled
 
@@ -144,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return worker_main(args._worker)
     args.engine_config = engine_config(args)
     if args.serve:
-        return run_serve_bench(args)
+        return run_disaggregated_bench(args) if args.disaggregated else run_serve_bench(args)
     return run_bench(args)
 
 
@@ -158,6 +161,12 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--input-len", type=int, default=256, help="random prompt tokens per request")
     group.add_argument("--output-len", type=int, default=128, help="new tokens per request (EOS ignored)")
     group.add_argument("--server-timeout", type=float, default=600, help="seconds a server may take to start")
+    group.add_argument("--disaggregated", action="store_true", help="1 prefill + 1 decode instance against 2 "
+                       "replicas, each on one core, behind paged-hf proxy: short streams of --output-len tokens "
+                       "beside long prompts arriving at --request-rate (paged_hf.bench.disaggregated)")
+    group.add_argument("--streams", type=int, default=8, help="--disaggregated: short-prompt streams (default: 8)")
+    group.add_argument("--long-prompts", type=int, default=8, help="--disaggregated: long prompts (default: 8)")
+    group.add_argument("--long-input-len", type=int, default=2000, help="--disaggregated: their tokens (2000)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     add_eval_ppl_parser(sub)
+    add_proxy_parser(sub)
     return parser
 
 
