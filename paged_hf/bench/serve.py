@@ -35,7 +35,7 @@ from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_
 SERVED_NAME = "bench-model"
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
     print(f"[paged-hf bench --serve] {message}", file=sys.stderr, flush=True)
 
 
@@ -112,23 +112,23 @@ def stop_server(process) -> None:
     process.log.close()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def serve_system(name: str, argv: list[str], env, args, prompts, workdir: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     argv = [*argv, "--port", str(port)]
-    _log(f"{name}: starting {' '.join(argv[:6])} ...")
+    log(f"{name}: starting {' '.join(argv[:6])} ...")
     start = time.perf_counter()
     try:
         process = start_server(argv, port, env, args.server_timeout, workdir / f"{name}.log")
     except RuntimeError as exc:
-        _log(f"{name}: {exc}")
+        log(f"{name}: {exc}")
         return {"system": name, "error": str(exc)}
-    _log(f"{name}: serving after {time.perf_counter() - start:.0f} s; {len(prompts)} requests, "
+    log(f"{name}: serving after {time.perf_counter() - start:.0f} s; {len(prompts)} requests, "
          f"concurrency {args.concurrency}, rate {args.request_rate}")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -140,7 +140,7 @@ def serve_system(name: str, argv: list[str], env, args, prompts, workdir: Path) 
     finally:
         stop_server(process)
     result = {"system": name, **summarize(records, wall)}
-    _log(f"{name}: {result['num_ok']}/{result['num_requests']} ok, {result['output_tok_s']:.1f} output tok/s")
+    log(f"{name}: {result['num_ok']}/{result['num_requests']} ok, {result['output_tok_s']:.1f} output tok/s")
     return result
 
 
@@ -150,7 +150,7 @@ def offline_system(args, prompts, workdir: Path) -> dict:
             "device": args.device, "engine_config": {"max_num_seqs": args.concurrency, **args.engine_config}}
     spec_path = workdir / "offline.json"
     spec_path.write_text(json.dumps(spec))
-    _log("paged_hf offline: running generate() in a fresh process ...")
+    log("paged_hf offline: running generate() in a fresh process ...")
     done = subprocess.run([sys.executable, "-m", "paged_hf.bench.serve", str(spec_path)], capture_output=True,
                           text=True, timeout=args.server_timeout + 3600, env=_threads_env(args))
     if done.returncode != 0:
@@ -172,13 +172,18 @@ def _offline_main(spec_path: str) -> None:
                       "output_tok_s": tokens / wall}))
 
 
-def run_serve_bench(args) -> int:
-    """Every system on the same prompts, one after the other; prints the table (and writes JSON to --out)."""
+def served_model(args) -> tuple[str | None, str, object]:
+    """(--model-shape or None, the folder or hub id the servers load, its tokenizer)."""
     model_shape = resolve_model_shape(args)  # --model-shape: args.model becomes its folder, built once
     model_path = str(ensure_default_checkpoint()) if is_default_model(args.model) else args.model
     if Path(model_path).exists():  # a local folder: the servers run in the output folder
         model_path = str(Path(model_path).resolve())
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return model_shape, model_path, AutoTokenizer.from_pretrained(model_path)
+
+
+def run_serve_bench(args) -> int:
+    """Every system on the same prompts, one after the other; prints the table (and writes JSON to --out)."""
+    model_shape, model_path, tokenizer = served_model(args)
     prompts = random_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
     systems = [s.strip() for s in args.serve_systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - {"paged_hf", "vllm", "offline"})
@@ -206,14 +211,14 @@ def run_serve_bench(args) -> int:
         print(format_serve_table(report), flush=True)
         if args.out:
             (workdir / "serve_bench.json").write_text(json.dumps(report, indent=2))
-            _log(f"wrote {workdir / 'serve_bench.json'}")
+            log(f"wrote {workdir / 'serve_bench.json'}")
     return 1 if any(r.get("error") for r in results) else 0
 
 
 def _vllm(args, model_path: str, prompts, workdir: Path, shaped: bool = False) -> dict:
     python = args.vllm_python or default_vllm_python()
     if python is None or not Path(python).exists():
-        _log("vllm serve: skipped (no --vllm-python, and no .venv-vllm/bin/python)")
+        log("vllm serve: skipped (no --vllm-python, and no .venv-vllm/bin/python)")
         return {"system": "vllm serve", "skipped": "no vLLM interpreter"}
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name",
             SERVED_NAME, "--dtype", args.dtype, "--host", "127.0.0.1"]
