@@ -1,11 +1,13 @@
 """`paged-hf bench --serve --disaggregated`: one prefill and one decode instance against two ordinary replicas,
 each instance pinned to a core of its own, both behind `paged-hf proxy`, on a prefill-heavy mix.
 
-The mix: `--streams` short prompts (64 tokens) streaming `--output-len` tokens each, all started at once, while
-`--long-prompts` prompts of `--long-input-len` tokens (16 new tokens each) arrive steadily (`--request-rate`,
-default one every 2 s). In a replica a long prompt's prefill shares steps with the streams' decodes, so their
-gaps between tokens stretch; split, the decode instance only decodes and loads the prompts' blocks. What is
-reported: the streams' gaps between tokens (p50, p99) and every request's output tokens per second of wall time.
+The mix, both kinds arriving steadily (Poisson) over the same span: `--long-prompts` prompts of
+`--long-input-len` tokens (16 new tokens each) at `--request-rate` a second (default one every 5 s), and
+`--streams` short prompts (64 tokens) streaming `--output-len` tokens each, spread over the span the long ones
+take. In a replica a long prompt's prefill shares steps with the streams' decodes, so their gaps between tokens
+stretch; split, the decode instance only decodes and loads the prompts' blocks (the two share one
+--kv-cache-dir: same host, no copy). Reported: the streams' gaps between tokens (p50, p99) and every request's
+output tokens per second of wall time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from paged_hf.bench.serve import (SERVED_NAME, engine_flags, free_port, log, ran
 
 SHORT_INPUT_LEN = 64
 LONG_OUTPUT_LEN = 16
-DEFAULT_LONG_RATE = 0.5  # long prompts per second when --request-rate is not given
+DEFAULT_LONG_RATE = 0.2  # long prompts per second when --request-rate is not given
 TRANSFER = '{"kv_connector": "PagedHFConnector", "kv_role": "%s"}'
 
 
@@ -36,10 +38,12 @@ def pinned(argv: list[str], core: int | None) -> list[str]:
     return ["taskset", "-c", str(core), *argv]
 
 
-def instance_argv(args, model_path: str, role: str | None) -> list[str]:
+def instance_argv(args, model_path: str, role: str | None, workdir: Path) -> list[str]:
     argv = [sys.executable, "-m", "paged_hf", "serve", "--model", model_path, "--served-model-name", SERVED_NAME,
             "--dtype", args.dtype, "--device", args.device, "--log-level", "warning", *engine_flags(args.engine_config)]
-    return argv + (["--kv-transfer-config", TRANSFER % role] if role else [])
+    if role is None:
+        return argv
+    return argv + ["--kv-transfer-config", TRANSFER % role, "--kv-cache-dir", str(workdir / "kv_blocks")]
 
 
 def start(argv: list[str], name: str, args, workdir: Path, core: int | None = None):
@@ -58,7 +62,8 @@ def run_system(name: str, args, model_path: str, workdir: Path, streams, longs) 
     try:
         urls = []
         for core, role in enumerate(roles):
-            process, url = start(instance_argv(args, model_path, role), f"{name[:1]}-{core}", args, workdir, core)
+            process, url = start(instance_argv(args, model_path, role, workdir), f"{name[:1]}-{core}", args, workdir,
+                                 core)
             processes.append(process)
             urls.append(url)
         flags = ["--prefill", urls[0], "--decode", urls[1]] if split else ["--decode", urls[0], "--decode", urls[1]]
@@ -78,11 +83,12 @@ def run_system(name: str, args, model_path: str, workdir: Path, streams, longs) 
 
 def measure(url: str, args, streams, longs) -> dict:
     rate = args.request_rate if args.request_rate != float("inf") else DEFAULT_LONG_RATE
+    stream_rate = len(streams) * rate / max(1, len(longs))  # the streams spread over the long prompts' span
 
     async def both():
         return await asyncio.gather(
-            run_load(url, SERVED_NAME, streams, args.output_len, len(streams)),
-            run_load(url, SERVED_NAME, longs, LONG_OUTPUT_LEN, len(longs), rate, args.seed))
+            run_load(url, SERVED_NAME, streams, args.output_len, len(streams), stream_rate, args.seed),
+            run_load(url, SERVED_NAME, longs, LONG_OUTPUT_LEN, len(longs), rate, args.seed + 1))
 
     start = time.perf_counter()
     (stream_records, stream_wall), (long_records, long_wall) = asyncio.run(both())

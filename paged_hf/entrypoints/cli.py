@@ -164,7 +164,7 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disaggregated", action="store_true", help="1 prefill + 1 decode instance against 2 "
                        "replicas, each on one core, behind paged-hf proxy: short streams of --output-len tokens "
                        "beside long prompts arriving at --request-rate (paged_hf.bench.disaggregated)")
-    group.add_argument("--streams", type=int, default=8, help="--disaggregated: short-prompt streams (default: 8)")
+    group.add_argument("--streams", type=int, default=16, help="--disaggregated: short-prompt streams (default: 16)")
     group.add_argument("--long-prompts", type=int, default=8, help="--disaggregated: long prompts (default: 8)")
     group.add_argument("--long-input-len", type=int, default=2000, help="--disaggregated: their tokens (2000)")
 

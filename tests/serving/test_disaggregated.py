@@ -18,6 +18,9 @@ pytest.importorskip("fastapi")
 
 from conftest import make_adapter  # noqa: E402
 from serve_process import MODEL, ServerProcess, save_tiny_model  # noqa: E402
+from tiny_server import serving  # noqa: E402
+
+from paged_hf.serving.proxy import ProxySettings, create_proxy_app  # noqa: E402
 
 BLOCK = 16
 FLAGS = ("--max-num-batched-tokens", "48")  # a 200-token prompt is computed in several chunks
@@ -118,6 +121,43 @@ def test_chat_and_an_adapter_transfer_too(instances):
     base = disaggregated(producer, pulling, prompt(8, 64))[0]["block_keys"]
     adapted = disaggregated(producer, pulling, prompt(8, 64), model="ad")[0]["block_keys"]
     assert not set(base) & set(adapted)  # the adapter is in every key: its K/V is never the base model's
+
+
+def streamed(url: str, body: dict, route: str) -> tuple[str, dict]:
+    """(the streamed text, the usage chunk) of one streamed request."""
+    text, usage = "", None
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + route, json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text, usage
+
+
+def test_through_the_proxy_greedy_answers_equal_one_instance(instances):
+    """The proxy sends each prompt of at least a block through the producer; the consumer's answer, streamed or
+    not, completion or chat, base model or adapter, is one instance's, and it computed at most one block."""
+    producer, pulling, _, _ = instances
+    settings = ProxySettings((producer.url,), (pulling.url,), prefill_threshold_tokens=BLOCK)
+    with serving(create_proxy_app(settings)) as url:
+        for seed, (chat, stream, fields) in enumerate([(False, False, {}), (False, True, {}), (True, False, {}),
+                                                       (True, True, {"model": "ad"})]):
+            ids = prompt(50 + seed, 3 * BLOCK + seed)
+            route = "/v1/chat/completions" if chat else "/v1/completions"
+            body = request(ids, chat, max_tokens=6, **fields)
+            if stream:
+                text, usage = streamed(url, body, route)
+            else:
+                answer = post(url, body, route)
+                text, usage = answer_text(answer), answer["usage"]
+            assert text == reference(producer, ids, chat, **fields)
+            assert usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] <= BLOCK
+        transfers = httpx.get(url + "/metrics", timeout=30).text
+        assert "paged_hf_proxy_transfers_total 4" in transfers
 
 
 def test_bad_block_files_and_foreign_params_are_recomputed(instances):
