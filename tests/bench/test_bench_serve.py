@@ -31,3 +31,20 @@ def test_bench_serve_reports_server_and_offline_side_by_side(tmp_path, capsys):
     for key in ("ttft_s", "tpot_s", "itl_s"):
         assert 0 < served[key]["p50"] <= served[key]["p99"], key
     assert served["output_tok_s"] > 0 and offline["output_tok_s"] > 0
+
+
+def test_bench_disaggregated_runs_the_split_and_the_replicas_on_one_mix(tmp_path, capsys):
+    """`--disaggregated` on a tiny model: both setups answer every request of the mix (the long prompts' blocks
+    through the producer's folder), and the table compares them."""
+    folder = save_tiny_model(tmp_path / "model")
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--serve", "--disaggregated", "--model", folder, "--streams", "4", "--long-prompts",
+                     "2", "--long-input-len", "200", "--output-len", "8", "--request-rate", "20",
+                     "--num-blocks", "128", "--out", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| 1 prefill + 1 decode | 6/6 |" in table and "| 2 replicas | 6/6 |" in table
+    assert "streams' gap p99" in table
+    split, replicas = json.loads((out / "disaggregated_bench.json").read_text())["systems"]
+    assert split["streams"]["output_tokens"] == replicas["streams"]["output_tokens"] == 4 * 8
+    assert any(name.endswith(".safetensors") for name in (p.name for p in (out / "kv_blocks").iterdir()))
