@@ -120,7 +120,11 @@ def test_chat_and_an_adapter_transfer_too(instances):
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(params["block_keys"]) * BLOCK - BLOCK
     base = disaggregated(producer, pulling, prompt(8, 64))[0]["block_keys"]
     adapted = disaggregated(producer, pulling, prompt(8, 64), model="ad")[0]["block_keys"]
-    assert not set(base) & set(adapted)  # the adapter is in every key: its K/V is never the base model's
+    salted, answer = disaggregated(producer, pulling, prompt(8, 64), cache_salt="tenant-a")
+    assert answer_text(answer) == reference(producer, prompt(8, 64))
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK  # its own blocks, transferred
+    # the adapter and the salt are in every key: their K/V is never the base model's or another salt's
+    assert not set(base) & set(adapted) and not set(base) & set(salted["block_keys"])
 
 
 def streamed(url: str, body: dict, route: str) -> tuple[str, dict]:
