@@ -12,6 +12,7 @@ import functools
 import torch
 
 from paged_hf.kernels import native
+from paged_hf.profiling import span
 
 #: dtypes the compiled ops compute (bf16 in float32), by entry-point suffix
 NATIVE_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
@@ -26,8 +27,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if function is None:
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    function[0](rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[1], weight.data_ptr(), rows.shape[0],
-                rows.shape[1], eps, torch.get_num_threads())
+    with span("elementwise"):
+        function[0](rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[1], weight.data_ptr(), rows.shape[0],
+                    rows.shape[1], eps, torch.get_num_threads())
     return out
 
 
@@ -41,8 +43,9 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         return None
     inter = gate_rows.shape[1]
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    function[1](gate_rows.data_ptr(), gate_rows.stride(0), up_rows.data_ptr(), up_rows.stride(0), out.data_ptr(), inter,
-                gate_rows.shape[0], inter, torch.get_num_threads())
+    with span("elementwise"):
+        function[1](gate_rows.data_ptr(), gate_rows.stride(0), up_rows.data_ptr(), up_rows.stride(0), out.data_ptr(),
+                    inter, gate_rows.shape[0], inter, torch.get_num_threads())
     return out
 
 
@@ -58,8 +61,9 @@ def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads
     function = _entry_points(x.dtype)
     if function is None:
         return False
-    function[2](rows.data_ptr(), rows.stride(0), cos_rows.data_ptr(), sin_rows.data_ptr(), cos_rows.stride(0),
-                rows.shape[0], heads, head_dim, torch.get_num_threads())
+    with span("elementwise"):
+        function[2](rows.data_ptr(), rows.stride(0), cos_rows.data_ptr(), sin_rows.data_ptr(), cos_rows.stride(0),
+                    rows.shape[0], heads, head_dim, torch.get_num_threads())
     return True
 
 

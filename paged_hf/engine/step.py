@@ -23,6 +23,7 @@ from paged_hf.engine.embedding import finish_pooled
 from paged_hf.engine.request_group import RequestGroup
 from paged_hf.engine.stopping import StopChecker
 from paged_hf.outputs import FinishReason
+from paged_hf.profiling import span
 from paged_hf.sample.prompt_logprobs import record_prompt_logprobs
 from paged_hf.sample.sampler import Sampler, SamplingRow
 from paged_hf.spec_decode import Speculator
@@ -50,7 +51,8 @@ class EngineStep:
         touched: dict[RequestGroup | BeamGroup, None] = self._bind_adapters()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._may_speculate, self.max_num_batched_tokens)
-        out = self.scheduler.schedule()
+        with span("schedule"):
+            out = self.scheduler.schedule()
         if not out.scheduled:
             return self._drop_finished(touched)
         logits, spec_logits, inputs = self._forward(out)
@@ -60,7 +62,8 @@ class EngineStep:
         if inputs.pooling_spans:  # embedding requests: pooled once their prompt is computed, and finished
             touched.update(dict.fromkeys(finish_pooled(inputs, self.groups, self.scheduler, time.monotonic())))
         if requests:
-            self._postprocess(requests, logits, spec_logits, touched)
+            with span("sample_and_stop"):
+                self._postprocess(requests, logits, spec_logits, touched)
         return self._drop_finished(touched)
 
     def _bind_adapters(self) -> dict:

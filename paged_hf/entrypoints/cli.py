@@ -20,6 +20,7 @@ from paged_hf.bench import run_bench
 from paged_hf.bench.model_shapes import MODEL_SHAPES
 from paged_hf.bench.disaggregated import run_disaggregated_bench
 from paged_hf.bench.serve import run_serve_bench
+from paged_hf.bench.step_profile import run_profile
 from paged_hf.bench.systems import SYSTEM_NAMES, worker_main
 from paged_hf.bench.workloads import WORKLOAD_NAMES
 from paged_hf.entrypoints.cli_args import add_engine_args, add_model_args, engine_config, resolve_model_args
@@ -146,6 +147,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args._worker:
         return worker_main(args._worker)
     args.engine_config = engine_config(args)
+    if args.profile:
+        return run_profile(args)
     if args.serve:
         return run_disaggregated_bench(args) if args.disaggregated else run_serve_bench(args)
     return run_bench(args)
@@ -169,28 +172,7 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--long-input-len", type=int, default=2000, help="--disaggregated: their tokens (2000)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="offline batch from a JSONL file")
-    gen.add_argument("input", help='JSONL, one request a line: {"prompt": str | [ids]} or {"messages": [...]}, '
-                     "optional SamplingParams fields, 'id', 'adapter'")
-    gen.add_argument("-o", "--output", default=None, help="output JSONL (default: stdout)")
-    gen.add_argument("--max-new-tokens", type=int, default=None, help="default for lines that do not set it")
-    gen.add_argument("--temperature", type=float, default=None, help="default for lines that do not set it")
-    gen.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_model_args(gen)
-    add_engine_args(gen)
-    gen.set_defaults(func=cmd_generate)
-
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_serve_args(serve)
-    add_model_args(serve)
-    add_engine_args(serve)
-    serve.set_defaults(func=cmd_serve)
-
+def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="throughput of paged_hf against HF baselines")
     bench.add_argument("--workload", choices=WORKLOAD_NAMES, default="mixed")
     bench.add_argument("--systems", default=None, help=f"comma list of {', '.join(SYSTEM_NAMES)} "
@@ -219,11 +201,39 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model-shape", choices=list(MODEL_SHAPES), default=None,
                        help="instead of --model: a model of that published architecture with random weights and the "
                        "default tokenizer (built once in the cache folder; docs/benchmarks.md)")
+    bench.add_argument("--profile", action="store_true", help="split one decode step's and one mixed step's wall "
+                       "time into matmuls, attention, other torch ops, Python and idle (paged_hf.bench.step_profile)")
+    bench.add_argument("--profile-seqs", type=int, default=64, help="--profile: decoding sequences (default: 64)")
     bench.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     add_serve_bench_args(bench)
     add_model_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged-hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline batch from a JSONL file")
+    gen.add_argument("input", help='JSONL, one request a line: {"prompt": str | [ids]} or {"messages": [...]}, '
+                     "optional SamplingParams fields, 'id', 'adapter'")
+    gen.add_argument("-o", "--output", default=None, help="output JSONL (default: stdout)")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="default for lines that do not set it")
+    gen.add_argument("--temperature", type=float, default=None, help="default for lines that do not set it")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(serve)
+    add_model_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    add_bench_parser(sub)
 
     add_eval_ppl_parser(sub)
     add_proxy_parser(sub)

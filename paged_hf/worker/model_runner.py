@@ -11,6 +11,7 @@ from paged_hf.core.scheduler_output import SchedulerOutput
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register, step_scope
 from paged_hf.kernels import select_kernel
 from paged_hf.kernels.quant import storage_dtype
+from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import AttentionSwitch
 from paged_hf.worker.engine_probe import verify_engine
 from paged_hf.worker.fused_layers import FusedLayers
@@ -68,7 +69,8 @@ class ModelRunner:
         request_slots = None
         if self.lora is not None:  # the adapters of this step go to device slots (swapped in if needed)
             request_slots = self.lora.assign_slots([s.request.lora for s in out.scheduled])
-        inputs = build_step_inputs(out, self.block_size, request_slots)
+        with span("step_inputs"):
+            inputs = build_step_inputs(out, self.block_size, request_slots)
         device = self.info.input_device
         kwargs = dict(
             input_ids=inputs.input_ids.to(device)[None],  # [1, num_tokens]
@@ -85,7 +87,8 @@ class ModelRunner:
         self.cache.begin_step(inputs.attention)
         try:
             with (step_scope(self.cache), self.attention_switch, self.own_attentions, self.recurrent_mixers,
-                  self.packed_linears, self.fused_layers, self._lora_step(inputs.adapter_slots), capture):
+                  self.packed_linears, self.fused_layers, self._lora_step(inputs.adapter_slots), capture,
+                  span("model")):
                 logits = self.model(**kwargs).logits[0]  # [num_kept, vocab_size]
             self.cache.check_step()  # every layer went through the paged attention, or the step fails
         finally:

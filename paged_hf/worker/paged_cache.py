@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache
 
 from paged_hf.integrations.transformers import UnservedAttention
 from paged_hf.kernels.quant import KVScales, as_bytes, is_quantized
+from paged_hf.profiling import span
 from paged_hf.worker.gathered_attention import GatheredAttention
 from paged_hf.worker.model_probe import AttentionLayer
 from paged_hf.worker.recurrent_mixers import RecurrentStep
@@ -127,6 +128,10 @@ class PagedCache(Cache):
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query: [1, num_heads, num_tokens, head_dim] -> [1, num_tokens, num_heads, value_head_dim]; key/value:
         what the module hands its attention function (its layer is found by them, step_books.py)."""
+        with span("attention"):
+            return self._attend(module, query, key, value, scaling, sliding_window, softcap, sinks)
+
+    def _attend(self, module, query, key, value, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
         layer_idx, transform = self.books.resolve(module, key, value)
         query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, dim]
         masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks,

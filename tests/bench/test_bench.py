@@ -270,3 +270,21 @@ def test_structured_workload_enforces_half_the_schemas_with_equal_work(tokenizer
     assert all(texts[i].startswith('{"topic": "') for i in (1, 3)) and enforced.outputs[0] == plain.outputs[0]
     assert not any(tokenizer.decode(out).startswith('{"topic": "') for out in plain.outputs)
 
+
+
+def test_bench_profile_splits_a_decode_and_a_mixed_step(tmp_path, capsys):
+    """`bench --profile` on a tiny model folder: every category of both steps, shares summing to 100%, and the
+    attention and matmul kernels seen (their ranges and ops are in the trace)."""
+    from serve_process import save_tiny_model  # noqa: PLC0415
+
+    folder = save_tiny_model(tmp_path / "model")
+    assert cli.main(["bench", "--profile", "--model", folder, "--profile-seqs", "4", "--num-blocks", "256"]) == 0
+    table = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in table.splitlines()
+            if line.startswith("| ") and "%" in line}
+    assert set(rows) == {"matmuls", "attention", "other ops", "python: schedule", "python: step_inputs",
+                         "python: model", "python: sample_and_stop", "python: rest of the step", "idle"}
+    for column in range(2):
+        shares = [float(cells[column].strip().rstrip("%")) for cells in rows.values()]
+        assert abs(sum(shares) - 100) < 0.5
+    assert float(rows["attention"][0].strip().rstrip("%")) > 0 and float(rows["matmuls"][0].strip().rstrip("%")) > 0
