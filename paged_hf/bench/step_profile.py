@@ -36,8 +36,9 @@ def is_matmul(name: str) -> bool:
     return name in MATMUL_OPS or "mkldnn" in name or "onednn" in name
 
 
-def split_step_time(events, wall_us: float, steps_us: float) -> dict[str, float]:
-    """The categories (microseconds) of the main thread's time in `events` (a torch.profiler EventList)."""
+def split_step_time(events, wall_us: float, steps_us: float, other_ops: dict | None = None) -> dict[str, float]:
+    """The categories (microseconds) of the main thread's time in `events` (a torch.profiler EventList);
+    `other_ops` (if given) gets the "other ops" time by op name."""
     split = dict.fromkeys(("matmuls", "attention", "other ops", *(f"python: {p}" for p in PHASES),
                            "python: rest of the step"), 0.0)
     main = [e for e in events if e.name.startswith("paged_hf::")]
@@ -60,6 +61,8 @@ def split_step_time(events, wall_us: float, steps_us: float) -> dict[str, float]
             key = "other ops"
         split[key] = split.get(key, 0.0) + self_us
         accounted += self_us
+        if key == "other ops" and other_ops is not None:
+            other_ops[name] = other_ops.get(name, 0.0) + self_us
     split["python: rest of the step"] += max(0.0, steps_us - accounted)
     split["idle"] = max(0.0, wall_us - steps_us)
     return split
@@ -86,9 +89,12 @@ def profile_steps(generator, num_steps: int, before_each=None) -> dict:
             generator.step()
             walls.append(time.perf_counter() - step_start)
         wall = time.perf_counter() - start
-    split = split_step_time(prof.events(), wall * 1e6, sum(walls) * 1e6)
+    other_ops: dict[str, float] = {}
+    split = split_step_time(prof.events(), wall * 1e6, sum(walls) * 1e6, other_ops)
     total = sum(split.values()) or 1.0
-    return {"step_ms": sorted(walls)[len(walls) // 2] * 1e3, "split": {k: v / total for k, v in split.items()}}
+    top = sorted(other_ops.items(), key=lambda item: -item[1])[:5]
+    return {"step_ms": sorted(walls)[len(walls) // 2] * 1e3, "split": {k: v / total for k, v in split.items()},
+            "top_other_ops": {name: us / total for name, us in top}}
 
 
 def run_profile(args) -> int:
@@ -136,4 +142,7 @@ def format_profile(model: str, dtype: str, num_seqs: int, steps: dict) -> str:
     kernels = {kind: r["split"]["matmuls"] + r["split"]["attention"] for kind, r in steps.items()}
     lines.append("inside the matmul and attention kernels: " +
                  ", ".join(f"{kind} {share * 100:.1f}%" for kind, share in kernels.items()))
+    for kind, r in steps.items():
+        lines.append(f"{kind}: largest other ops: " +
+                     ", ".join(f"{name} {share * 100:.1f}%" for name, share in r["top_other_ops"].items()))
     return "\n".join(lines)
