@@ -3,6 +3,7 @@ cache folder, the host's CPU (model name and flags) that the dtype rule and the 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -35,6 +36,22 @@ def field_checker(owner: str):
             raise ValueError(f"{owner}.{name} must be {expected}, got {value!r}")
 
     return check
+
+
+def config_fields(value, name: str, known: set[str]) -> dict:
+    """A config given as a dict or JSON object text (the CLI's form) -> its fields; ValueError naming `name` for
+    bad JSON, a non-object or a field not in `known`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (JSON object), got {value!r}")
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown {name} field(s) {unknown}; known: {sorted(known)}")
+    return value
 
 
 def percentile(values, q: float) -> float | None:

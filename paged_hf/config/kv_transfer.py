@@ -10,8 +10,9 @@ finds them as it finds any tier block: checked, or recomputed.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from paged_hf.utils import config_fields
 
 CONNECTOR = "PagedHFConnector"
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -57,15 +58,4 @@ class KVTransferConfig:
         """None, a KVTransferConfig, a dict or JSON text of its fields (vLLM's names; others are an error)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        unknown = set(value) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown fields {sorted(unknown)} (this connector takes "
-                             "kv_connector, kv_role, kv_connector_extra_config)")
-        return cls(**value)
+        return cls(**config_fields(value, "kv_transfer_config", {f.name for f in fields(cls)}))

@@ -6,14 +6,13 @@ command line, with vLLM's field names.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, fields
 
 import torch
 
-from paged_hf.utils import is_int
+from paged_hf.utils import config_fields, is_int
 
 METHODS = ("ngram", "draft_model")
 #: measured on a 2-core CPU with the default model (docs/speculative_decoding.md): a step's cost stays
@@ -90,18 +89,7 @@ class SpeculativeConfig:
         """None, a SpeculativeConfig, a dict or a JSON object text (the CLI's form) -> SpeculativeConfig."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative config must be a dict (JSON object), got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative config field(s) {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return cls(**config_fields(value, "speculative config", {f.name for f in fields(cls)}))
 
 
 def _check_int(name: str, value) -> None:

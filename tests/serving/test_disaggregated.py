@@ -204,3 +204,18 @@ def test_a_producer_gone_costs_recomputation(instances):
     answer = post(pulling.url, request(ids, False, max_tokens=6, kv_transfer_params=params))
     assert answer_text(answer) == expected and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert metric(pulling.url, "paged_hf_kv_transfer_failed_pulls_total") == failed + 1
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}', "kv_connector must be 'PagedHFConnector'"),
+    ({"kv_role": "producer"}, "kv_role must be one of kv_producer, kv_consumer, kv_both"),
+    ({"kv_role": "kv_both", "kv_buffer_size": 1}, "unknown kv_transfer_config field(s) ['kv_buffer_size']"),
+    ({"kv_connector_extra_config": {"shared_dir": "/x"}}, "kv_connector_extra_config takes url, api_key, timeout_s"),
+    ("{not json", "kv_transfer_config is not valid JSON"),
+])
+def test_a_bad_kv_transfer_config_is_refused_naming_what_is_wrong(value, message):
+    from paged_hf.config import KVTransferConfig  # noqa: PLC0415
+
+    with pytest.raises(ValueError) as error:
+        KVTransferConfig.parse(value)
+    assert message in str(error.value)
