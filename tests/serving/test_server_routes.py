@@ -58,6 +58,13 @@ def test_tokenize_detokenize_version_ping(routes_server):
     assert post(routes_server, "/detokenize", {"tokens": [5, 999]}).status_code == 400
     assert post(routes_server, "/tokenize", {"prompt": "the", "model": "nope"}).status_code == 404
     assert post(routes_server, "/tokenize", {"prompt": "the", "tokens": [1]}).status_code == 400
+    tools = [{"type": "function", "function": {"name": "clock", "description": "the time",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "the"}]
+    with_tools = post(routes_server, "/tokenize", {"messages": messages, "tools": tools}).json()["count"]
+    answer = post(routes_server, "/v1/chat/completions", {"messages": messages, "tools": tools,
+                                                          "max_tokens": 1}).json()
+    assert with_tools == answer["usage"]["prompt_tokens"] > chat["count"]  # the tools are in the prompt
     assert httpx.get(url + "/version", headers=AUTH).json()["version"] == paged_hf.__version__
     assert httpx.get(url + "/ping").status_code == 200 and httpx.post(url + "/ping").status_code == 200
 

@@ -26,6 +26,7 @@ from paged_hf.serving.openai.protocol import ChatMessage, OpenAIRequest
 from paged_hf.serving.openai.request_body import read_body
 from paged_hf.serving.openai.serving import ServerContext, prompt_ids, request_key_name, until_disconnected
 from paged_hf.serving.openai.tenancy import ADAPTER_OWNER_MARK, owner_of
+from paged_hf.serving.openai.tool_calls import ChatTool, tool_mode
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -39,6 +40,7 @@ class TokenizeRequest(OpenAIRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # vLLM's: rendered as a chat request's are (the prompt's true length)
     return_token_strs: bool = False
 
 
@@ -142,8 +144,8 @@ def _tokenize(ctx: ServerContext, body: TokenizeRequest, cancel: threading.Event
     if body.messages is not None:
         if not body.messages:
             raise ApiError(400, "messages is empty", "invalid_request", "messages")
-        ids = chat_prompt_ids(body, tokenizer, chat_template=ctx.settings.chat_template, policy=ctx.template_policy,
-                              cancel=cancel)
+        ids = chat_prompt_ids(body, tokenizer, tool_mode(body), ctx.settings.tool_call_parser,
+                              ctx.settings.chat_template, ctx.template_policy, cancel)
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = prompt_ids(body.prompt, tokenizer, add_special)
