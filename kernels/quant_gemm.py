@@ -3,9 +3,10 @@ activations. Each function returns None where the compiled code cannot serve its
 shape it does not take, no compiler); the caller then runs the torch reference (`kernels.quant_linear`), which is
 also what these are tested against.
 
-The library is built for this machine's CPU (`-march=native`): AVX2 with FMA where the CPU has them, else plain
-loops; `isa()` says which. `extra_flags` builds another variant on the same machine (tests: the portable loops
-with `-mno-avx2`).
+The library is built for this machine's CPU (`-march=native`): AVX-512 where the CPU has AVX512F/BW (W8A8 from 3
+rows on AVX512-VNNI's vpdpbusd; W8A16/W4A16 for any rows), AVX2 with FMA for the rest, else plain loops; `isa()`
+says which. `extra_flags` builds another variant on the same machine (tests: the AVX2 loops alone with
+`-mno-avx512f`, the portable loops with `-mno-avx2`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import torch
 
 from paged_hf.kernels import native
 
-#: the flags that build the portable loops on an x86 machine with AVX2 (tests compare both builds)
+#: the flags that build the portable loops on an x86 machine with AVX2 (tests compare the builds)
 PORTABLE_FLAGS = ("-mno-avx2", "-mno-fma")
+#: the flags that build the AVX2 loops alone on an AVX-512 machine
+AVX2_FLAGS = ("-mno-avx512f",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,7 +40,7 @@ def library(extra_flags: tuple[str, ...] = ()):
 
 
 def isa(extra_flags: tuple[str, ...] = ()) -> str | None:
-    """"avx2" or "generic": what the build computes with; None without a build."""
+    """"avx512_vnni", "avx512", "avx2" or "generic": what the build computes with; None without a build."""
     lib = library(extra_flags)
     return None if lib is None else lib.quant_gemm_isa().decode()
 

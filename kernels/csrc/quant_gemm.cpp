@@ -12,7 +12,10 @@
 //
 // Instruction sets, chosen when the library is built (-march=native, kernels/native.py): AVX2 (+FMA) runs the
 // int8 products as int16 pairs (vpmaddwd: exact; vpmaddubsw's u8 x s8 would saturate at 255 * 127 * 2 on full-
-// range int8 weights) and the float paths on 8-lane FMAs; without AVX2 the same loops are plain C++.
+// range int8 weights) and the float paths on 8-lane FMAs; without AVX2 the same loops are plain C++. With
+// AVX512F + AVX512BW the float paths, and with AVX512-VNNI w8a8 from kVnniFromRows rows, run quant_gemm_avx512.h's
+// kernels instead (w8a8 on vpdpbusd: the same exact integers; the float paths: one order of their sums for any
+// number of rows, see there); the AVX2 loops keep w8a8's 1-2 rows.
 //
 // Layouts (row-major): x [M, K] (row stride x_stride), out [M, N] (row stride out_stride);
 //   w8: q_w [N, Kp] int8, Kp = K rounded up to 16 (zero padded), s_w [N];
@@ -22,6 +25,13 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGED_HF_AVX2 1
+#endif
+#if PAGED_HF_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGED_HF_AVX512 1
+#include "quant_gemm_avx512.h"
+#if defined(__AVX512VNNI__)
+#define PAGED_HF_VNNI 1
+#endif
 #endif
 
 #include <algorithm>
@@ -36,6 +46,9 @@ constexpr int kMR = 4;                     // activation rows per register tile
 constexpr int kNR = 3;                     // weight rows per register tile
 constexpr int64_t kSerialWork = 1 << 18;   // multiply-adds below which one thread is faster than two
 constexpr int64_t kPanelBytes = 256 << 10; // the activation block a thread keeps in its L2 cache
+// rows from which w8a8 on vpdpbusd panels (quant_gemm_avx512.h) beats the AVX2 loops (measured): laying out a
+// panel costs about what a few rows' products do, and fewer rows are bound by the weights' bytes anyway
+constexpr int64_t kVnniFromRows = 3;
 
 // v, kept from being fused with the next operation (-march=native lets GCC contract a * b + c into an FMA, whose
 // single rounding the reference's separate multiply and add do not have)
@@ -53,6 +66,10 @@ inline int threads_for(int64_t work, int threads) { return work < kSerialWork ? 
 
 // --- per-token int8 quantization of the activations ---------------------------------------------------------
 void quantize_row(const float *x, int64_t k, int64_t kp, int16_t *q, float *scale) {
+#if PAGED_HF_AVX512
+  avx512::quantize_row(x, k, kp, q, scale);
+  return;
+#endif
   float amax = 0.0f;
   for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -321,6 +338,14 @@ int w8a8_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const in
                 float *sx_scratch, int threads) {
   if (kp % 16 || kp < k) return 1;
   const int used = threads_for(m * n * kp, threads);
+#if PAGED_HF_VNNI
+  if (m >= kVnniFromRows) {  // q_x (int8, m * kp bytes) in the scratch, each row's sum of q_x after it
+    auto *words = reinterpret_cast<int32_t *>(qx_scratch);
+    avx512::w8a8_panels(x, x_stride, k, {words, words + m * kp / 4, sx_scratch, kp, sw, bias, out, out_stride}, m, qw,
+                        n, used);
+    return 0;
+  }
+#endif
 #pragma omp parallel for num_threads(used) schedule(static) if (m > 1)
   for (int64_t i = 0; i < m; ++i) quantize_row(x + i * x_stride, k, kp, qx_scratch + i * kp, sx_scratch + i);
   const W8A8Args args{qx_scratch, kp, sx_scratch, qw, sw, bias, out, out_stride};
@@ -339,6 +364,11 @@ int quantize_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_
 int w8a16_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *qw, const float *sw,
                  const float *bias, int64_t n, int64_t kp, float *out, int64_t out_stride, int threads) {
   if (k % 8 || kp < k) return 1;
+#if PAGED_HF_AVX512
+  avx512::float_linear({x, x_stride, k, out, out_stride}, m, avx512::Int8Columns{qw, kp},
+                       avx512::W8A16Epilogue{sw, bias}, n, threads_for(m * n * k, threads));
+  return 0;
+#endif
   const FloatArgs args{x, x_stride, k, bias, out, out_stride};
   const WeightRows<Int8Rows> rows{qw, kp, sw};
   for_tiles(m, n, k * 4, threads_for(m * n * k, threads), [&](int64_t m0, int mr, int64_t n0, int nr) {
@@ -352,6 +382,11 @@ int w4a16_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const u
                  const float *zs, int64_t group, const float *bias, int64_t n, float *out, int64_t out_stride,
                  int threads) {
   if (k % 32 || group % 32 || k % group) return 1;
+#if PAGED_HF_AVX512
+  avx512::float_linear({x, x_stride, k, out, out_stride}, m, avx512::Int4Columns{packed, k, s, k / group, group},
+                       avx512::W4A16Epilogue{zs, bias, out_stride}, n, threads_for(m * n * k, threads));
+  return 0;
+#endif
   const W4A16Args args{x, x_stride, k, packed, s, zs, k / group, group, bias, out, out_stride};
   for_tiles(m, n, k * 4, threads_for(m * n * k, threads), [&](int64_t m0, int mr, int64_t n0, int nr) {
     by_size<W4A16Tile>(std::min(mr, 2), nr, args, m0, n0);
@@ -362,7 +397,11 @@ int w4a16_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const u
 
 // which instructions this build computes with (kernels/quant_gemm.py reports it)
 const char *quant_gemm_isa() {
-#if PAGED_HF_AVX2
+#if PAGED_HF_VNNI
+  return "avx512_vnni";
+#elif PAGED_HF_AVX512
+  return "avx512";
+#elif PAGED_HF_AVX2
   return "avx2";
 #else
   return "generic";

@@ -1,5 +1,8 @@
-"""The quantized linears (kernels/quant_linear.py): every compiled path (this CPU's build, and the portable loops
-built with -mno-avx2 on an AVX2 machine) against the torch reference of its arithmetic."""
+"""The quantized linears (kernels/quant_linear.py): every compiled path against the torch reference of its
+arithmetic: this CPU's build, and on an AVX-512 machine the builds without AVX512-VNNI (W8A8 on the AVX2 loops) and
+without AVX-512 (the AVX2 loops alone), and on an AVX2 machine the portable loops built with -mno-avx2. The shapes
+take every AVX-512 path (W8A8: AVX2 loops for 1-2 rows, vpdpbusd panels from 3; W8A16/W4A16: few rows up to 12,
+float panels from 13), with partial tiles, panels, blocks and k chunks."""
 
 from __future__ import annotations
 
@@ -17,22 +20,36 @@ from paged_hf.kernels.quant_linear import (
 )
 from paged_hf.utils import cpu_flags
 
-BUILDS = {"native": (), "portable": quant_gemm.PORTABLE_FLAGS}
-SHAPES = [(1, 576, 1536), (7, 64, 33), (5, 128, 7), (130, 256, 100), (4, 96, 3)]
+AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw"})
+VNNI = AVX512 | {"avx512_vnni"}
+BUILDS = {"native": (), "avx512": ("-mno-avx512vnni",), "avx2": quant_gemm.AVX2_FLAGS,
+          "portable": quant_gemm.PORTABLE_FLAGS}
+#: the CPU flags without which a build is this CPU's native one (or less) already
+NEEDS = {"avx512": VNNI, "avx2": AVX512, "portable": frozenset({"avx2"})}
+SHAPES = [(1, 576, 1536), (2, 96, 40), (7, 64, 33), (5, 128, 7), (130, 256, 100), (4, 96, 3), (37, 640, 70),
+          (300, 64, 50)]
+needs_vnni = pytest.mark.skipif(not VNNI <= cpu_flags(), reason="this CPU has no AVX512-VNNI (avx512_vnni)")
 
 
 def _build(name: str) -> tuple[str, ...]:
     flags = BUILDS[name]
     if quant_gemm.library(flags) is None:
         pytest.skip("the compiled kernels are unavailable here (no C++ compiler)")
-    if name == "portable" and "avx2" not in cpu_flags():
-        pytest.skip("the portable loops are this CPU's native build already")
+    if not NEEDS.get(name, frozenset()) <= cpu_flags():
+        pytest.skip(f"the {name} build is this CPU's native build already")
     return flags
 
 
-def test_the_native_build_uses_avx2_where_the_cpu_has_it():
+def test_the_native_build_uses_the_widest_instructions_the_cpu_has():
     _build("native")
-    assert quant_gemm.isa() == ("avx2" if {"avx2", "fma"} <= cpu_flags() else "generic")
+    flags = cpu_flags()
+    expected = ("avx512_vnni" if VNNI <= flags else "avx512" if AVX512 <= flags else
+                "avx2" if {"avx2", "fma"} <= flags else "generic")
+    assert quant_gemm.isa() == expected
+    if AVX512 <= flags:
+        assert quant_gemm.isa(BUILDS["avx2"]) == "avx2"
+    if VNNI <= flags:
+        assert quant_gemm.isa(BUILDS["avx512"]) == "avx512"
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -76,13 +93,10 @@ def test_w8a16_matches_the_reference(build, m, k, n):
 
 
 @pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("m, k, n", [s for s in SHAPES if s[1] % 32 == 0])
-@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("m, k, n, group_size", [(*s, g) for s in SHAPES for g in (32, 64, 320) if s[1] % g == 0])
 @pytest.mark.parametrize("zero_points", [True, False])
 def test_w4a16_matches_the_reference(build, m, k, n, group_size, zero_points):
     flags = _build(build)
-    if k % group_size:
-        pytest.skip("the group does not divide in_features")
     torch.manual_seed(m + k + n + group_size)
     groups = k // group_size
     values, scales = torch.randint(0, 16, (n, k)), torch.rand(n, groups) / 10
@@ -96,6 +110,48 @@ def test_w4a16_matches_the_reference(build, m, k, n, group_size, zero_points):
     scale = expected.abs().max()
     assert (got - expected).abs().max() <= 1e-6 * scale * k ** 0.5
     assert (expected - dense).abs().max() <= 1e-6 * scale * k ** 0.5  # the reference is the dequantized product
+
+
+@needs_vnni
+@pytest.mark.parametrize("m, k, n", [(3, 2064, 45), (64, 1040, 100), (25, 4096, 64)])
+def test_w8a8_on_vnni_equals_the_avx2_loops_exactly(m, k, n):
+    """vpdpbusd's u8 x s8 with the +128 shift taken off per row: the same integers as the AVX2 build's int16
+    pairs, on full-range weights (-128..127) and activations that reach +-127, over long sums."""
+    _build("avx2")
+    torch.manual_seed(m + k + n)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    q[0] = -128
+    q[1] = 127
+    linear = Int8Linear(q, torch.rand(n) / 100, torch.randn(n), torch.float32, act_quant=True)
+    x = torch.randn(m, k) * torch.logspace(-4, 4, m)[:, None]
+    x[0, :] = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0)  # every q_x at +-127
+    x[1] = 0
+    got = quant_gemm.w8a8(x, linear.qweight, linear.weight_scale, linear.bias32(), k)
+    assert torch.equal(got, quant_gemm.w8a8(x, linear.qweight, linear.weight_scale, linear.bias32(), k,
+                                            BUILDS["avx2"]))
+    assert torch.equal(got, linear.reference(x))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_float_paths_give_a_row_the_same_outputs_in_any_batch(build):
+    """Each output's sum runs in one order whatever the number of rows (the engine's probe compares a prompt's
+    forward with its chunks and decodes): a row alone, in a few rows or in a panel-sized batch, bit for bit."""
+    flags = _build(build)
+    torch.manual_seed(5)
+    m, k, n, group = 40, 640, 70, 64
+    q, scale = quantize_int8_per_channel(torch.randn(n, k))
+    int8 = Int8Linear(q, scale, torch.randn(n), torch.float32, act_quant=False)
+    int4 = Int4Linear(torch.randint(0, 16, (n, k)), torch.rand(n, k // group), None, group, torch.randn(n),
+                      torch.float32)
+    no_zeros = torch.zeros_like(int4.scales)  # the zero points' share is a torch matmul, not the kernel's sums
+    runs = {"w8a16": lambda rows: quant_gemm.w8a16(rows, int8.qweight, int8.weight_scale, int8.bias32(), k, flags),
+            "w4a16": lambda rows: quant_gemm.w4a16(rows, int4.qweight, int4.scales, no_zeros, group, int4.bias32(),
+                                                   flags)}
+    x = torch.randn(m, k)
+    for run in runs.values():
+        whole = run(x)
+        assert torch.equal(torch.cat([run(x[i:i + 1]) for i in range(m)]), whole)
+        assert torch.equal(torch.cat([run(x[i:i + 5]) for i in range(0, m, 5)]), whole)
 
 
 def test_int4_packing_round_trips():
