@@ -133,7 +133,9 @@ def quantize_tokens(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8 of x32 [m, k] float32: (q [m, k] float32 holding integers in [-127, 127],
     scales [m] float32), as the compiled kernel computes them."""
     amax = x32.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a tensor over a tensor: one rounded division, as the kernel's; `127.0 / amax` is torch's reciprocal times 127,
+    # a second rounding that moves a product off (or onto) a .5 now and then
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(x32 * inv[:, None]).clamp(-127, 127)
     return q, amax / 127.0
 

@@ -63,6 +63,9 @@ def test_token_quantization_equals_the_reference(build):
     assert torch.equal(q[:, :70].float(), expected_q) and not q[:, 70:].any()
     assert torch.equal(scales, expected_scales)
     assert q.abs().max() == 127
+    # 127 / amax rounded once (torch's `127.0 / amax` is its reciprocal times 127: here x * inv = -43.5 instead)
+    row = torch.tensor([[10.84673023223877, -3.7152185440063477]])
+    assert quant_gemm.quantize_rows(row, 16, flags)[0][0, 1] == quantize_tokens(row)[0][0, 1] == -43
 
 
 @pytest.mark.parametrize("build", BUILDS)
