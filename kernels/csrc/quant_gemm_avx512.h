@@ -216,20 +216,21 @@ inline void w8a8_panels(const float *x, int64_t x_stride, int64_t k, const VnniA
 // segments combined in k order (w8a16: added, the channel's scale applied at the end; w4a16: total = seg * s +
 // total, s the scale of the segment's group, as the reference scales each group's sum, the zero points' share
 // taken off at the end). Short chains also keep the sums as accurate as the AVX2 loops' 8-lane ones.
-//   13 rows and more (kPanelRows): the weights of 32 channels as a float panel (per 256 k, in L1), run against
+//   12 rows and more (kPanelRows): the weights of 32 channels as a float panel (per 256 k, in L1), run against
 //     every row in tiles of 6 rows x 32 channels (12 totals + 12 segment sums in registers);
 //   fewer rows: the same arithmetic straight from the transposed weights, 16 channels at a time and no panel
-//     written, 2-4 segments in flight so the sums' latency does not bind a few rows.
+//     written, up to 4 segments in flight so the sums' latency does not bind a few rows.
 // The weights are transposed as 32-bit words of their packed bytes (16 channels x 64 bytes at a time), then each
 // word's bytes or nibbles are widened to floats: a quarter of the shuffles that transposing floats would take.
 constexpr int kSegment = 32;
 constexpr int kFloatRows = 6;
-constexpr int kPanelRows = 13;  // measured: fewer rows run faster straight from the transposed weights
+constexpr int kPanelRows = 12;  // measured: fewer rows run faster straight from the transposed weights
 
 // W: the weights of 16 channels in blocks of W::kBlock k, transposed in registers:
 //   load(n0, live, k, r): the block at k of channels n0..n0 + live - 1 (zeros past them and past the weights)
 //   quad(r, s, q, v): the 16 channels' weights k + 32 s + 4 q + t, t < 4, as floats
-//   scale(n0, live, k): the 16 channels' scales of the group holding k (int4; int8 weights have none here)
+// and where W::kScaled (int4; int8 weights have no scale inside the sum) the 16 channels' group scales:
+//   scale(n0, live, k): of the group holding k; scales_by_group(n0, live, st): of every group
 struct Int8Columns {  // int8 weights [n, kp]; the per-channel scale comes after the sum
   static constexpr int kBlock = 64;
   static constexpr bool kScaled = false;
@@ -250,7 +251,6 @@ struct Int8Columns {  // int8 weights [n, kp]; the per-channel scale comes after
     v[2] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(word, 8), 24));
     v[3] = _mm512_cvtepi32_ps(_mm512_srai_epi32(word, 24));
   }
-  __m512 scale(int64_t, int, int64_t) const { return _mm512_set1_ps(1.0f); }
 };
 
 // int4 weights [n, k / 2]: a 32-k block of 16 bytes holds k = j in byte j's low nibble, k = 16 + j in its high one
@@ -276,6 +276,11 @@ struct Int4Columns {
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(word, 8), floats);
     v[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(word, 16), floats);
     v[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(word, 24), floats);
+  }
+  // the scales of channels n0..n0 + 15, group by group: st[g * 16 + c] (zeros past live)
+  void scales_by_group(int64_t n0, int live, float *st) const {
+    for (int64_t g = 0; g < num_groups; ++g)
+      for (int c = 0; c < 16; ++c) st[g * 16 + c] = c < live ? s[(n0 + c) * num_groups + g] : 0.0f;
   }
   __m512 scale(int64_t n0, int live, int64_t at_k) const {
     const int64_t g = std::min(num_groups - 1, at_k / group);  // past k (zero weights): any group
@@ -315,40 +320,51 @@ struct W4A16Epilogue {
 };
 
 // --- fewer rows than kPanelRows: M rows x 16 channels, straight from the transposed weights --------------------
-// xpad: the rows, zero padded to whole blocks
+// Segments in flight, C per step: the FMA latency wants 8 chains and more, and each row's segments are chains of
+// their own (combined in order after the step), so fewer rows keep more segments going (int8: from 2 blocks).
+template <int M> constexpr int kChains = M <= 4 ? 4 : M <= 8 ? 2 : 1;  // measured: 8 for 1-2 rows is no faster
+
+// xpad: the rows, zero padded to whole steps
 template <int M> struct FewRows {
   template <typename W, typename E>
   static void run(const FloatArgs &a, const float *xpad, int64_t kpad, const W &w, const E &epilogue, int64_t n0,
                   int live) {
-    // segments in flight: 4 chains and more per row hide the FMA latency; past 2 rows, 2 leave the registers
-    constexpr int S = W::kBlock / kSegment, G = std::min(S, M <= 2 ? 4 : 2);
+    constexpr int S = W::kBlock / kSegment, C = kChains<M>, B = C > S ? C / S : 1;
     __m512 total[M];
     for (int i = 0; i < M; ++i) total[i] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb < a.k; kb += W::kBlock) {
-      __m512i r[16];
-      w.load(n0, live, kb, r);
-      for (int s0 = 0; s0 < S; s0 += G) {
-        __m512 seg[G][M];
-        for (int g = 0; g < G; ++g)
-          for (int i = 0; i < M; ++i) seg[g][i] = _mm512_setzero_ps();
-        const float *x = xpad + kb + s0 * kSegment;
+    float *scales = nullptr;  // int4: one vector per group in L1 (a gather per segment held up the totals' chain)
+    if constexpr (W::kScaled) {
+      scales = static_cast<float *>(thread_buffer<6>(w.num_groups * 16 * sizeof(float)));
+      w.scales_by_group(n0, live, scales);
+    }
+    __m512i r[B][16];
+    for (int64_t first = 0; first * kSegment < a.k; first += C) {  // segments first .. first + C - 1
+      const int64_t k0 = first * kSegment;
+      if (k0 % W::kBlock == 0)
+        for (int b = 0; b < B && k0 + b * W::kBlock < a.k; ++b) w.load(n0, live, k0 + b * W::kBlock, r[b]);
+      const int s0 = int(first % S);  // C < S: where in its block the step starts
+      __m512 seg[C][M];
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < M; ++i) seg[c][i] = _mm512_setzero_ps();
+      const float *x = xpad + k0;
 #pragma GCC unroll 1
-        for (int q = 0; q < kSegment / 4; ++q)  // 4 k at a time: GCC schedules a whole unrolled block badly
-#pragma GCC unroll 4
-          for (int g = 0; g < G; ++g) {  // the segments' chains side by side
-            __m512 v[4];
-            W::quad(r, s0 + g, q, v);
-            for (int t = 0; t < 4; ++t)
-              for (int i = 0; i < M; ++i)
-                seg[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * kpad + g * kSegment + 4 * q + t]), v[t], seg[g][i]);
-          }
-#pragma GCC unroll 4
-        for (int g = 0; g < G; ++g)
-          if (kb + (s0 + g) * kSegment < a.k) {
-            const __m512 scale = W::kScaled ? w.scale(n0, live, kb + (s0 + g) * kSegment) : _mm512_setzero_ps();
-            for (int i = 0; i < M; ++i) total[i] = combine<W::kScaled>(seg[g][i], scale, total[i]);
-          }
-      }
+      for (int q = 0; q < kSegment / 4; ++q)  // 4 k at a time: GCC schedules a whole unrolled block badly
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {  // the chains side by side
+          if (k0 + c * kSegment >= a.k) break;  // the last step's segments past k
+          __m512 v[4];
+          W::quad(r[(s0 + c) / S], (s0 + c) % S, q, v);
+          for (int t = 0; t < 4; ++t)
+            for (int i = 0; i < M; ++i)
+              seg[c][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * kpad + c * kSegment + 4 * q + t]), v[t], seg[c][i]);
+        }
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        if (k0 + c * kSegment < a.k) {
+          __m512 scale = _mm512_setzero_ps();
+          if constexpr (W::kScaled) scale = _mm512_load_ps(scales + (k0 + c * kSegment) / w.group * 16);
+          for (int i = 0; i < M; ++i) total[i] = combine<W::kScaled>(seg[c][i], scale, total[i]);
+        }
     }
     const __mmask16 mask = lanes(live);
     for (int i = 0; i < M; ++i)
@@ -358,7 +374,8 @@ template <int M> struct FewRows {
 
 template <typename W, typename E>
 void few_rows(const FloatArgs &a, int64_t m, const W &w, const E &epilogue, int64_t n, int threads) {
-  const int64_t kpad = (a.k + W::kBlock - 1) / W::kBlock * W::kBlock;
+  const int64_t step = std::max<int64_t>(W::kBlock, kChains<1> * kSegment);  // the longest a step reads
+  const int64_t kpad = (a.k + step - 1) / step * step;
   auto *xpad = static_cast<float *>(thread_buffer<4>(m * kpad * sizeof(float)));  // the calling thread's
   for (int64_t i = 0; i < m; ++i) {
     std::memcpy(xpad + i * kpad, a.x + i * a.x_stride, a.k * sizeof(float));

@@ -1,8 +1,8 @@
 """The quantized linears (kernels/quant_linear.py): every compiled path against the torch reference of its
 arithmetic: this CPU's build, and on an AVX-512 machine the builds without AVX512-VNNI (W8A8 on the AVX2 loops) and
 without AVX-512 (the AVX2 loops alone), and on an AVX2 machine the portable loops built with -mno-avx2. The shapes
-take every AVX-512 path (W8A8: AVX2 loops for 1-2 rows, vpdpbusd panels from 3; W8A16/W4A16: few rows up to 12,
-float panels from 13), with partial tiles, panels, blocks and k chunks."""
+take every AVX-512 path (W8A8: AVX2 loops for 1-2 rows, vpdpbusd panels from 3; W8A16/W4A16: few rows up to 11,
+float panels from 12), with partial tiles, panels, blocks, steps and k chunks."""
 
 from __future__ import annotations
 
