@@ -50,6 +50,15 @@ constexpr int64_t kPanelBytes = 256 << 10; // the activation block a thread keep
 // panel costs about what a few rows' products do, and fewer rows are bound by the weights' bytes anyway
 constexpr int64_t kVnniFromRows = 3;
 
+#if PAGED_HF_AVX2
+// the sum of v's 8 lanes, in the order both float tiles have always used (halves, then pairs, then the two left)
+inline float hsum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 0x55)));
+}
+#endif
+
 // v, kept from being fused with the next operation (-march=native lets GCC contract a * b + c into an FMA, whose
 // single rounding the reference's separate multiply and add do not have)
 inline float rounded(float v) {
@@ -130,11 +139,7 @@ void float_tile(const float *x, int64_t x_stride, const W &w, int64_t k_begin, i
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sums[i][j]), _mm256_extractf128_ps(sums[i][j], 1));
-      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      acc[i][j] += _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 0x55)));
-    }
+    for (int j = 0; j < NR; ++j) acc[i][j] += hsum8(sums[i][j]);
 #else
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
@@ -212,11 +217,7 @@ void int4_tile(const float *x, int64_t x_stride, const uint8_t *packed, int64_t 
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total[i][j]), _mm256_extractf128_ps(total[i][j], 1));
-      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      acc[i][j] += _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 0x55)));
-    }
+    for (int j = 0; j < NR; ++j) acc[i][j] += hsum8(total[i][j]);
 #else
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
