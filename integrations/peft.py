@@ -102,8 +102,19 @@ def read_adapter_files(name: str, path, max_rank: int) -> AdapterFiles:
 def build_adapter(files: AdapterFiles, model: torch.nn.Module, max_rank: int, version: int) -> LoRAAdapter:
     """Match the files to `model`'s modules; ValueError (naming the adapter) if they do not fit."""
     targets = _target_modules(files.name, files.config, model)
-    weights = _match_weights(files.name, files.config, targets, files.tensors, max_rank)
+    weights = _match_weights(files.name, files.config, targets, _held_here(files.tensors, model), max_rank)
     return LoRAAdapter(files.name, version, files.path, weights, files.content_hash)
+
+
+def _held_here(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of modules this model holds: a pipeline stage leaves other stages' layers to them (their
+    placeholders say `is_pipeline_placeholder`)."""
+    absent = tuple(path + "." for path, module in model.named_modules()
+                   if getattr(module, "is_pipeline_placeholder", False))
+    if not absent:
+        return tensors
+    return {key: tensor for key, tensor in tensors.items()
+            if not ((match := _KEY.match(key)) and (match["path"] + ".").startswith(absent))}
 
 
 def folder_inside(root, path) -> str | None:

@@ -10,9 +10,12 @@ everything else is the generator's: the same outputs, errors and configuration (
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from functools import partial
 
 from paged_hf.hf.paged_model import wrap
+from paged_hf.llm_stages import PipelineStages
 from paged_hf.loader.device_dtype import checkpoint_dtype, resolve_device, resolve_dtype
 from paged_hf.outputs import EmbeddingRequestOutput, RequestOutput
 from paged_hf.pooling_params import PoolingParams
@@ -20,11 +23,15 @@ from paged_hf.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", **config):
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 pipeline_parallel_size: int = 1, **config):
         """`model`: an HF folder or hub id (None: the default model); `config`: PagedConfig fields (vLLM's
-        `speculative_config` is accepted as `speculative`)."""
+        `speculative_config` is accepted as `speculative`). `pipeline_parallel_size` N > 1: the model's layers in
+        N processes, this one and N - 1 spawned ones, each holding only its layers (`close()` stops them)."""
         from paged_hf.loader.default_model import load_model  # noqa: PLC0415
 
+        if not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pipeline_parallel_size!r}")
         if "speculative_config" in config:
             if "speculative" in config:
                 raise ValueError("give speculative or speculative_config, not both")
@@ -32,10 +39,22 @@ class LLM:
 
         device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, device, lambda: checkpoint_dtype(model))
+        self.stages = None
+        if pipeline_parallel_size > 1:
+            self.stages = PipelineStages(pipeline_parallel_size, partial(_load_stage, model, torch_dtype, device),
+                                         partial(_make_generator, config))
+            self.generator, self.tokenizer = self.stages.generator, self.stages.tokenizer
+            weakref.finalize(self, self.stages.close)
+            return
         hf_model, tokenizer = load_model(model, torch_dtype, device)
         self.paged_model = wrap(hf_model, tokenizer, **config)
         self.generator = self.paged_model.generator
         self.tokenizer = tokenizer
+
+    def close(self) -> None:
+        """Stop a pipeline's other stages (a no-op without them)."""
+        if self.stages is not None:
+            self.stages.close()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -44,6 +63,8 @@ class LLM:
                  use_tqdm: bool = True, adapter: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """`prompts`: a string, a list of strings or token-id lists, or vLLM's {"prompt": ...} /
         {"prompt_token_ids": [...]} dicts. One RequestOutput per prompt, in order."""
+        if self.stages is not None:
+            return self.stages.call("generate", _prompts(prompts), sampling_params, adapters=adapter, use_tqdm=use_tqdm)
         return self.generator.generate(_prompts(prompts), sampling_params, adapters=adapter, use_tqdm=use_tqdm)
 
     def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -65,6 +86,16 @@ class LLM:
             continue_final_message=continue_final_message, tokenize=True, return_dict=False,
             **(chat_template_kwargs or {}))) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, adapter)
+
+
+def _load_stage(name, dtype, device, stage: int, count: int):
+    from paged_hf.loader.default_model import load_model  # noqa: PLC0415
+
+    return load_model(name, dtype, device, pipeline_stage=(stage, count))
+
+
+def _make_generator(config: dict, model, tokenizer):
+    return wrap(model, tokenizer, **config).generator
 
 
 def _prompts(prompts) -> list:

@@ -32,7 +32,7 @@ LAYERS = [
     {"spec_decode"},
     {"engine"},
     {"hf"},
-    {"llm"},
+    {"llm", "llm_stages"},
     {"__init__"},  # the public API: what the server, the CLI and the bench use, as a user would
     {"serving"},
     {"bench"},

@@ -67,6 +67,9 @@ class PagedConfig:
     # fields as a dict / JSON text, e.g. {"kv_connector": "PagedHFConnector", "kv_role": "kv_producer"}; it
     # needs the KV tier's directory (a fresh temporary one unless kv_cache_dir names one)
     kv_transfer_config: object = None
+    # a pipeline stage's engine (paged_hf.LLM(pipeline_parallel_size=N), docs/scaling.md): micro-batches in flight at
+    # once; None: one per stage (vLLM's), 1: one batch goes through all stages before the next starts
+    pipeline_batches_in_flight: int | None = None
     # who is served first (paged_hf.core.request_queue): "fcfs" (arrival order), "priority" (a request's
     # priority, lower first; it may preempt lower-ranked running requests) or "fair" (tenants share the step
     # budget by virtual token counters, weighted by tenant_weights {tenant: weight}, default 1)
@@ -97,6 +100,9 @@ class PagedConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        depth = self.pipeline_batches_in_flight
+        if depth is not None and not (isinstance(depth, int) and depth >= 1):
+            raise ValueError(f"pipeline_batches_in_flight must be an int >= 1 or None, got {depth!r}")
         if self.max_cpu_loras is not None and not (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= 1):
             raise ValueError(f"max_cpu_loras must be an int >= 1 or None, got {self.max_cpu_loras!r}")
         timeout = self.grammar_compile_timeout_s

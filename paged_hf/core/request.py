@@ -96,6 +96,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    in_flight: bool = False  # a pipeline's micro-batch computes its next token (engine/pipeline_step.py)
     # an embedding request (engine/embedding.py): its pooling, "mean" | "cls" | "lasttoken" | "max"; it computes
     # its prompt only (no sampling, no blocks beyond the prompt) and is pooled after its last prompt token
     pooling: str | None = None

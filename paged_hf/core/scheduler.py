@@ -53,6 +53,10 @@ class Scheduler:
         self._prefill_left = max_num_batched_tokens  # this step: the prefill tokens the stream pace leaves
         self._prefill_cut = False  # this step: the stream pace cut a prefill chunk short
         self.running: list[Request] = []
+        # a pipeline keeps this many micro-batches in flight (engine/pipeline_step.py): each step schedules at most
+        # its share of the unfinished requests, so the batches split them evenly
+        self.micro_batches = 1
+        self._step_seqs = 0  # this step: the most requests it schedules
         self.num_preemptions = 0
         self.max_num_running = 0  # the most requests that ran at once (after any step's scheduling)
         # prefix-cache lookups in tokens (vLLM's accounting): a lookup queries all of the request's tokens.
@@ -88,6 +92,9 @@ class Scheduler:
         pace = self.stream_pace
         self._prefill_left = self.max_num_batched_tokens if pace is None else pace.prefill_allowance(self.running)
         self._prefill_cut = False
+        unfinished = len(self.running) + len(self.waiting)  # each is scheduled at most once a step
+        self._step_seqs = unfinished if self.micro_batches == 1 else -(-min(unfinished, self.max_num_seqs)
+                                                                       // self.micro_batches)
         out = self._schedule_ranked() if isinstance(self.waiting, RankedQueue) else self._schedule_fcfs()
         self.step_timer.scheduled(out.num_tokens)
         if self._prefill_cut:
@@ -105,7 +112,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(out.scheduled) < self._step_seqs:
             request = self.running[index]
             num_new = self._paced(request, min(request.num_tokens_to_compute, budget))
             if num_new == 0:  # a beam waiting for its siblings' logits (beam search), or prefill paced: nothing now
@@ -144,7 +151,7 @@ class Scheduler:
         num_seats = self._num_seats()
         adapters = self.gate.running_adapters(self.running)
         skipped: list[Request] = []  # waiting for an adapter slot: they keep their place in the queue
-        while self.waiting and budget > 0 and self._prefill_left > 0:
+        while self.waiting and budget > 0 and self._prefill_left > 0 and len(out.scheduled) < self._step_seqs:
             request = self.waiting[0]
             seats = min(request.num_seats, self.max_num_seqs)
             if num_seats + seats > self.max_num_seqs:
@@ -185,7 +192,7 @@ class Scheduler:
         pacer.begin(self.running, queue, self.gate.num_steps)
         pending = sorted(self.running, key=pacer.order)  # not yet given tokens this step, best first
         admitting, passed = True, set()  # passed: tenants whose head found no seat (fair: others may go on)
-        while budget > 0 and (pending or admitting):
+        while budget > 0 and (pending or admitting) and len(out.scheduled) < self._step_seqs:
             head = self._next_admissible(passed) if admitting else None
             admitting = head is not None
             if pending and (head is None or pacer.order(pending[0]) <= pacer.order(head)):

@@ -27,6 +27,7 @@ from paged_hf.engine.adapters import lora_manager
 from paged_hf.integrations.lora import LoRAManager
 from paged_hf.integrations.peft import AdapterFiles, LoRAAdapter, adapter_folder_under, read_adapter_files
 from paged_hf.utils import percentile
+from paged_hf.worker.distributed import is_multi_rank
 from paged_hf.worker.model_runner import ModelRunner
 
 _STATS_WINDOW = 4096  # load and wait times kept for the percentiles
@@ -151,7 +152,7 @@ class AdapterStore:
         """Serve every adapter whose read is done (matched to the model here, on the engine thread)."""
         errors = {}
         for name, future in list(self._reads.items()):
-            if not future.done():
+            if not future.done() and not is_multi_rank():  # ranks (tensor, pipeline) bind at the same step
                 continue
             del self._reads[name]
             try:

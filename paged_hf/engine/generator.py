@@ -28,12 +28,14 @@ from paged_hf.engine.adapter_store import is_ready as adapter_is_ready
 from paged_hf.engine.adapters import adapter_slots, lora_manager, split_peft_model
 from paged_hf.engine.embedding import embedding_group
 from paged_hf.engine.hybrid import hybrid_config
+from paged_hf.engine.pipeline_step import PipelineStep, pipeline_config, ready_off_pipeline
 from paged_hf.engine.request_builder import RequestBuilder
 from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
 from paged_hf.engine.request_group import RequestGroup
 from paged_hf.engine.step import EngineStep
 from paged_hf.engine.stopping import StopChecker
 from paged_hf.engine.token_stream import TokenStream
+from paged_hf.loader.pipeline_stage import stage_of
 from paged_hf.outputs import CompletionOutput, EmbeddingRequestOutput, FinishReason, RequestOutput
 from paged_hf.pooling_params import PoolingParams
 from paged_hf.sample.sampler import Sampler
@@ -56,6 +58,9 @@ class ContinuousBatchGenerator:
         self.tokenizer = tokenizer
         self.info = inspect_model(model)
         self.config = hybrid_config(config or PagedConfig(), self.info)
+        stage = stage_of(model)  # a pipeline stage (one run of the layers, in a process of its own) or None
+        if stage is not None:
+            self.config = pipeline_config(self.config, self.info, stage)
         self.max_model_len = self.config.max_model_len or self.info.max_positions or 2048
         num_blocks = self.config.num_blocks or num_blocks_from_memory(self.info, self.config, self.max_model_len)
         self.runner = ModelRunner(model, self.info, num_blocks, self.config)
@@ -66,7 +71,8 @@ class ContinuousBatchGenerator:
         self._kv_producer = transfer is not None and transfer.is_producer  # finished outputs carry their blocks' keys
         self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size, self.runner.kv_tier, state_slots)
         self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   max_loras=adapter_slots(self.config, self.info), is_ready=adapter_is_ready,
+                                   max_loras=adapter_slots(self.config, self.info),
+                                   is_ready=adapter_is_ready if stage is None else ready_off_pipeline(adapter_is_ready),
                                    policy=self.config.scheduling_policy, tenant_weights=self.config.tenant_weights,
                                    max_stream_gap_s=self.config.max_stream_gap_s)
         self.sampler = Sampler(self.info.eos_token_ids)
@@ -78,8 +84,10 @@ class ContinuousBatchGenerator:
         self.pooling_config = None  # embeddings: the model's pooling, read on first use (engine/embedding.py)
         self.request_builder = RequestBuilder(self.config, tokenizer, self.info.vocab_size, self.info.eos_token_ids,
                                               self.runner.logits_device)
-        self.engine_step = EngineStep(self.scheduler, self.runner, self.sampler, self.stop_checker, self.speculator,
-                                      self.groups, self.config.max_num_batched_tokens, self.adapter_store)
+        parts = (self.scheduler, self.runner, self.sampler, self.stop_checker, self.speculator, self.groups,
+                 self.config.max_num_batched_tokens, self.adapter_store)
+        self.engine_step = EngineStep(*parts) if stage is None else PipelineStep(
+            *parts, links=self.runner.links, depth=self.config.pipeline_batches_in_flight)
         # Outputs step() owes: requests of add_request that changed while generate()/stream() stepped the
         # engine, and aborts. Requests of generate()/stream() (claimed) are reported by those calls only.
         self._undelivered: dict[RequestGroup | BeamGroup, None] = {}
@@ -111,6 +119,7 @@ class ContinuousBatchGenerator:
                 tenant=None) -> RequestGroup:
         self.request_builder.check_scheduling(priority, tenant)
         if isinstance(sampling_params, PoolingParams):  # an embedding request: prefill only, pooled
+            self._check_not_pipelined("embedding requests")
             group = embedding_group(self, prompt, sampling_params, adapter, request_id, cache_salt)
             self.request_builder.assign_scheduling(group, priority, tenant, adapter)
             self.enqueue(group, group.children[0])
@@ -132,9 +141,14 @@ class ContinuousBatchGenerator:
     def add_beam_request(self, prompt, params, adapter: str | None = None, request_id: str | None = None) -> str:
         """Queue one beam search (`BeamSearchParams`); step() reports it once, finished, with its best
         hypotheses as outputs. Its beams run in the same steps as every other request."""
+        self._check_not_pipelined("beam search")
         return _beam_search.add_beam_request(self, prompt, params, adapter, request_id)
 
     # --- the engine's API for its own callers (beam_search.py, token_stream.py, the drop-in generate) -----
+    def _check_not_pipelined(self, what: str) -> None:
+        if isinstance(self.engine_step, PipelineStep):
+            raise ValueError(f"{what}: not served pipeline-parallel (a pipeline's stages exchange sampled tokens only)")
+
     def prompt_token_ids(self, prompt) -> list[int]:
         """A prompt (text, token ids, 1-D tensor) as token ids; ValueError for an empty or out-of-vocabulary one."""
         return prompt_token_ids(prompt, self.tokenizer, self.info.vocab_size)
@@ -209,7 +223,7 @@ class ContinuousBatchGenerator:
 
     # --- running --------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._undelivered)
+        return self.scheduler.has_unfinished() or bool(self._undelivered) or self.engine_step.has_work()
 
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration; the outputs (cumulative) of every request of `add_request` that changed,

@@ -66,6 +66,10 @@ class EngineStep:
                 self._postprocess(requests, logits, spec_logits, touched)
         return self._drop_finished(touched)
 
+    def has_work(self) -> bool:
+        """Work begun in earlier steps that later steps finish (a pipeline's micro-batches in flight)."""
+        return False
+
     def _bind_adapters(self) -> dict:
         """Queued requests whose adapter's folder was read get its weights; those whose read failed fail
         (reported with their output, as a request's own error) -> those requests."""
@@ -107,14 +111,18 @@ class EngineStep:
 
     def _sample(self, requests: list[Request], logits: torch.Tensor, spec_logits: torch.Tensor | None) -> list:
         """-> per request, its [(token_id, logprobs)]: one pair, or more where drafts were accepted."""
-        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.rng, r.grammar,
-                            r.bad_words_token_ids)
-                for r in requests]
+        rows = self._sampling_rows(requests)
         if spec_logits is not None:
             return self.speculator.verify(self.sampler, requests, rows, logits, spec_logits)
         sampled = self.sampler(logits, rows)
         token_ids = broadcast_tokens(sampled.token_ids, logits.device)  # tensor parallel: rank 0's tokens
         return [[pair] for pair in zip(token_ids, sampled.logprobs)]
+
+    @staticmethod
+    def _sampling_rows(requests: list[Request]) -> list[SamplingRow]:
+        return [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.rng, r.grammar,
+                            r.bad_words_token_ids)
+                for r in requests]
 
     def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> bool:
         """Append one generated token and check the stop conditions -> whether the request finished."""

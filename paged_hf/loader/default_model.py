@@ -266,6 +266,7 @@ def load_model(
     *,
     attn_implementation: str | None = None,
     tp_plan: str | None = None,
+    pipeline_stage: tuple[int, int] | None = None,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` in eval mode.
 
@@ -273,7 +274,8 @@ def load_model(
     is passed to ``from_pretrained`` (a local HF folder or a hub id). ``attn_implementation`` is forwarded when
     given; otherwise transformers picks (``sdpa`` on CPU). The resulting ``config._attn_implementation`` is logged.
     ``tp_plan="auto"``: tensor parallel under an initialized process group; each rank keeps its own shard where
-    transformers put it (``device`` is not applied).
+    transformers put it (``device`` is not applied). ``pipeline_stage=(index, count)``: only that stage's layers
+    (loader/pipeline_stage.py).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -288,7 +290,13 @@ def load_model(
     start = time.perf_counter()
     from paged_hf.loader.quantized import load_quantized_model, quantization_config  # noqa: PLC0415
 
-    if quantization_config(source) is not None:  # served on its own integers (docs/quantization.md)
+    if pipeline_stage is not None:
+        if tp_plan is not None:
+            raise ValueError("pipeline parallelism with tensor parallelism is not served yet: give one or the other")
+        from paged_hf.loader.pipeline_stage import load_stage  # noqa: PLC0415
+
+        model = load_stage(source, dtype, device, *pipeline_stage)
+    elif quantization_config(source) is not None:  # served on its own integers (docs/quantization.md)
         if tp_plan is not None:
             raise ValueError("a quantized checkpoint is not served tensor-parallel")
         model = load_quantized_model(source, dtype)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 
 
-def record_prompt_logprobs(logits: torch.Tensor, spans: list) -> None:
-    """logits: [num_kept, vocab_size], the step's kept rows; spans: StepInputs.prompt_logprob_spans."""
+def record_prompt_logprobs(logits: torch.Tensor, spans: list, into: dict | None = None) -> None:
+    """logits: [num_kept, vocab_size], the step's kept rows; spans: StepInputs.prompt_logprob_spans. The entries go
+    to each request's `prompt_logprobs`, or to `into[request_id]` (a pipeline adds them when the batch completes)."""
     for request, row, position, count in spans:
+        target = request.prompt_logprobs if into is None else into.setdefault(request.request_id, {})
         k = request.sampling_params.prompt_logprobs
         logprobs = logits[row:row + count].float().log_softmax(dim=-1)  # [count, vocab_size]
         targets = torch.tensor(request.all_token_ids[position + 1:position + 1 + count], device=logprobs.device)
@@ -23,4 +25,4 @@ def record_prompt_logprobs(logits: torch.Tensor, spans: list) -> None:
             entry = {token_id: value}
             if k:
                 entry.update(zip(top_ids[j].tolist(), top_values[j].tolist()))
-            request.prompt_logprobs[position + 1 + j] = entry
+            target[position + 1 + j] = entry

@@ -1,4 +1,4 @@
-"""Tensor parallelism behind the server: rank 0 takes requests, every other rank mirrors its engine in lockstep.
+"""Tensor or pipeline parallelism behind the server: rank 0 takes requests, every other rank mirrors its engine in lockstep.
 
 Under `tp_plan="auto"` every rank must run the same schedule on the same requests (the model's collectives
 pair up step by step). The HTTP server only runs on rank 0, so rank 0's generator is wrapped in
@@ -36,7 +36,7 @@ _MUTATING = ("add_request", "abort", "load_adapter", "unload_adapter")
 
 
 class RankFailure(RuntimeError):
-    """Another tensor-parallel rank stopped answering (died, or the ranks left lockstep)."""
+    """Another rank (tensor or pipeline parallel) stopped answering (died, or the ranks left lockstep)."""
 
 
 def control_group(timeout_s: float = FOLLOWER_TIMEOUT_S):
@@ -105,7 +105,7 @@ class LockstepGenerator:
 
     def _check_alive(self) -> None:
         if self.failure is not None:
-            raise RankFailure(f"tensor parallelism failed: {self.failure}")
+            raise RankFailure(f"another rank failed: {self.failure}")
 
     def _send(self, message) -> None:
         with self._send_lock:
@@ -114,14 +114,14 @@ class LockstepGenerator:
                 dist.broadcast_object_list([message], src=0, group=self._group)
             except BaseException as exc:
                 self._fail(exc)
-                raise RankFailure(f"a tensor-parallel rank stopped answering: {exc}") from exc
+                raise RankFailure(f"a rank stopped answering: {exc}") from exc
             self._last_send = time.monotonic()
 
     def _fail(self, exc: BaseException) -> None:
         if self.failure is not None:
             return
         self.failure = exc
-        logger.error("tensor parallelism failed: %s", exc)
+        logger.error("a rank failed: %s", exc)
         if self.on_failure is not None:
             self.on_failure(exc)
 

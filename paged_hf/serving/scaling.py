@@ -2,6 +2,7 @@
 line's, paged_hf.entrypoints.cli.add_scaling_args).
 
     paged-hf serve --tensor-parallel-size 2 ...     # relaunches itself under torchrun (one node)
+    paged-hf serve --pipeline-parallel-size 2 ...   # the same, the layers split into 2 stages
     torchrun --nproc-per-node 2 -m paged_hf serve ...  # the same; torchrun's flags for several nodes
     paged-hf serve --replicas 2 ...                 # replicas on Ray Serve, routed by prefix and adapter
 """
@@ -21,13 +22,16 @@ def under_torchrun() -> bool:
 
 def serve_scaled(args: argparse.Namespace) -> int | None:
     """Serve with tensor parallelism or replicas when the flags (or torchrun) ask for it; None otherwise."""
-    if args.tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.tensor_parallel_size > 1 and args.pipeline_parallel_size > 1:
+        raise ValueError("--tensor-parallel-size with --pipeline-parallel-size is not served yet: give one or the other")
     if args.replicas < 0:
         raise ValueError(f"--replicas must be >= 0, got {args.replicas}")
-    if args.tensor_parallel_size > 1 or under_torchrun():
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or under_torchrun():
         if args.replicas:
-            raise ValueError("--replicas with tensor parallelism is not supported: give one or the other")
+            raise ValueError("--replicas with tensor or pipeline parallelism is not supported: give one or the other")
         return serve_tensor_parallel(args)
     if args.replicas:
         return serve_replicas(args)

@@ -1,9 +1,10 @@
-"""`paged-hf serve` with tensor parallelism: rank 0 serves HTTP, the other ranks mirror its engine.
+"""`paged-hf serve` with tensor or pipeline parallelism: rank 0 serves HTTP, the other ranks mirror its engine.
 
 Under torchrun (`torchrun --nproc-per-node N -m paged_hf serve ...`) every rank loads its shard
-(`tp_plan="auto"`) and builds the same engine; rank 0 wraps it in a `LockstepGenerator` and serves the app,
+(`tp_plan="auto"`), or with `--pipeline-parallel-size N` its stage's layers (loader/pipeline_stage.py), and
+builds the same engine; rank 0 wraps it in a `LockstepGenerator` and serves the app,
 the others `follow()` (see lockstep.py). `--tensor-parallel-size N` outside torchrun re-executes the same
-command under torchrun with N local ranks. A rank that fails ends the whole server with an error and exit
+command under torchrun with N local ranks (as `--pipeline-parallel-size N` does). A rank that fails ends the whole server with an error and exit
 status 1 (torchrun also stops the remaining ranks when one exits).
 """
 
@@ -29,11 +30,13 @@ FAILURE_EXIT_S = 10.0
 
 def serve_tensor_parallel(args: argparse.Namespace) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    pipeline = args.pipeline_parallel_size > 1
+    size = args.pipeline_parallel_size if pipeline else args.tensor_parallel_size
     if world_size == 1:
-        _relaunch_under_torchrun(args)  # does not return
-    if args.tensor_parallel_size not in (1, world_size):
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} does not match torchrun's "
-                         f"{world_size} ranks")
+        _relaunch_under_torchrun(args, size)  # does not return
+    if size not in (1, world_size):
+        flag = "--pipeline-parallel-size" if pipeline else "--tensor-parallel-size"
+        raise ValueError(f"{flag} {size} does not match torchrun's {world_size} ranks")
     _init_process_group(args.device)
     group = control_group()
     from paged_hf.serving.openai.engine_loop import reserve_torch_threads  # noqa: PLC0415 - optional: fastapi
@@ -41,7 +44,8 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
     rank = dist.get_rank()
     # rank 0 steps on its engine thread (as `paged-hf serve`), the other ranks on their main thread
     engine_threads = reserve_torch_threads() if rank == 0 else None
-    model, tokenizer, generator = load_engine(args, tp_plan="auto")
+    model, tokenizer, generator = load_engine(
+        args, **({"pipeline_stage": (rank, world_size)} if pipeline else {"tp_plan": "auto"}))
     if rank != 0:
         try:
             follow(generator, group)
@@ -53,7 +57,8 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
     lockstep = LockstepGenerator(generator, group)
     server = make_server(args, build_app(args, model, tokenizer, lockstep, engine_threads))
     lockstep.on_failure = lambda exc: _end_server(server, exc)  # the server is built around lockstep
-    print(f"paged-hf serve: tensor parallel over {world_size} ranks ({dist.get_backend()})", file=sys.stderr)
+    kind = f"pipeline parallel ({world_size} stages)" if pipeline else "tensor parallel"
+    print(f"paged-hf serve: {kind} over {world_size} ranks ({dist.get_backend()})", file=sys.stderr)
     server.run()
     lockstep.close()
     if lockstep.failure is not None:
@@ -62,11 +67,11 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
     return 0
 
 
-def _relaunch_under_torchrun(args: argparse.Namespace) -> None:
-    """Replace this process by torchrun running the same command on `--tensor-parallel-size` local ranks."""
+def _relaunch_under_torchrun(args: argparse.Namespace, size: int) -> None:
+    """Replace this process by torchrun running the same command on `size` local ranks."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={args.tensor_parallel_size}", "-m", "paged_hf", *args.argv]
-    print(f"paged-hf serve: launching {args.tensor_parallel_size} ranks under torchrun", file=sys.stderr, flush=True)
+            f"--nproc-per-node={size}", "-m", "paged_hf", *args.argv]
+    print(f"paged-hf serve: launching {size} ranks under torchrun", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(sys.executable, argv)
 
@@ -85,7 +90,7 @@ def _init_process_group(device: str) -> None:
 
 def _end_server(server, exc: BaseException) -> None:
     """A rank failed: say so, stop taking requests and exit (at the latest after FAILURE_EXIT_S)."""
-    print(f"paged-hf serve: error: a tensor-parallel rank failed ({type(exc).__name__}: {exc}); shutting down",
+    print(f"paged-hf serve: error: a rank failed ({type(exc).__name__}: {exc}); shutting down",
           file=sys.stderr, flush=True)
     server.should_exit = True
     timer = threading.Timer(FAILURE_EXIT_S, os._exit, args=(1,))

@@ -63,15 +63,22 @@ def inspect_model(model: torch.nn.Module) -> ModelInfo:
         num_layers=len(attention_layers),
         attention_layers=attention_layers,
         state_layers=state_layers,
-        dtype=embeddings.weight.dtype,
+        dtype=_weights_dtype(model, embeddings),
         input_device=input_device,
         logits_device=input_device if output_embeddings is None else
         accelerate_integration.module_device(model, output_embeddings),
-        vocab_size=output_embeddings.weight.shape[0] if output_embeddings is not None else config.vocab_size,
+        vocab_size=output_embeddings.weight.shape[0] if hasattr(output_embeddings, "weight") else config.vocab_size,
         max_positions=getattr(config, "max_position_embeddings", None),
         eos_token_ids=eos_token_ids(model),
         accepts_logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
     )
+
+
+def _weights_dtype(model: torch.nn.Module, embeddings: torch.nn.Module) -> torch.dtype:
+    """The embeddings' dtype; a later pipeline stage (no embeddings) has its layers' floating dtype."""
+    if hasattr(embeddings, "weight"):
+        return embeddings.weight.dtype
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
 def eos_token_ids(model) -> list[int]:

@@ -26,6 +26,7 @@ from transformers.cache_utils import (
 )
 
 from paged_hf.integrations.transformers import eager_attention
+from paged_hf.loader.pipeline_stage import absent_layers, stage_of
 from paged_hf.worker.attention_switch import AttentionSwitch
 from paged_hf.worker.own_attention import OwnAttentions
 from paged_hf.worker.recurrent_state import StateLayer, read_state_layers
@@ -83,11 +84,10 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
 
     cache.update = record_update
     AttentionInterface.register(PROBE_ATTENTION, record_attention)
-    input_ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     try:
         own_attentions = OwnAttentions(model, config)
         with AttentionSwitch(model, PROBE_ATTENTION), own_attentions:
-            output = model(input_ids=input_ids, cache=cache, use_cache=True)
+            output = model(**_probe_inputs(model, config, device), cache=cache, use_cache=True)
     except UnsupportedModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - the model's own error, named in the refusal
@@ -100,10 +100,20 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
                                     "given (own cache code or none)")
     state_layers = read_state_layers(cache)
     without_kv = {i for i, layer in enumerate(cache.layers) if isinstance(layer, DummyLayer)}  # MLP-only layers
+    without_kv |= absent_layers(model)  # a pipeline stage's: other stages hold them
     layers = _layers(model, updates, sinks, {layer.layer_idx for layer in state_layers} | without_kv)
     if not own_attentions.sites:  # (older families window in their own code, which their stand-ins pass on)
         _apply_mask_patterns(model, config, layers, windows)
     return layers, state_layers
+
+
+def _probe_inputs(model: torch.nn.Module, config, device: torch.device) -> dict:
+    """Two tokens; a pipeline stage after the first takes hidden states (it has no embeddings)."""
+    stage = stage_of(model)
+    if stage is None or stage.is_first:
+        return {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device)}
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return {"inputs_embeds": torch.zeros(1, 2, config.hidden_size, dtype=dtype, device=device)}
 
 
 def _probe_cache(model: torch.nn.Module, config) -> DynamicCache:

@@ -23,6 +23,7 @@ from paged_hf.worker.recurrent_state import RecurrentStates
 from paged_hf.worker.cache_sizing import state_slot_count
 from paged_hf.worker.packed_linears import PackedLinears
 from paged_hf.worker.paged_cache import PagedCache
+from paged_hf.worker.pipeline import stage_links
 from paged_hf.worker.pooling import HiddenStateCapture, pooling_rows, pooling_spans
 from paged_hf.worker.step_inputs import StepInputs, build_step_inputs
 
@@ -51,7 +52,9 @@ class ModelRunner:
         fused = fused_layers.fused_linears if fused_layers is not None else set()
         self.packed_linears = PackedLinears(model, fused) if config.pack_linear_weights else contextlib.nullcontext()
         self.kv_offload = None
-        verify_engine(self)  # the engine computes the model's own forward, or the model is refused here
+        self.links = stage_links(model)  # a pipeline stage's messages to its neighbours; None for a whole model
+        if self.links is None:  # (a stage's forward is not the model's; the pipeline is tested against it instead)
+            verify_engine(self)  # the engine computes the model's own forward, or the model is refused here
         # the KV tier under the prefix cache (host memory, a directory): None unless configured
         self.kv_offload = make_kv_offload(model, info.dtype, self.cache, config)
         self.kv_tier = self.kv_offload.tier if self.kv_offload is not None else None
@@ -73,7 +76,7 @@ class ModelRunner:
             inputs = build_step_inputs(out, self.block_size, request_slots)
         device = self.info.input_device
         kwargs = dict(
-            input_ids=inputs.input_ids.to(device)[None],  # [1, num_tokens]
+            **self._stage_input(inputs.input_ids.to(device)[None]),  # [1, num_tokens]
             position_ids=inputs.positions.to(device)[None],
             attention_mask=STEP_MASK_SENTINEL,
             cache=self.cache,
@@ -89,15 +92,34 @@ class ModelRunner:
             with (step_scope(self.cache), self.attention_switch, self.own_attentions, self.recurrent_mixers,
                   self.packed_linears, self.fused_layers, self._lora_step(inputs.adapter_slots), capture,
                   span("model")):
-                logits = self.model(**kwargs).logits[0]  # [num_kept, vocab_size]
+                logits = self._call_model(kwargs)  # [num_kept, vocab_size]; None before a pipeline's last stage
             self.cache.check_step()  # every layer went through the paged attention, or the step fails
         finally:
             self.cache.end_step()
         if inputs.pooling_spans:  # [num_rows, hidden_size] -> one [count, hidden_size] per span
             inputs.pooled_hidden_states = list(capture.hidden_states.split([s.count for s in inputs.pooling_spans]))
+        if logits is None:
+            return None, inputs
         if not self.info.accepts_logits_to_keep:
             logits = logits[inputs.logits_indices.to(logits.device)]
         return logits.to(self.logits_device), inputs  # a hook may hand them back elsewhere (io_same_device)
+
+    def _stage_input(self, input_ids: torch.Tensor) -> dict:
+        """The token ids; on a pipeline stage after the first, the previous stage's hidden states instead."""
+        if self.links is None or self.links.stage.is_first:
+            return {"input_ids": input_ids}
+        hidden_size = text_config(self.model.config).hidden_size
+        hidden = self.links.receive_hidden(input_ids.shape[1], hidden_size, self.info.dtype, input_ids.device)
+        return {"inputs_embeds": hidden[None]}
+
+    def _call_model(self, kwargs: dict) -> torch.Tensor | None:
+        """The logits rows; a pipeline stage before the last hands its hidden states on and returns None."""
+        if self.links is None or self.links.stage.is_last:
+            return self.model(**kwargs).logits[0]
+        kwargs.pop("logits_to_keep", None)
+        hidden = self.model.get_decoder()(**kwargs).last_hidden_state[0]  # [num_tokens, hidden_size]
+        self.links.send_hidden(hidden)
+        return None
 
     def _lora_step(self, adapter_slots: torch.Tensor | None):
         """Per-token LoRA routing for this forward only (a no-op without adapter tokens)."""
