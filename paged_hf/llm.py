@@ -39,7 +39,7 @@ class LLM:
 
         device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, device, lambda: checkpoint_dtype(model))
-        self.stages = None
+        self.stages = self.paged_model = None
         if pipeline_parallel_size > 1:
             self.stages = PipelineStages(pipeline_parallel_size, partial(_load_stage, model, torch_dtype, device),
                                          partial(_make_generator, config))

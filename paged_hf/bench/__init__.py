@@ -22,6 +22,7 @@ from paged_hf.bench.adapters import random_adapters
 from paged_hf.bench.documents import build_documents_workload
 from paged_hf.bench.embed import run_embed_bench
 from paged_hf.bench.model_shapes import describe_shape, resolve_model_shape
+from paged_hf.bench.pipeline import is_pipeline_system
 from paged_hf.bench.systems import DEFAULT_SYSTEMS, LORA_SCALE_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
 from paged_hf.bench.tenants import run_tenants_bench
 from paged_hf.bench.vllm_system import default_vllm_python, run_vllm
@@ -37,7 +38,7 @@ def parse_systems(value: str | None, workload: str, scaling_adapters: bool = Fal
     if not value:
         return list(LORA_SCALE_SYSTEMS if scaling_adapters else DEFAULT_SYSTEMS[workload])
     systems = [s.strip() for s in value.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEM_NAMES]
+    unknown = [s for s in systems if s not in SYSTEM_NAMES and not is_pipeline_system(s)]
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEM_NAMES)}")
     return list(dict.fromkeys(systems))

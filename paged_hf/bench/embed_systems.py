@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from paged_hf.bench.serve import engine_flags, start_server, stop_server
-from paged_hf.bench.systems import peak_rss_bytes, stderr_fd
+from paged_hf.bench.machine import peak_rss_bytes
+from paged_hf.bench.systems import stderr_fd
 
 #: the systems, in the order they run
 EMBED_SYSTEMS = ("paged_hf_embed_serve", "paged_hf_embed", "sentence_transformers")

@@ -18,6 +18,7 @@ shared prompt prefix once, which is the floor an engine with prefix caching can 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -186,3 +187,16 @@ def limit(shape: ModelShape, workload: Workload, rates: dict) -> dict:
         "min_time_prefix_once_s": prefix_once_s,
         "max_useful_tokens_per_s": workload.num_new_tokens / min_time if min_time > 0 else math.inf,
     }
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size (the kernel's high-water mark; psutil's current RSS as a fallback)."""
+    try:
+        import resource  # noqa: PLC0415 - Unix-only
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+    except ImportError:  # pragma: no cover - Windows
+        import psutil  # noqa: PLC0415 - optional (the bench extra), Windows' fallback only
+
+        return psutil.Process().memory_info().rss

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 from transformers import StoppingCriteriaList
@@ -28,6 +28,9 @@ from transformers import StoppingCriteriaList
 import paged_hf
 from paged_hf import BeamSearchParams, SamplingParams
 from paged_hf.bench.documents import DOCUMENT_SYSTEMS, KV_HOST_GIB, KV_HOST_SYSTEM, generate_in_waves
+from paged_hf.bench.machine import peak_rss_bytes
+from paged_hf.bench.pipeline import PIPELINE_SYSTEMS, is_pipeline_system, run_pipeline
+from paged_hf.bench.system_run import SystemRun, time_per_output_token, warmup_ids
 from paged_hf.bench.workloads import Workload
 from paged_hf.loader import default_model
 
@@ -39,7 +42,7 @@ QUANT_SYSTEMS = {"paged_hf_int8": "int8", "paged_hf_w4a16": "w4a16"}
 KV_DISK_SYSTEM = "paged_hf_kvdisk"
 PAGED_SYSTEMS = ("paged_hf", "paged_hf_base", "paged_hf_noprefix", "paged_hf_noschema", "paged_hf_spec", *KV_SYSTEMS,
                  KV_DISK_SYSTEM, KV_HOST_SYSTEM, *QUANT_SYSTEMS)
-SYSTEM_NAMES = (*PAGED_SYSTEMS, "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
+SYSTEM_NAMES = (*PAGED_SYSTEMS, *PIPELINE_SYSTEMS, "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb", "hf_cb_default")
 #: `vllm` runs in its own interpreter (see .vllm_system); without one it is reported as skipped
 DEFAULT_SYSTEMS = {
     "mixed": ("paged_hf", "vllm", "hf_static_8", "hf_static_32", "hf_single", "hf_cb"),
@@ -63,34 +66,7 @@ HF_CB_CONFIGS = {"hf_cb": {"max_batch_tokens": 512, "max_requests_per_batch": 8,
                  "hf_cb_default": {}}
 
 
-@dataclass
-class SystemRun:
-    """What one worker reports. Times in seconds; per-request lists in workload order (None: not measurable)."""
-
-    system: str
-    wall_s: float | None = None
-    outputs: list[list[int]] | None = None
-    ttft_s: list[float] | None = None
-    tpot_s: list[float] | None = None
-    peak_rss_bytes: int | None = None
-    num_threads: int | None = None
-    extra: dict = field(default_factory=dict)
-    skipped: str | None = None
-    error: str | None = None
-
-
 # --- running one system (inside the worker) -------------------------------------------------------------------
-
-def time_per_output_token(first: float | None, last: float | None, num_tokens: int) -> float | None:
-    """(last - first) / (tokens - 1); None for a request of one token (it has no time between tokens)."""
-    return (last - first) / (num_tokens - 1) if num_tokens > 1 else None
-
-
-def warmup_ids(tokenizer) -> list[int]:
-    """A tiny prompt without the chat template, so warming up leaves nothing in a prefix cache that the workload
-    could hit."""
-    return tokenizer("Warm up.", add_special_tokens=False)["input_ids"] or [0]
-
 
 def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enable_prefix_caching=True,
                  enforce_schemas=True, name: str | None = None) -> SystemRun:
@@ -333,19 +309,6 @@ def run_system(system: str, model, tokenizer, workload: Workload, engine_config:
 
 # --- the worker process ---------------------------------------------------------------------------------------
 
-def peak_rss_bytes() -> int | None:
-    """This process's peak resident set size (the kernel's high-water mark; psutil's current RSS as a fallback)."""
-    try:
-        import resource  # noqa: PLC0415 - Unix-only
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
-    except ImportError:  # pragma: no cover - Windows
-        import psutil  # noqa: PLC0415 - optional (the bench extra), Windows' fallback only
-
-        return psutil.Process().memory_info().rss
-
-
 def worker_main(spec_path: str) -> int:
     """Entry point of ``python -m paged_hf bench --_worker SPEC``: load, run one system, write its result."""
     with open(spec_path) as fh:
@@ -354,9 +317,12 @@ def worker_main(spec_path: str) -> int:
     try:
         if spec.get("threads"):
             torch.set_num_threads(spec["threads"])
-        model, tokenizer = default_model.load_model(spec["model"], getattr(torch, spec.get("dtype", "float32")),
-                                                    spec.get("device", "cpu"))
-        run = run_system(system, model, tokenizer, Workload.from_json(spec["workload"]), spec["engine_config"])
+        dtype, workload = getattr(torch, spec.get("dtype", "float32")), Workload.from_json(spec["workload"])
+        if is_pipeline_system(system):  # its stages load their own layers
+            run = run_pipeline(system, spec["model"], dtype, workload, spec["engine_config"])
+        else:
+            model, tokenizer = default_model.load_model(spec["model"], dtype, spec.get("device", "cpu"))
+            run = run_system(system, model, tokenizer, workload, spec["engine_config"])
         run.num_threads = torch.get_num_threads()
         if torch.cuda.is_available() and str(spec.get("device", "cpu")).startswith("cuda"):
             run.extra["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()

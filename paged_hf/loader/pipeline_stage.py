@@ -11,6 +11,7 @@ refused. A tied LM head on the last stage is read from the embeddings' tensor.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,15 +38,42 @@ class StageLayout:
         return self.start <= layer < self.end
 
 
-def stage_layout(num_layers: int, index: int, count: int) -> StageLayout:
-    """Layers split as evenly as they go; the first stages take one more each where they do not divide."""
+#: vLLM's VLLM_PP_LAYER_PARTITION under our name: the layers of each stage, e.g. "18,12"
+PARTITION_ENV = "PAGED_HF_PP_LAYER_PARTITION"
+#: the share of a step's rows the LM head computes (the sampled ones; about a quarter in the bench's mixed
+#: workload: 6,838 of 25,187 tokens): what the last stage's head weighs in the default split
+HEAD_ROW_SHARE = 0.25
+
+
+def stage_layout(num_layers: int, index: int, count: int, head_layers: float = 0.0) -> StageLayout:
+    """Stage `index`'s layers: as $PAGED_HF_PP_LAYER_PARTITION says, else split so that every stage does about the
+    same work, the last stage's LM head counted as `head_layers` layers (its weights over a layer's, times the
+    rows it computes: `HEAD_ROW_SHARE`); where layers do not divide, the first stages take one more each."""
     if not 1 <= count <= num_layers:
         raise ValueError(f"pipeline_parallel_size must be in [1, {num_layers}] (the model's layers), got {count}")
     if not 0 <= index < count:
         raise ValueError(f"pipeline stage {index} out of range for {count} stages")
-    size, extra = divmod(num_layers, count)
-    start = index * size + min(index, extra)
-    return StageLayout(index, count, start, start + size + (index < extra), num_layers)
+    sizes = _partition(num_layers, count, head_layers)
+    start = sum(sizes[:index])
+    return StageLayout(index, count, start, start + sizes[index], num_layers)
+
+
+def _partition(num_layers: int, count: int, head_layers: float) -> list[int]:
+    text = os.environ.get(PARTITION_ENV, "").strip()
+    if not text:
+        if count == 1:
+            return [num_layers]
+        last = int((num_layers + head_layers) / count - head_layers + 1e-9)  # the last stage's share, floored
+        last = min(max(1, last), num_layers - count + 1)
+        size, extra = divmod(num_layers - last, count - 1)
+        return [size + (i < extra) for i in range(count - 1)] + [last]
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) != count or min(sizes) < 1 or sum(sizes) != num_layers:
+        raise ValueError(f"{PARTITION_ENV}={text!r}: give {count} layer counts >= 1 that add up to {num_layers}")
+    return sizes
 
 
 class MissingModule(torch.nn.Module):
@@ -90,7 +118,7 @@ def load_stage(folder, dtype: torch.dtype, device, index: int, count: int) -> to
                          "base_model_pp_plan (how its layers split into stages)")
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    stage = stage_layout(text.num_hidden_layers, index, count)
+    stage = stage_layout(text.num_hidden_layers, index, count, _head_layers(model))
     _drop_other_stages(model, stage)
     _read_tensors(model, Path(str(folder)), dtype, tied=bool(getattr(text, "tie_word_embeddings", False)))
     model.pipeline_stage = stage
@@ -100,6 +128,13 @@ def load_stage(folder, dtype: torch.dtype, device, index: int, count: int) -> to
         model.generation_config = GenerationConfig.from_pretrained(folder)
     model.to(device)
     return model.eval()
+
+
+def _head_layers(model: torch.nn.Module) -> float:
+    """The LM head's work in decoder layers' (the default split gives the last stage that many fewer)."""
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    layer = sum(p.numel() for p in model.get_decoder().layers[0].parameters())
+    return 0.0 if head is None or not layer else head.numel() / layer * HEAD_ROW_SHARE
 
 
 def _drop_other_stages(model: torch.nn.Module, stage: StageLayout) -> None:

@@ -122,8 +122,18 @@ def test_a_stage_holds_only_its_layers(folder):
     assert sum(counts) == sum(p.numel() for p in model.parameters()) + embedding  # the tied head, once per end
 
 
-def test_layers_split_evenly_and_bad_sizes_are_refused():
-    assert [(s.start, s.end) for s in (stage_layout(30, i, 4) for i in range(4))] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+def test_layers_split_by_work_and_bad_sizes_are_refused(monkeypatch):
+    def split(num_layers, count, head_layers=0.0):
+        return [(s.start, s.end) for s in (stage_layout(num_layers, i, count, head_layers) for i in range(count))]
+
+    assert split(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]  # no head: even, the first stages one more
+    assert split(30, 2, head_layers=2.0) == [(0, 16), (16, 30)]  # the last stage's LM head weighs 2 layers
+    assert split(30, 2, head_layers=100.0) == [(0, 29), (29, 30)]  # a stage keeps at least one layer
+    monkeypatch.setenv("PAGED_HF_PP_LAYER_PARTITION", "20,10")
+    assert split(30, 2, head_layers=2.0) == [(0, 20), (20, 30)]
+    monkeypatch.setenv("PAGED_HF_PP_LAYER_PARTITION", "20,11")
+    with pytest.raises(ValueError, match="give 2 layer counts >= 1 that add up to 30"):
+        split(30, 2)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size must be in \[1, 5\]"):
         stage_layout(5, 0, 6)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an int >= 1"):
