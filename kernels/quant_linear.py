@@ -149,39 +149,17 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-#: the ranges tried per int4 group, as fractions of its min/max range (llama.cpp's and AutoAWQ's clip search, here
-#: without calibration data): clipping a few outliers gives every other weight of the group finer steps
-CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(21))  # 1.0 down to 0.5
-
-
 def quantize_int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest asymmetric 4-bit of weight [out, in] in groups of `group_size` along in: (values [out, in]
-    uint8 in [0, 15], scales and zeros [out, groups] float32), w ~ (u - z) * s. Each group's range is its min/max
-    (GPTQ's and AWQ's rule) shrunk by the `CLIP_RATIOS` entry that gives the group the least squared error."""
+    """Round-to-nearest asymmetric 4-bit of weight [out, in] in groups of `group_size` along in (GPTQ's and AWQ's
+    min/max rule without calibration): (values [out, in] uint8 in [0, 15], scales and zeros [out, groups] float32),
+    w ~ (u - z) * s."""
     n, k = weight.shape
     view = weight.detach().float().view(n, k // group_size, group_size)
     low, high = view.amin(-1).clamp(max=0), view.amax(-1).clamp(min=0)
-    best = None
-    for ratio in CLIP_RATIOS:
-        values, scales, zeros = _int4_rounding(view, low * ratio, high * ratio)
-        error = ((values - zeros[:, :, None]) * scales[:, :, None] - view).square().sum(-1)  # [out, groups]
-        if best is None:
-            best = [error, values, scales, zeros]
-            continue
-        better = error < best[0]
-        best[0] = torch.where(better, error, best[0])
-        best[1] = torch.where(better[:, :, None], values, best[1])
-        best[2], best[3] = torch.where(better, scales, best[2]), torch.where(better, zeros, best[3])
-    _, values, scales, zeros = best
-    return values.view(n, k).to(torch.uint8), scales, zeros
-
-
-def _int4_rounding(view: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
-    """Groups [out, groups, size] on the range [low, high] -> (values in [0, 15], scales, zeros), float32."""
     scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
     zeros = torch.round(-low / scales).clamp(0, 15)
     values = torch.clamp(torch.round(view / scales[:, :, None]) + zeros[:, :, None], 0, 15)
-    return values, scales, zeros
+    return values.view(n, k).to(torch.uint8), scales, zeros
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
