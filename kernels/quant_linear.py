@@ -55,8 +55,10 @@ class QuantizedLinear(torch.nn.Module):
 
 class Int8Linear(QuantizedLinear):
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 act_quant: bool):
-        """qweight [out, in] int8, scale [out] (any float dtype: kept as float32, exactly)."""
+                 act_quant: bool, input_scale: torch.Tensor | None = None):
+        """qweight [out, in] int8, scale [out] (any float dtype: kept as float32, exactly). `input_scale` [in]
+        (SmoothQuant, loader/smoothing.py): the activations are multiplied by it before they are quantized, the
+        weight was quantized divided by it, so the module still computes x W^T; None: x as it comes."""
         out_features, in_features = qweight.shape
         super().__init__(in_features, out_features, bias, dtype)
         padded = -(-in_features // 16) * 16  # the kernel reads 16 at a time: zeros past in_features
@@ -64,15 +66,20 @@ class Int8Linear(QuantizedLinear):
         q[:, :in_features] = qweight
         self.register_buffer("qweight", q)
         self.register_buffer("weight_scale", scale.detach().reshape(out_features).float().clone())
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().float().clone())
         self.act_quant = act_quant
         self.scheme = "w8a8" if act_quant else "w8a16"
 
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """x times `input_scale` (in float32, back in x's dtype), or x."""
+        return x if self.input_scale is None else (x.float() * self.input_scale).to(x.dtype)
+
     def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
         run = quant_gemm.w8a8 if self.act_quant else quant_gemm.w8a16
-        return run(x, self.qweight, self.weight_scale, self.bias32(), self.in_features)
+        return run(self._scaled(x), self.qweight, self.weight_scale, self.bias32(), self.in_features)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.reshape(-1, self.in_features).float()
+        x32 = self._scaled(x).reshape(-1, self.in_features).float()
         q_w = self.qweight[:, :self.in_features]
         if self.act_quant:
             q_x, s_x = quantize_tokens(x32)

@@ -25,6 +25,7 @@ from paged_hf.kernels.quant_linear import (
     quantize_int8_per_channel,
 )
 from paged_hf.loader.quant_formats import QuantizationConfig, UnsupportedQuantization, build_linear
+from paged_hf.loader.smoothing import input_maxima, smoothing_scale
 
 logger = logging.get_logger(__name__)
 
@@ -124,7 +125,7 @@ def _swap(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
 
 def quantize_model(model: torch.nn.Module, quantization: str) -> int:
     """Quantize the float model's linears in place, round to nearest: "int8" symmetric per output channel, W8A8 with
-    dynamic per-token activations; "w4a16" 4-bit in groups of 64 with zero points (min/max). The output layer
+    dynamic per-token activations, smoothed (SmoothQuant, loader/smoothing.py); "w4a16" 4-bit in groups of 64 with zero points (min/max). The output layer
     (lm_head) and the embeddings stay as they are. Returns how many linears were quantized. A model already
     quantized keeps its quantized modules."""
     if quantization not in QUANTIZATION_NAMES:
@@ -132,21 +133,25 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> int:
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (getattr(model, "tp_size", None) or 1) > 1:
         raise ValueError("quantization='int8' is not supported on a tensor-parallel model")
-    count = 0
-    for name, module in list(model.named_modules()):
-        if type(module) is not torch.nn.Linear or module is output or module.weight.device.type == "meta":
-            continue
-        _swap(model, name, _quantized(module, quantization).to(module.weight.device))
-        count += 1
+    linears = {name: module for name, module in model.named_modules()
+               if type(module) is torch.nn.Linear and module is not output and module.weight.device.type != "meta"}
+    maxima = input_maxima(model, linears) if quantization == "int8" and linears else {}
+    for name, module in linears.items():
+        _swap(model, name, _quantized(module, quantization, maxima.get(name)).to(module.weight.device))
+    count = len(linears)
     if count == 0 and not any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError(f"quantization={quantization!r}: the model has no plain nn.Linear layers to quantize")
     return count
 
 
-def _quantized(linear: torch.nn.Linear, quantization: str) -> QuantizedLinear:
+def _quantized(linear: torch.nn.Linear, quantization: str, input_max: torch.Tensor | None = None) -> QuantizedLinear:
+    """`input_max`: max |input| per channel (W8A8): the weight is smoothed by it (loader/smoothing.py)."""
     if quantization == "int8" or linear.in_features % W4A16_GROUP:
-        q, scale = quantize_int8_per_channel(linear.weight)
-        return Int8Linear(q, scale, linear.bias, linear.weight.dtype, act_quant=quantization == "int8")
+        smooth = None if input_max is None else smoothing_scale(input_max, linear.weight)
+        weight = linear.weight if smooth is None else linear.weight.float() * smooth.to(linear.weight.device)
+        q, scale = quantize_int8_per_channel(weight)
+        return Int8Linear(q, scale, linear.bias, linear.weight.dtype, act_quant=quantization == "int8",
+                          input_scale=None if smooth is None else 1 / smooth)
     values, scales, zeros = quantize_int4_groups(linear.weight, W4A16_GROUP)
     return Int4Linear(values, scales, zeros, W4A16_GROUP, linear.bias, linear.weight.dtype)
 

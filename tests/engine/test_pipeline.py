@@ -154,3 +154,10 @@ def test_what_a_pipeline_does_not_serve_is_refused_and_leaves_no_stage_behind(fo
         paged_hf.LLM(path, pipeline_parallel_size=2, speculative={"method": "ngram", "num_speculative_tokens": 2},
                      **ENGINE)
     assert not torch.distributed.is_initialized()  # the failed start left its process group
+
+
+def test_a_stage_refuses_the_kv_tier(folder):
+    path, _, _ = folder
+    with pytest.raises(ValueError, match="kv_cache_dir / kv_transfer_config are not served pipeline-parallel"):
+        paged_hf.LLM(path, pipeline_parallel_size=2, kv_cache_dir=str(folder[0]) + "-kv", **ENGINE)
+    assert not torch.distributed.is_initialized()

@@ -179,3 +179,15 @@ def test_compressed_tensors_schemes_not_served_are_refused_by_name(tmp_path):
     _edit_config(folder, format="marlin-24")
     with pytest.raises(UnsupportedQuantization, match="marlin-24"):
         load_quantized_model(folder, torch.float32)
+
+
+def test_int8_at_load_smooths_every_linear_the_same_way_each_time():
+    first, second = tiny_llama(seed=3, dtype=torch.float64), tiny_llama(seed=3, dtype=torch.float64)
+    quantize_model(first, "int8")
+    quantize_model(second, "int8")
+    linears = [(n, m) for n, m in first.named_modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 14 and all(m.input_scale is not None for _, m in linears)
+    again = dict(second.named_modules())
+    for name, module in linears:  # a seeded calibration: the same scales and integers on every load
+        assert torch.equal(module.input_scale, again[name].input_scale)
+        assert torch.equal(module.qweight, again[name].qweight)
