@@ -4,6 +4,7 @@ lifecycle and of `paged-hf bench --serve`)."""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -73,3 +74,44 @@ class ServerProcess:
     def _kill(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def complete_greedy(url: str, model: str, prompt: str, stream: bool, max_tokens: int = 12) -> str:
+    """A greedy completion's text from a running server, streamed (the events' texts joined) or not."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    if not stream:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def kill_rank_mid_stream(server: "ServerProcess", rank: str = "1") -> str:
+    """Kill torchrun's rank `rank` while a stream runs on every rank: the stream ends (never hangs), the server
+    exits with an error within 20 s -> its output."""
+    import psutil  # noqa: PLC0415 - the bench extra
+
+    ranks = {proc.environ().get("RANK"): proc for proc in psutil.Process(server.process.pid).children()}
+    assert set(ranks) == {"0", "1"}, ranks
+    body = {"model": MODEL, "prompt": "the a of", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # the request runs on both ranks
+        ranks[rank].kill()
+        killed = time.monotonic()
+        try:
+            list(lines)  # ends (an error event, or the connection closes), never hangs
+        except httpx.HTTPError:
+            pass
+    server.process.wait(timeout=30)
+    assert time.monotonic() - killed < 20
+    assert server.process.returncode != 0
+    return server.process.stdout.read()

@@ -7,15 +7,13 @@ when a stage is killed."""
 
 from __future__ import annotations
 
-import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psutil
 import pytest
 import torch
-from serve_process import MODEL, ServerProcess, save_tiny_model
+from serve_process import MODEL, ServerProcess, complete_greedy, kill_rank_mid_stream, save_tiny_model
+from test_tp_serve import FLAGS, PROMPTS  # the same prompts and flags as tensor parallelism's
 from tiny_server import serving
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -23,9 +21,6 @@ import paged_hf
 from paged_hf.integrations.peft import save_random_adapter
 from paged_hf.serving.openai import create_app
 
-PROMPTS = ["the a of", "you that he was for on are", "water than call first who may down side been now find",
-           "in and is it"]
-FLAGS = ("--dtype", "float64", "--max-num-batched-tokens", "8")  # float64: no rounding tie between the two ways
 
 
 @pytest.fixture(scope="module")
@@ -38,26 +33,11 @@ def pp_server(tmp_path_factory):
         yield folder, adapter, server
 
 
-def _complete(url: str, model: str, prompt: str, stream: bool) -> str:
-    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream}
-    if not stream:
-        response = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["text"]
-    text = ""
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
-
-
 def _all_texts(url: str) -> list[str]:
     """Every prompt, base and adapter, streamed and not, all at once (they batch, and join running batches)."""
     jobs = [(m, p, s) for m in (MODEL, "tuned") for s in (False, True) for p in PROMPTS]
     with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(lambda job: _complete(url, *job), jobs))
+        return list(pool.map(lambda job: complete_greedy(url, *job), jobs))
 
 
 def test_pipeline_server_gives_single_process_greedy_tokens(pp_server):
@@ -78,22 +58,5 @@ def test_pipeline_server_gives_single_process_greedy_tokens(pp_server):
 
 
 def test_killing_a_stage_ends_the_server_with_an_error(pp_server):
-    _, _, server = pp_server
-    ranks = {proc.environ().get("RANK"): proc for proc in psutil.Process(server.process.pid).children()}
-    assert set(ranks) == {"0", "1"}, ranks
-    body = {"model": MODEL, "prompt": "the a of", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")  # the request runs on both stages
-        ranks["1"].kill()  # the last stage: the first one waits on its sampled tokens
-        killed = time.monotonic()
-        try:
-            list(lines)  # ends (an error event, or the connection closes), never hangs
-        except httpx.HTTPError:
-            pass
-    server.process.wait(timeout=30)
-    assert time.monotonic() - killed < 20
-    output = server.process.stdout.read()
-    assert server.process.returncode != 0
+    output = kill_rank_mid_stream(pp_server[2], rank="1")  # the last stage: the first waits on its tokens
     assert "a rank failed" in output, output[-3000:]
