@@ -15,7 +15,7 @@
 // range int8 weights) and the float paths on 8-lane FMAs; without AVX2 the same loops are plain C++. With
 // AVX512F + AVX512BW the float paths, and with AVX512-VNNI w8a8 from kVnniFromRows rows, run quant_gemm_avx512.h's
 // kernels instead (w8a8 on vpdpbusd: the same exact integers; the float paths: one order of their sums for any
-// number of rows, see there); the AVX2 loops keep w8a8's 1-2 rows.
+// number of rows, see there); w8a8's 1-2 rows run W8A8FewTile (vpdpbusd on the weight rows as they are).
 //
 // Layouts (row-major): x [M, K] (row stride x_stride), out [M, N] (row stride out_stride);
 //   w8: q_w [N, Kp] int8, Kp = K rounded up to 16 (zero padded), s_w [N];
@@ -283,6 +283,52 @@ template <int MR, int NR> struct W8A8Tile {
   }
 };
 
+#if PAGED_HF_VNNI
+// w8a8's 1-2 rows on vpdpbusd, with the weight rows prefetched well ahead (the AVX2 loops left one thread at ~9
+// GB/s of weights; this one streams 25, measured on Zen 5 with 671 MB of weights): the activations + 128 as u8 (xu8 [m, kp]), the weights as they are (s8), so
+// sum (q_x + 128) w = sum q_x w + 128 sum w, and each weight row's sum (vpdpbusd against ones) times 128 comes off:
+// the same exact integers as every other path, the same epilogue as W8A8Tile.
+constexpr int64_t kFewPrefetch = 8192;  // bytes ahead (into the next tiles' rows: one thread at 25 GB/s, not 13 at 1 KiB, measured)
+
+struct W8A8FewArgs {
+  const uint8_t *xu8; int64_t kp; const float *sx;
+  const int8_t *qw; const float *sw; const float *bias;
+  float *out; int64_t out_stride;
+};
+
+template <int MR, int NR> struct W8A8FewTile {
+  static void run(const W8A8FewArgs &a, int64_t m0, int64_t n0) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i sums[MR][NR], wsums[NR];
+    for (int j = 0; j < NR; ++j) {
+      wsums[j] = _mm512_setzero_si512();
+      for (int i = 0; i < MR; ++i) sums[i][j] = _mm512_setzero_si512();
+    }
+    for (int64_t k = 0; k < a.kp; k += 64) {
+      const __mmask64 live = a.kp - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (a.kp - k)) - 1;
+      __m512i x[MR];
+      for (int i = 0; i < MR; ++i) x[i] = _mm512_maskz_loadu_epi8(live, a.xu8 + (m0 + i) * a.kp + k);
+      for (int j = 0; j < NR; ++j) {
+        const int8_t *row = a.qw + (n0 + j) * a.kp + k;
+        _mm_prefetch(reinterpret_cast<const char *>(row + kFewPrefetch), _MM_HINT_T0);
+        const __m512i w = _mm512_maskz_loadu_epi8(live, row);
+        wsums[j] = _mm512_dpbusd_epi32(wsums[j], ones, w);
+        for (int i = 0; i < MR; ++i) sums[i][j] = _mm512_dpbusd_epi32(sums[i][j], x[i], w);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const int32_t shift = 128 * _mm512_reduce_add_epi32(wsums[j]);
+      for (int i = 0; i < MR; ++i) {
+        const int32_t acc = _mm512_reduce_add_epi32(sums[i][j]) - shift;
+        float y = rounded(rounded(float(acc) * a.sx[m0 + i]) * a.sw[n0 + j]);
+        if (a.bias) y += a.bias[n0 + j];
+        a.out[(m0 + i) * a.out_stride + n0 + j] = y;
+      }
+    }
+  }
+};
+#endif
+
 struct FloatArgs {
   const float *x; int64_t x_stride, k;
   const float *bias; float *out; int64_t out_stride;
@@ -349,6 +395,17 @@ int w8a8_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const in
 #endif
 #pragma omp parallel for num_threads(used) schedule(static) if (m > 1)
   for (int64_t i = 0; i < m; ++i) quantize_row(x + i * x_stride, k, kp, qx_scratch + i * kp, sx_scratch + i);
+#if PAGED_HF_VNNI
+  {  // 1-2 rows: q_x + 128 as u8, then vpdpbusd tiles
+    std::vector<uint8_t> xu8(m * kp);
+    for (int64_t i = 0; i < m * kp; ++i) xu8[i] = static_cast<uint8_t>(qx_scratch[i] + 128);
+    const W8A8FewArgs few{xu8.data(), kp, sx_scratch, qw, sw, bias, out, out_stride};
+    for_tiles(m, n, kp, used, [&](int64_t m0, int mr, int64_t n0, int nr) {
+      by_size<W8A8FewTile>(mr, nr, few, m0, n0);
+    });
+    return 0;
+  }
+#endif
   const W8A8Args args{qx_scratch, kp, sx_scratch, qw, sw, bias, out, out_stride};
   for_tiles(m, n, kp * 2, used, [&](int64_t m0, int mr, int64_t n0, int nr) {
     by_size<W8A8Tile>(mr, nr, args, m0, n0);
