@@ -268,6 +268,14 @@ struct W8A8Args {
   const int16_t *qx; int64_t kp; const float *sx;
   const int8_t *qw; const float *sw; const float *bias;
   float *out; int64_t out_stride;
+  const uint8_t *xu8 = nullptr;  // 1-2 rows on VNNI (W8A8FewTile): q_x + 128 as u8, [m, kp]
+
+  // output (i, j) from its exact integer sum: the one epilogue of every w8a8 path
+  void store(int32_t acc, int64_t i, int64_t j) const {
+    float y = rounded(rounded(float(acc) * sx[i]) * sw[j]);
+    if (bias) y += bias[j];
+    out[i * out_stride + j] = y;
+  }
 };
 
 template <int MR, int NR> struct W8A8Tile {
@@ -275,11 +283,7 @@ template <int MR, int NR> struct W8A8Tile {
     int32_t acc[kMR][kNR];
     int8_tile<MR, NR>(a.qx + m0 * a.kp, a.kp, a.qw + n0 * a.kp, a.kp, acc);
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) {
-        float y = rounded(rounded(float(acc[i][j]) * a.sx[m0 + i]) * a.sw[n0 + j]);
-        if (a.bias) y += a.bias[n0 + j];
-        a.out[(m0 + i) * a.out_stride + n0 + j] = y;
-      }
+      for (int j = 0; j < NR; ++j) a.store(acc[i][j], m0 + i, n0 + j);
   }
 };
 
@@ -290,14 +294,8 @@ template <int MR, int NR> struct W8A8Tile {
 // the same exact integers as every other path, the same epilogue as W8A8Tile.
 constexpr int64_t kFewPrefetch = 8192;  // bytes ahead (into the next tiles' rows: one thread at 25 GB/s, not 13 at 1 KiB, measured)
 
-struct W8A8FewArgs {
-  const uint8_t *xu8; int64_t kp; const float *sx;
-  const int8_t *qw; const float *sw; const float *bias;
-  float *out; int64_t out_stride;
-};
-
 template <int MR, int NR> struct W8A8FewTile {
-  static void run(const W8A8FewArgs &a, int64_t m0, int64_t n0) {
+  static void run(const W8A8Args &a, int64_t m0, int64_t n0) {
     const __m512i ones = _mm512_set1_epi8(1);
     __m512i sums[MR][NR], wsums[NR];
     for (int j = 0; j < NR; ++j) {
@@ -318,12 +316,7 @@ template <int MR, int NR> struct W8A8FewTile {
     }
     for (int j = 0; j < NR; ++j) {
       const int32_t shift = 128 * _mm512_reduce_add_epi32(wsums[j]);
-      for (int i = 0; i < MR; ++i) {
-        const int32_t acc = _mm512_reduce_add_epi32(sums[i][j]) - shift;
-        float y = rounded(rounded(float(acc) * a.sx[m0 + i]) * a.sw[n0 + j]);
-        if (a.bias) y += a.bias[n0 + j];
-        a.out[(m0 + i) * a.out_stride + n0 + j] = y;
-      }
+      for (int i = 0; i < MR; ++i) a.store(_mm512_reduce_add_epi32(sums[i][j]) - shift, m0 + i, n0 + j);
     }
   }
 };
@@ -395,18 +388,18 @@ int w8a8_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const in
 #endif
 #pragma omp parallel for num_threads(used) schedule(static) if (m > 1)
   for (int64_t i = 0; i < m; ++i) quantize_row(x + i * x_stride, k, kp, qx_scratch + i * kp, sx_scratch + i);
+  W8A8Args args{qx_scratch, kp, sx_scratch, qw, sw, bias, out, out_stride};
 #if PAGED_HF_VNNI
   {  // 1-2 rows: q_x + 128 as u8, then vpdpbusd tiles
     std::vector<uint8_t> xu8(m * kp);
     for (int64_t i = 0; i < m * kp; ++i) xu8[i] = static_cast<uint8_t>(qx_scratch[i] + 128);
-    const W8A8FewArgs few{xu8.data(), kp, sx_scratch, qw, sw, bias, out, out_stride};
+    args.xu8 = xu8.data();
     for_tiles(m, n, kp, used, [&](int64_t m0, int mr, int64_t n0, int nr) {
-      by_size<W8A8FewTile>(mr, nr, few, m0, n0);
+      by_size<W8A8FewTile>(mr, nr, args, m0, n0);
     });
     return 0;
   }
 #endif
-  const W8A8Args args{qx_scratch, kp, sx_scratch, qw, sw, bias, out, out_stride};
   for_tiles(m, n, kp * 2, used, [&](int64_t m0, int mr, int64_t n0, int nr) {
     by_size<W8A8Tile>(mr, nr, args, m0, n0);
   });
