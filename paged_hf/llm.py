@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from paged_hf.hf.paged_model import wrap
-from paged_hf.llm_stages import PipelineStages
+from paged_hf.llm_stages import PipelineStages, load_stage_model, stage_generator
 from paged_hf.loader.device_dtype import checkpoint_dtype, resolve_device, resolve_dtype
 from paged_hf.outputs import EmbeddingRequestOutput, RequestOutput
 from paged_hf.pooling_params import PoolingParams
@@ -41,8 +41,8 @@ class LLM:
         torch_dtype = resolve_dtype(dtype, device, lambda: checkpoint_dtype(model))
         self.stages = self.paged_model = None
         if pipeline_parallel_size > 1:
-            self.stages = PipelineStages(pipeline_parallel_size, partial(_load_stage, model, torch_dtype, device),
-                                         partial(_make_generator, config))
+            self.stages = PipelineStages(pipeline_parallel_size, partial(load_stage_model, model, torch_dtype, device),
+                                         partial(stage_generator, config))
             self.generator, self.tokenizer = self.stages.generator, self.stages.tokenizer
             weakref.finalize(self, self.stages.close)
             return
@@ -86,16 +86,6 @@ class LLM:
             continue_final_message=continue_final_message, tokenize=True, return_dict=False,
             **(chat_template_kwargs or {}))) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, adapter)
-
-
-def _load_stage(name, dtype, device, stage: int, count: int):
-    from paged_hf.loader.default_model import load_model  # noqa: PLC0415
-
-    return load_model(name, dtype, device, pipeline_stage=(stage, count))
-
-
-def _make_generator(config: dict, model, tokenizer):
-    return wrap(model, tokenizer, **config).generator
 
 
 def _prompts(prompts) -> list:

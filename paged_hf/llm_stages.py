@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from paged_hf.hf.paged_model import wrap
+
 #: a stage waits this long for a collective (a command, a neighbour's activations) before it gives up
 STAGE_TIMEOUT = timedelta(minutes=30)
 
@@ -99,6 +101,18 @@ def _run_stage(stage: int, count: int, port: int, load_model, make_generator) ->
     generator.engine_step.links.flush()
     dist.destroy_process_group()
     sys.exit(0)
+
+
+def load_stage_model(name, dtype, device, stage: int, count: int):
+    """(model, tokenizer) of stage `stage` of `count` of the checkpoint `name` (a `load_model` argument)."""
+    from paged_hf.loader.default_model import load_model  # noqa: PLC0415
+
+    return load_model(name, dtype, device, pipeline_stage=(stage, count))
+
+
+def stage_generator(config: dict, model, tokenizer):
+    """A stage's engine: `wrap`'s, with `config` (PagedConfig fields)."""
+    return wrap(model, tokenizer, **config).generator
 
 
 def _join_group(stage: int, count: int, port: int) -> None:

@@ -19,9 +19,7 @@ import torch
 from paged_hf import SamplingParams
 from paged_hf.bench.system_run import SystemRun, time_per_output_token, warmup_ids
 from paged_hf.bench.workloads import Workload
-from paged_hf.hf.paged_model import wrap
-from paged_hf.llm_stages import PipelineStages
-from paged_hf.loader import default_model
+from paged_hf.llm_stages import PipelineStages, load_stage_model, stage_generator
 
 _NAME = re.compile(r"^paged_hf_pp(?P<stages>[2-9])(?P<serial>_serial)?$")
 PIPELINE_SYSTEMS = ("paged_hf_pp2", "paged_hf_pp2_serial")  # listed in --help; any paged_hf_pp<N>[_serial] runs
@@ -38,7 +36,7 @@ def run_pipeline(name: str, model: str | None, dtype: torch.dtype, workload: Wor
     stages = int(match["stages"])
     config = dict(engine_config, pipeline_batches_in_flight=1 if match["serial"] else None)
     cores = sorted(os.sched_getaffinity(0))
-    pipeline = PipelineStages(stages, partial(_pinned_stage, model, dtype, cores), partial(_make_generator, config))
+    pipeline = PipelineStages(stages, partial(_pinned_stage, model, dtype, cores), partial(stage_generator, config))
     try:
         warmup = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
         pipeline.call("generate", [warmup_ids(pipeline.tokenizer)], warmup, use_tqdm=False)
@@ -63,11 +61,7 @@ def run_pipeline(name: str, model: str | None, dtype: torch.dtype, workload: Wor
 def _pinned_stage(model: str | None, dtype: torch.dtype, cores: list[int], stage: int, count: int):
     os.sched_setaffinity(0, {cores[stage % len(cores)]})
     torch.set_num_threads(1)
-    return default_model.load_model(model, dtype, "cpu", pipeline_stage=(stage, count))
-
-
-def _make_generator(config: dict, model, tokenizer):
-    return wrap(model, tokenizer, **config).generator
+    return load_stage_model(model, dtype, "cpu", stage, count)
 
 
 def _stage_memory(pipeline: PipelineStages) -> dict:

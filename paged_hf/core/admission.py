@@ -39,8 +39,9 @@ class AdmissionGate:
         return version is None or version in adapters or len(adapters) < self.max_loras
 
     def admissible(self, request: Request, adapters: set[int] | None) -> bool:
-        """Ready and its adapter fits the slots; a request that waits for a slot is recorded."""
-        if self.is_ready is not None and not self.is_ready(request):
+        """Ready and its adapter fits the slots; a request that waits for a slot is recorded. A request whose next
+        token a pipeline's micro-batch still computes (preempted meanwhile) starts once it is back."""
+        if request.in_flight or (self.is_ready is not None and not self.is_ready(request)):
             return False
         if adapters is None or self.adapter_fits(request, adapters):
             return True

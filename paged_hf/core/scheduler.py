@@ -18,6 +18,7 @@ gap between tokens (any policy, when set) is stream_pace.py's.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,7 +37,8 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int | None = None, policy: str = "fcfs", tenant_weights: dict | None = None,
                  is_ready: Callable[[Request], bool] | None = None, max_adapter_wait_steps: int = 64,
-                 clock: Callable[[], float] = time.perf_counter, max_stream_gap_s: float | None = None):
+                 clock: Callable[[], float] = time.perf_counter, max_stream_gap_s: float | None = None,
+                 micro_batches: int = 1):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -55,8 +57,8 @@ class Scheduler:
         self.running: list[Request] = []
         # a pipeline keeps this many micro-batches in flight (engine/pipeline_step.py): each step schedules at most
         # its share of the unfinished requests, so the batches split them evenly
-        self.micro_batches = 1
-        self._step_seqs = 0  # this step: the most requests it schedules
+        self.micro_batches = micro_batches
+        self._step_seqs = math.inf  # this step: the most requests it schedules
         self.num_preemptions = 0
         self.max_num_running = 0  # the most requests that ran at once (after any step's scheduling)
         # prefix-cache lookups in tokens (vLLM's accounting): a lookup queries all of the request's tokens.
@@ -92,9 +94,9 @@ class Scheduler:
         pace = self.stream_pace
         self._prefill_left = self.max_num_batched_tokens if pace is None else pace.prefill_allowance(self.running)
         self._prefill_cut = False
-        unfinished = len(self.running) + len(self.waiting)  # each is scheduled at most once a step
-        self._step_seqs = unfinished if self.micro_batches == 1 else -(-min(unfinished, self.max_num_seqs)
-                                                                       // self.micro_batches)
+        if self.micro_batches > 1:
+            unfinished = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+            self._step_seqs = -(-unfinished // self.micro_batches)
         out = self._schedule_ranked() if isinstance(self.waiting, RankedQueue) else self._schedule_fcfs()
         self.step_timer.scheduled(out.num_tokens)
         if self._prefill_cut:

@@ -28,7 +28,7 @@ from paged_hf.engine.adapter_store import is_ready as adapter_is_ready
 from paged_hf.engine.adapters import adapter_slots, lora_manager, split_peft_model
 from paged_hf.engine.embedding import embedding_group
 from paged_hf.engine.hybrid import hybrid_config
-from paged_hf.engine.pipeline_step import PipelineStep, pipeline_config, ready_off_pipeline
+from paged_hf.engine.pipeline_step import PipelineStep, pipeline_config
 from paged_hf.engine.request_builder import RequestBuilder
 from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
 from paged_hf.engine.request_group import RequestGroup
@@ -71,10 +71,10 @@ class ContinuousBatchGenerator:
         self._kv_producer = transfer is not None and transfer.is_producer  # finished outputs carry their blocks' keys
         self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size, self.runner.kv_tier, state_slots)
         self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   max_loras=adapter_slots(self.config, self.info),
-                                   is_ready=adapter_is_ready if stage is None else ready_off_pipeline(adapter_is_ready),
+                                   max_loras=adapter_slots(self.config, self.info), is_ready=adapter_is_ready,
                                    policy=self.config.scheduling_policy, tenant_weights=self.config.tenant_weights,
-                                   max_stream_gap_s=self.config.max_stream_gap_s)
+                                   max_stream_gap_s=self.config.max_stream_gap_s,
+                                   micro_batches=self.config.pipeline_batches_in_flight or 1)
         self.sampler = Sampler(self.info.eos_token_ids)
         self.stop_checker = StopChecker(self.info.eos_token_ids, self.max_model_len)
         speculative = self.config.speculative

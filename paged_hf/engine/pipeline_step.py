@@ -8,7 +8,7 @@ holds `depth` batches, so while the last stage works on batch t the first alread
 
 What keeps the stages exact: every stage runs the batches in the same order, so a batch always finds the K/V of
 the batches before it. A request whose token is in flight has no token to compute (all its tokens are computed)
-and `in_flight` keeps it from starting again if it was preempted meanwhile, so it is in no other batch until its
+and `Request.in_flight` keeps it from starting again if it was preempted meanwhile (core/admission.py), so it is in no other batch until its
 token is back; the chunks of a prompt that sample nothing go on at once. Prompt logprobs join their request when
 the batch completes, on every stage alike. Each micro-batch takes at most its share of the unfinished requests,
 so `depth` batches split them evenly.
@@ -25,8 +25,8 @@ from paged_hf.config import PagedConfig
 from paged_hf.core.request import Request, RequestStatus
 from paged_hf.engine.step import EngineStep
 from paged_hf.profiling import span
-from paged_hf.sample.prompt_logprobs import record_prompt_logprobs
 from paged_hf.loader.pipeline_stage import StageLayout
+from paged_hf.sample.prompt_logprobs import record_prompt_logprobs
 from paged_hf.worker.model_info import ModelInfo
 from paged_hf.worker.pipeline import StageLinks
 
@@ -58,18 +58,12 @@ def pipeline_config(config: PagedConfig, info: ModelInfo, stage: StageLayout) ->
     return dataclasses.replace(config, pipeline_batches_in_flight=depth)
 
 
-def ready_off_pipeline(is_ready):
-    """The scheduler's readiness test on a pipeline: also not while a micro-batch computes its next token."""
-    return lambda request: not request.in_flight and is_ready(request)
-
-
 class PipelineStep(EngineStep):
     def __init__(self, *args, links: StageLinks, depth: int):
         super().__init__(*args)
         self.links = links
         self.depth = depth
         self.in_flight: deque[MicroBatch] = deque()  # launched, not completed, oldest first
-        self.scheduler.micro_batches = depth
 
     def run(self) -> list:
         """Launch a micro-batch if any request has work; complete the oldest once `depth` are in flight (or

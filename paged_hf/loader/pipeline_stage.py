@@ -2,8 +2,8 @@
 
 Stage i of N holds layers [start, end) (the embeddings on the first stage, the final norm and the LM head on the
 last); the modules another stage holds are `MissingModule`s, which pass their input through, so the model's own
-forward runs unchanged on every stage (worker/pipeline.py links the stages). The model is built on the meta device (no memory), the modules of other stages are replaced by `MissingModule`s,
-and the stage's own tensors are read from the safetensors files one by one. Which modules exist and how they
+forward runs unchanged on every stage (worker/pipeline.py links the stages). The model is built on the meta
+device (no memory) and the stage's own tensors are read from the safetensors files one by one. Which modules exist and how they
 connect comes from transformers' own `base_model_pp_plan` (embeddings -> layers -> norm); a model without one is
 refused. A tied LM head on the last stage is read from the embeddings' tensor.
 """

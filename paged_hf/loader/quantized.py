@@ -125,7 +125,8 @@ def _swap(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
 
 def quantize_model(model: torch.nn.Module, quantization: str) -> int:
     """Quantize the float model's linears in place, round to nearest: "int8" symmetric per output channel, W8A8 with
-    dynamic per-token activations, smoothed (SmoothQuant, loader/smoothing.py); "w4a16" 4-bit in groups of 64 with zero points (min/max). The output layer
+    dynamic per-token activations, smoothed (SmoothQuant, loader/smoothing.py); "w4a16" 4-bit in groups of 64 with
+    zero points (min/max). The output layer
     (lm_head) and the embeddings stay as they are. Returns how many linears were quantized. A model already
     quantized keeps its quantized modules."""
     if quantization not in QUANTIZATION_NAMES:

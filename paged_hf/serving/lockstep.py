@@ -1,4 +1,5 @@
-"""Tensor or pipeline parallelism behind the server: rank 0 takes requests, every other rank mirrors its engine in lockstep.
+"""Tensor or pipeline parallelism behind the server: rank 0 takes requests, every other rank mirrors its engine in
+lockstep.
 
 Under `tp_plan="auto"` every rank must run the same schedule on the same requests (the model's collectives
 pair up step by step). The HTTP server only runs on rank 0, so rank 0's generator is wrapped in

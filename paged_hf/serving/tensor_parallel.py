@@ -2,9 +2,9 @@
 
 Under torchrun (`torchrun --nproc-per-node N -m paged_hf serve ...`) every rank loads its shard
 (`tp_plan="auto"`), or with `--pipeline-parallel-size N` its stage's layers (loader/pipeline_stage.py), and
-builds the same engine; rank 0 wraps it in a `LockstepGenerator` and serves the app,
-the others `follow()` (see lockstep.py). `--tensor-parallel-size N` outside torchrun re-executes the same
-command under torchrun with N local ranks (as `--pipeline-parallel-size N` does). A rank that fails ends the whole server with an error and exit
+builds the same engine; rank 0 wraps it in a `LockstepGenerator` and serves the app, the others `follow()` (see
+lockstep.py). `--tensor-parallel-size N` outside torchrun re-executes the same command under torchrun with N local
+ranks (as `--pipeline-parallel-size N` does). A rank that fails ends the whole server with an error and exit
 status 1 (torchrun also stops the remaining ranks when one exits).
 """
 

@@ -78,7 +78,7 @@ def _weights_dtype(model: torch.nn.Module, embeddings: torch.nn.Module) -> torch
     """The embeddings' dtype; a later pipeline stage (no embeddings) has its layers' floating dtype."""
     if hasattr(embeddings, "weight"):
         return embeddings.weight.dtype
-    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return model.dtype
 
 
 def eos_token_ids(model) -> list[int]:

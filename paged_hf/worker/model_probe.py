@@ -112,8 +112,7 @@ def _probe_inputs(model: torch.nn.Module, config, device: torch.device) -> dict:
     stage = stage_of(model)
     if stage is None or stage.is_first:
         return {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device)}
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    return {"inputs_embeds": torch.zeros(1, 2, config.hidden_size, dtype=dtype, device=device)}
+    return {"inputs_embeds": torch.zeros(1, 2, config.hidden_size, dtype=model.dtype, device=device)}
 
 
 def _probe_cache(model: torch.nn.Module, config) -> DynamicCache:
