@@ -20,7 +20,6 @@ from paged_hf.sampling_params import SamplingParams
 from paged_hf.utils import cdiv
 from paged_hf.kernels import TorchKernel
 from paged_hf.worker.model_probe import UnsupportedModelError, model_name
-from paged_hf.worker.paged_cache import PagedCache
 
 #: max |engine - model| over the logits, relative to the largest logit, by the model's dtype: rounding in
 #: another order stays far below these; a layer that attends the wrong tokens lands far above them
@@ -103,7 +102,7 @@ def _unquantized(runner, num_blocks: int):
     if all(scales is None for scales in cache.scales):
         yield
         return
-    runner.cache = PagedCache(num_blocks, cache.block_size, cache.attention_layers, runner.info.dtype, TorchKernel(),
+    runner.cache = type(cache)(num_blocks, cache.block_size, cache.attention_layers, runner.info.dtype, TorchKernel(),
                               states=cache.states)
     try:
         yield

@@ -13,6 +13,7 @@ attention, no cache at all, a window only the mask knows.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -115,8 +116,21 @@ def _probe_inputs(model: torch.nn.Module, config, device: torch.device) -> dict:
     return {"inputs_embeds": torch.zeros(1, 2, config.hidden_size, dtype=model.dtype, device=device)}
 
 
+def own_cache_class(model: torch.nn.Module) -> type[DynamicCache] | None:
+    """The cache class a model's forward insists on, where its modeling module defines one (MiniMax's
+    `MiniMaxCache`, which keeps its lightning attention's states beside the K/V layers); None for the others."""
+    module = sys.modules.get(type(model).__module__)
+    for value in vars(module).values() if module is not None else ():
+        if isinstance(value, type) and issubclass(value, DynamicCache) and value.__module__ == module.__name__:
+            return value
+    return None
+
+
 def _probe_cache(model: torch.nn.Module, config) -> DynamicCache:
     """The model's own dynamic cache for its config; refuses layers that hold anything but per-token K/V."""
+    own = own_cache_class(model)
+    if own is not None:
+        return own()
     try:
         cache = DynamicCache(config=config)
     except Exception:  # noqa: BLE001 - a config transformers cannot lay out: layers are then added as written

@@ -22,7 +22,8 @@ from paged_hf.worker.recurrent_mixers import RecurrentMixers
 from paged_hf.worker.recurrent_state import RecurrentStates
 from paged_hf.worker.cache_sizing import state_slot_count
 from paged_hf.worker.packed_linears import PackedLinears
-from paged_hf.worker.paged_cache import PagedCache
+from paged_hf.worker.model_probe import own_cache_class
+from paged_hf.worker.paged_cache import paged_cache_class
 from paged_hf.worker.pipeline import stage_links
 from paged_hf.worker.pooling import HiddenStateCapture, pooling_rows, pooling_spans
 from paged_hf.worker.step_inputs import StepInputs, build_step_inputs
@@ -40,7 +41,7 @@ class ModelRunner:
                                     info.value_head_dim, sinks=any(layer.has_sinks for layer in layers),
                                     chunked=any(layer.chunk_size for layer in layers))
         states = RecurrentStates(info.state_layers, state_slot_count(config)) if info.is_hybrid else None
-        self.cache = PagedCache(num_blocks, config.block_size, info.attention_layers, info.dtype, self.kernel, kv_dtype,
+        self.cache = paged_cache_class(own_cache_class(model))(num_blocks, config.block_size, info.attention_layers, info.dtype, self.kernel, kv_dtype,
                                 states)
         self.recurrent_mixers = RecurrentMixers(model, states)  # a hybrid's recurrent layers, request by request
         self.logits_device = info.logits_device  # seeded requests' generators live there

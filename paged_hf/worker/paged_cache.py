@@ -14,6 +14,8 @@ expanded, heads rearranged) is attended over its gathered, transformed blocks (w
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -42,7 +44,7 @@ class PagedCache(Cache):
                  kv_dtype: torch.dtype | None = None, states: RecurrentStates | None = None):
         """layers: one per cache slot (worker.model_probe); dtype: the model's; kv_dtype: the cache's storage
         dtype when it is quantized (int8/fp8); states: a hybrid model's recurrent-state slots."""
-        super().__init__(layers=NoLayerObjects())
+        Cache.__init__(self, layers=NoLayerObjects())  # (not a model's own cache class's __init__)
         kv_dtype = kv_dtype or dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -155,6 +157,7 @@ class PagedCache(Cache):
         raise UnservedAttention("the model keeps a recurrent state in its cache: hybrid layers are not paged")
 
     update_conv_state, update_recurrent_state = get_conv_state, get_recurrent_state
+    get_linear_cache = set_linear_cache = get_recurrent_state
 
     def update_indexer(self, *args, **kwargs):
         raise UnservedAttention("the model indexes its cache (sparse attention): not served by the paged kernels")
@@ -167,3 +170,10 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         return f"PagedCache(num_layers={len(self)}, num_blocks={self.num_blocks}, block_size={self.block_size})"
+
+
+@functools.cache
+def paged_cache_class(own: type[Cache] | None) -> type[PagedCache]:
+    """PagedCache, or for a model whose forward insists on a cache class of its own (model_probe.own_cache_class)
+    one that is both: the paged cache's methods first, so nothing of the own class's storage is ever used."""
+    return PagedCache if own is None else type(f"Paged{own.__name__}", (PagedCache, own), {})

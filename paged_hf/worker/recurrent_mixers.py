@@ -24,7 +24,8 @@ from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
 from paged_hf.worker.recurrence_kernels import RecurrenceKernels
 from paged_hf.worker.recurrent_state import RecurrentStates, StateView
 
-STATE_CALLS = frozenset({"get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state"})
+STATE_CALLS = frozenset({"get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
+                         "get_linear_cache", "set_linear_cache"})  # the last two: MiniMax's own cache
 
 
 @dataclass
@@ -83,41 +84,61 @@ class MixerStandIn(StandIn):
         cache = _paged_cache_in(args, kwargs)
         step: RecurrentStep = cache.recurrent_step
         hidden = args[0] if args else kwargs["hidden_states"]  # [1, num_tokens, hidden]
-        pieces = []  # (rows of the packed row, the call's output [len(rows), hidden])
+        pieces = []  # (rows of the packed row, the call's outputs)
         for rows, slots in step.lockstep(self.mode.whole_chunks):
             if len(slots) == 1:  # one sequence: its rows as [1, tokens, hidden]
                 select = lambda t, rows=rows: t[:, rows[0]: rows[-1] + 1]  # noqa: E731
             else:  # one token of each sequence: [batch, 1, hidden]
                 index = torch.tensor(rows, device=hidden.device)
                 select = lambda t, index=index: t[0].index_select(0, index)[:, None]  # noqa: E731
-            output = self._call(args, kwargs, cache, select(hidden), slots, True, select)
-            pieces.append((rows, output.reshape(len(rows), -1)))
+            pieces.append((rows, self._call(args, kwargs, cache, select(hidden), slots, True, select)))
         for start, length, slot in step.fresh:
             select = lambda t, start=start, length=length: t[:, start: start + length]  # noqa: E731
-            output = self._call(args, kwargs, cache, select(hidden), [slot], False, select)
-            pieces.append((list(range(start, start + length)), output[0]))
-        output = hidden.new_empty(hidden.shape[1], pieces[0][1].shape[-1], dtype=pieces[0][1].dtype)
-        for rows, piece in pieces:
-            output[rows] = piece
-        return output[None]
+            pieces.append((list(range(start, start + length)),
+                           self._call(args, kwargs, cache, select(hidden), [slot], False, select)))
+        first = pieces[0][1]
+        if isinstance(first, torch.Tensor):
+            return _packed([(rows, output) for rows, output in pieces], hidden.shape[1])
+        # a tuple (a projection's query, key and value; an attention's output and weights): its per-token
+        # tensors put back in row order, anything else (a call's own state, weights) dropped
+        return type(first)(_packed([(rows, output[i]) for rows, output in pieces], hidden.shape[1])
+                           if all(_per_call_token(output[i], len(rows)) for rows, output in pieces) else None
+                           for i in range(len(first)))
 
-    def _call(self, args, kwargs, cache, hidden, slots, continuing, select) -> torch.Tensor:
-        """The original mixer on `hidden` [batch, tokens, hidden] with a view of `slots`; per-token keyword
-        tensors of the packed row are selected the same way (`select`)."""
+    def _call(self, args, kwargs, cache, hidden, slots, continuing, select):
+        """The original mixer on `hidden` [batch, tokens, hidden] with a view of `slots`; per-token tensors of
+        the packed row among its other arguments are selected the same way (`select`)."""
         view = StateView(cache.states, slots, continuing)
         num_tokens = cache.metadata.slot_mapping.shape[0]
-        call_args = [view if a is cache else a for a in args]
+        pick = lambda v: view if v is cache else select(v) if _per_token(v, num_tokens) else v  # noqa: E731
+        call_args = [pick(a) for a in args]
         if call_args:
             call_args[0] = hidden
-        call_kwargs = {k: (view if v is cache else select(v) if _per_token(v, num_tokens) else v)
-                       for k, v in kwargs.items() if k != "attention_mask"}
+        # no padding mask: each call's rows are whole sequences (None, not absent: some mixers require it)
+        call_kwargs = {k: None if k == "attention_mask" else pick(v) for k, v in kwargs.items()}
         if not args:
             call_kwargs["hidden_states"] = hidden
         output = self.original(*call_args, **call_kwargs)
         view.write_back()
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return output
         if not isinstance(output, torch.Tensor):
             raise UnservedAttention(f"{type(self.original).__name__} returns {type(output).__name__}, not a tensor")
         return output
+
+
+def _per_call_token(value, num_rows: int) -> bool:
+    """A tensor of one call's tokens: [batch, tokens, ...] over the call's `num_rows` rows of the packed row."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] * value.shape[1] == num_rows
+
+
+def _packed(pieces: list[tuple[list[int], torch.Tensor]], num_tokens: int) -> torch.Tensor:
+    """The calls' outputs [batch, tokens, ...] back in the packed row's order: [1, num_tokens, ...]."""
+    rest = pieces[0][1].shape[2:]
+    output = pieces[0][1].new_empty(num_tokens, *rest)
+    for rows, piece in pieces:
+        output[rows] = piece.reshape(len(rows), *rest)
+    return output[None]
 
 
 def _per_token(value, num_tokens: int) -> bool:

@@ -50,6 +50,9 @@ def read_state_layers(cache) -> list[StateLayer]:
             states.conv.append(None if conv is None else (tuple(conv.shape[1:]), conv.dtype))
             states.recurrent.append(None if recurrent is None else (tuple(recurrent.shape[1:]), recurrent.dtype))
         layers.append(states)
+    for layer_idx, state in enumerate(getattr(cache, "linear_cache", ())):  # MiniMax's own cache: one state each
+        if isinstance(state, torch.Tensor):
+            layers.append(StateLayer(layer_idx, state.device, [None], [(tuple(state.shape[1:]), state.dtype)]))
     return layers
 
 
@@ -120,6 +123,13 @@ class StateView:
         pool = self._tensor(self.states.recurrent, layer_idx, state_idx)
         self._write(pool, recurrent_states)
         return self._read(pool)
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        """MiniMax's cache API for its lightning attention's one state."""
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        self.update_recurrent_state(linear_cache, layer_idx)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int = 0) -> bool:
         return self.continuing

@@ -26,6 +26,7 @@ import torch
 import transformers.utils.logging as hf_logging
 from conftest import assert_no_leak, hf_greedy
 from transformers import AutoModelForCausalLM
+from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import paged_hf
@@ -80,6 +81,22 @@ def not_a_decoder(model_type: str) -> str | None:
     if getattr(text, "num_kv_shared_layers", 0) and text.num_kv_shared_layers == text.num_hidden_layers:
         return "draft model: every layer attends the KV of a target model (num_kv_shared_layers == num_hidden_layers)"
     return NOT_CAUSAL.get(model_type)
+
+
+#: recurrent models whose cache is their own (transformers' cache layout does not show their states)
+RECURRENT_MODELS = {"rwkv", "xlstm", "recurrent_gemma", "minimax"}
+
+
+def is_hybrid(model_type: str) -> bool:
+    """A hybrid or recurrent model: its tiny config's transformers cache has linear-attention (recurrent, SSM or
+    convolution) layers, or its cache is its own."""
+    if model_type in RECURRENT_MODELS:
+        return True
+    try:
+        cache = DynamicCache(config=tiny_config(model_type).get_text_config())
+    except Exception:  # noqa: BLE001 - a config transformers cannot lay out has no recurrent layer it knows
+        return False
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
 def build(model_type: str, dtype: torch.dtype) -> torch.nn.Module:

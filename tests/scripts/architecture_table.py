@@ -21,8 +21,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "hf")]
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from architecture_configs import tiny_config  # noqa: E402
-from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin  # noqa: E402
-from architectures import MAX_NEW_TOKENS, PROMPT_LENGTHS, STATUSES, TOLERANCE, TOP_LOGPROBS, architectures, classify  # noqa: E402
+from architectures import (MAX_NEW_TOKENS, PROMPT_LENGTHS, STATUSES, TOLERANCE, TOP_LOGPROBS,  # noqa: E402
+                           architectures, classify, is_hybrid)
 
 INTRO = """\
 # Models
@@ -67,22 +67,6 @@ def render(results: dict, seconds: float) -> str:
     lines += [f"| {name} | {result.status} | {result.dtype} | {cell(result.detail)} |"
               for name, result in results.items()]
     return "\n".join(lines) + "\n"
-
-
-#: recurrent models whose cache is their own (transformers' cache layout does not show their states)
-RECURRENT_MODELS = {"rwkv", "xlstm", "recurrent_gemma", "minimax"}
-
-
-def is_hybrid(model_type: str) -> bool:
-    """A hybrid or recurrent model: its tiny config's transformers cache has linear-attention (recurrent, SSM or
-    convolution) layers, or its cache is its own."""
-    if model_type in RECURRENT_MODELS:
-        return True
-    try:
-        cache = DynamicCache(config=tiny_config(model_type).get_text_config())
-    except Exception:  # noqa: BLE001 - a config transformers cannot lay out has no recurrent layer it knows
-        return False
-    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
 def rates(results: dict) -> dict[str, tuple[int, int]]:
