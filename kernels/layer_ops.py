@@ -1,13 +1,15 @@
-"""The decoder layer's elementwise ops as single compiled calls on CPU (`csrc/layer_ops.cpp`): RMSNorm,
-SiLU-and-multiply and rotary embeddings. Each function returns None (False) where the compiled op cannot serve its
-arguments (another device or dtype, rows that are not evenly strided, no compiler), and the caller then runs the
-model's own torch ops, which are also what these are tested against.
+"""The decoder layer's elementwise ops as single compiled calls on CPU (`csrc/layer_ops.cpp`): RMSNorm (alone
+or after the residual add), SiLU-and-multiply and rotary embeddings; and the greedy sampler's row argmax. Each
+function returns None (False) where the compiled op cannot serve its arguments (another device or dtype, rows
+that are not evenly strided, no compiler), and the caller then runs the model's own torch ops, which are also
+what these are tested against.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -18,9 +20,17 @@ from paged_hf.profiling import span
 NATIVE_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
 
 
+class Rows(NamedTuple):
+    """A tensor as [count, cols] rows of contiguous elements, `stride` elements apart, from `pointer`."""
+    pointer: int
+    stride: int
+    count: int
+    cols: int
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """HF's RMSNorm of x [..., hidden] (`weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`), or None."""
-    rows = _row_view(x)
+    rows = _rows(x)
     if rows is None or weight.dtype != x.dtype or not weight.is_contiguous() or weight.device.type != "cpu":
         return None
     function = _entry_points(x.dtype)
@@ -28,24 +38,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     with span("elementwise"):
-        function[0](rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[1], weight.data_ptr(), rows.shape[0],
-                    rows.shape[1], eps, torch.get_num_threads())
+        function[0](rows.pointer, rows.stride, out.data_ptr(), rows.cols, weight.data_ptr(), rows.count, rows.cols,
+                    eps, torch.get_num_threads())
     return out
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + h, HF's RMSNorm of it): a decoder layer's residual add and the norm after it in one pass, or None."""
+    x_rows, h_rows = _rows(x), _rows(h)
+    if (x_rows is None or h_rows is None or x.shape != h.shape or h.dtype != x.dtype or weight.dtype != x.dtype
+            or not weight.is_contiguous() or weight.device.type != "cpu"):
+        return None
+    function = _entry_points(x.dtype)
+    if function is None:
+        return None
+    total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    with span("elementwise"):
+        function[4](x_rows.pointer, x_rows.stride, h_rows.pointer, h_rows.stride, total.data_ptr(), out.data_ptr(),
+                    weight.data_ptr(), x_rows.count, x_rows.cols, eps, torch.get_num_threads())
+    return total, out
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up, both [..., inter] (rows read in place: e.g. the halves of a fused gate/up output), or None."""
-    gate_rows, up_rows = _row_view(gate), _row_view(up)
+    gate_rows, up_rows = _rows(gate), _rows(up)
     if gate_rows is None or up_rows is None or gate.shape != up.shape or gate.dtype != up.dtype:
         return None
     function = _entry_points(gate.dtype)
     if function is None:
         return None
-    inter = gate_rows.shape[1]
+    inter = gate_rows.cols
     out = torch.empty(gate.shape, dtype=gate.dtype)
     with span("elementwise"):
-        function[1](gate_rows.data_ptr(), gate_rows.stride(0), up_rows.data_ptr(), up_rows.stride(0), out.data_ptr(),
-                    inter, gate_rows.shape[0], inter, torch.get_num_threads())
+        function[1](gate_rows.pointer, gate_rows.stride, up_rows.pointer, up_rows.stride, out.data_ptr(), inter,
+                    gate_rows.count, inter, torch.get_num_threads())
     return out
 
 
@@ -53,23 +80,39 @@ def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads
     """HF's rotary embedding (`x * cos + rotate_half(x) * sin`) applied in place to the first `heads` heads of each
     row of x [..., >= heads * head_dim] (the q and k heads of a fused q/k/v output), with cos/sin [..., head_dim]
     one row per row of x; False (x untouched) where the compiled op cannot serve them."""
-    rows, cos_rows, sin_rows = _row_view(x), _row_view(cos), _row_view(sin)
+    rows, cos_rows, sin_rows = _rows(x), _rows(cos), _rows(sin)
     if (rows is None or cos_rows is None or sin_rows is None or head_dim % 2 or cos.dtype != x.dtype
-            or sin.dtype != x.dtype or cos_rows.shape != (rows.shape[0], head_dim) or sin_rows.shape != cos_rows.shape
-            or sin_rows.stride(0) != cos_rows.stride(0) or rows.shape[1] < heads * head_dim):
+            or sin.dtype != x.dtype or (cos_rows.count, cos_rows.cols) != (rows.count, head_dim)
+            or (sin_rows.count, sin_rows.cols) != (cos_rows.count, cos_rows.cols) or sin_rows.stride != cos_rows.stride
+            or rows.cols < heads * head_dim):
         return False
     function = _entry_points(x.dtype)
     if function is None:
         return False
     with span("elementwise"):
-        function[2](rows.data_ptr(), rows.stride(0), cos_rows.data_ptr(), sin_rows.data_ptr(), cos_rows.stride(0),
-                    rows.shape[0], heads, head_dim, torch.get_num_threads())
+        function[2](rows.pointer, rows.stride, cos_rows.pointer, sin_rows.pointer, cos_rows.stride, rows.count, heads,
+                    head_dim, torch.get_num_threads())
     return True
 
 
-def _row_view(x: torch.Tensor) -> torch.Tensor | None:
-    """x as [rows, cols] with contiguous rows an even stride apart (a view, no copy), or None. Checked on the
-    strides, not by trying `view`: a refused view raises, and this runs per layer."""
+def argmax_rows(x: torch.Tensor) -> list[int] | None:
+    """The first index of each row's maximum of x [rows, cols], a NaN counting as the maximum: what
+    `x.max(dim=-1).indices` gives (the greedy sampler's tokens), or None. One pass at memory speed: torch's bf16
+    max reduction runs ~4x slower."""
+    rows = _rows(x)
+    if rows is None or x.dim() != 2:
+        return None
+    function = _entry_points(x.dtype)
+    if function is None:
+        return None
+    out = torch.empty(rows.count, dtype=torch.int64)
+    function[3](rows.pointer, rows.stride, out.data_ptr(), rows.count, rows.cols, torch.get_num_threads())
+    return out.tolist()
+
+
+def _rows(x: torch.Tensor) -> Rows | None:
+    """x as rows of contiguous elements an even stride apart (read in place), or None. Plain numbers, not a
+    view: checked on the strides, and this runs several times per layer."""
     if x.device.type != "cpu" or x.dim() == 0 or x.stride(-1) != 1 or x.requires_grad:
         return None
     row_stride, expected = x.shape[-1], None
@@ -81,12 +124,12 @@ def _row_view(x: torch.Tensor) -> torch.Tensor | None:
         elif stride != expected:
             return None
         expected = stride * size
-    return x.as_strided((x.numel() // max(x.shape[-1], 1), x.shape[-1]), (row_stride, 1))
+    return Rows(x.data_ptr(), row_stride, x.numel() // max(x.shape[-1], 1), x.shape[-1])
 
 
 @functools.lru_cache(maxsize=None)
 def _entry_points(dtype: torch.dtype):
-    """(rms_norm, silu_mul, rotary) compiled for `dtype`, or None (other dtypes; no compiler: logged once)."""
+    """(rms_norm, silu_mul, rotary, argmax_rows, add_rms_norm) compiled for `dtype`, or None (other dtypes; no compiler: logged once)."""
     if dtype not in NATIVE_DTYPES:
         return None
     library = native.load_or_warn(native.load_layer_ops, "the decoder layers' elementwise code")
@@ -99,4 +142,7 @@ def _entry_points(dtype: torch.dtype):
                                                              size, ctypes.c_int])
     rotary = native.entry_point(library, f"rotary_{suffix}", [pointer, size, pointer, pointer, size, size, size,
                                                              size, ctypes.c_int])
-    return rms, silu, rotary
+    argmax = native.entry_point(library, f"argmax_rows_{suffix}", [pointer, size, pointer, size, size, ctypes.c_int])
+    add_rms = native.entry_point(library, f"add_rms_norm_{suffix}", [pointer, size, pointer, size, pointer, pointer,
+                                                                    pointer, size, size, ctypes.c_double, ctypes.c_int])
+    return rms, silu, rotary, argmax, add_rms

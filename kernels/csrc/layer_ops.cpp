@@ -41,11 +41,7 @@ inline void store1(uint16_t *p, float v) { *p = paged_hf::float_to_bf16(v); }
 
 // rounded to the storage dtype and back: what torch's `.to(dtype)` between two ops does
 inline F16x round_as(const float *, F16x v) { return v; }
-inline F16x round_as(const uint16_t *, F16x v) {
-  uint16_t h[16];
-  paged_hf::store_bf16x16(h, v);
-  return paged_hf::load_bf16x16(h);
-}
+inline F16x round_as(const uint16_t *, F16x v) { return paged_hf::round_bf16(v); }
 inline float round_as(const float *, float v) { return v; }
 inline float round_as(const uint16_t *, float v) { return paged_hf::bf16_to_float(paged_hf::float_to_bf16(v)); }
 
@@ -66,11 +62,20 @@ void rms_norm_row(const T *x, T *out, const T *weight, int64_t cols, double eps)
   for (int64_t k = vec; k < cols; ++k) store1(out + k, load1(weight + k) * round_as(x, load1(x + k) * scale));
 }
 
+// residual + h rounded as torch's add rounds it (the decoder layer's residual stream), then its RMSNorm
+template <typename T>
+void add_rms_norm_row(const T *x, const T *h, T *sum, T *out, const T *weight, int64_t cols, double eps) {
+  const int64_t vec = cols - cols % 16;
+  for (int64_t k = 0; k < vec; k += 16) store16(sum + k, load16(x + k) + load16(h + k));
+  for (int64_t k = vec; k < cols; ++k) store1(sum + k, load1(x + k) + load1(h + k));
+  rms_norm_row(sum, out, weight, cols, eps);
+}
+
 // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (an argument <= 0: vec_math's polynomial holds)
 inline F16x silu16(F16x g) {
   const F16x magnitude = g < 0 ? -g : g;
   const F16x e = paged_hf::exp_nonpositive(-magnitude);
-  const F16x sigmoid = g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+  const F16x sigmoid = (g < 0 ? e : F16x{} + 1.0f) / (1.0f + e);  // one division: e/(1+e) or 1/(1+e)
   return g * sigmoid;
 }
 
@@ -84,13 +89,21 @@ void silu_mul_row(const T *gate, const T *up, T *out, int64_t cols) {
   }
 }
 
-// rotate_half(x) = cat(-x2, x1); each product and the sum rounded as torch's three bf16 ops round them
+// rotate_half(x) = cat(-x2, x1); each product and the sum rounded as torch's three bf16 ops round them. Sixteen
+// pairs at a time where the half head is a multiple of 16 (head_dim 64, 128, ...), one at a time otherwise.
 template <typename T>
 void rotary_row(T *row, const T *cos, const T *sin, int64_t heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
+  const int64_t half = head_dim / 2, vec = half - half % 16;
   for (int64_t h = 0; h < heads; ++h) {
     T *x = row + h * head_dim;
-    for (int64_t i = 0; i < half; ++i) {
+    for (int64_t i = 0; i < vec; i += 16) {
+      const F16x x1 = load16(x + i), x2 = load16(x + half + i);
+      const F16x first = round_as(x, x1 * load16(cos + i)) + round_as(x, -x2 * load16(sin + i));
+      const F16x second = round_as(x, x2 * load16(cos + half + i)) + round_as(x, x1 * load16(sin + half + i));
+      store16(x + i, first);
+      store16(x + half + i, second);
+    }
+    for (int64_t i = vec; i < half; ++i) {
       const float x1 = load1(x + i), x2 = load1(x + half + i);
       const float first = round_as(x, x1 * load1(cos + i)) + round_as(x, -x2 * load1(sin + i));
       const float second = round_as(x, x2 * load1(cos + half + i)) + round_as(x, x1 * load1(sin + half + i));
@@ -110,6 +123,12 @@ void rms_norm_row(const double *x, double *out, const double *weight, int64_t co
   for (int64_t k = 0; k < cols; ++k) out[k] = weight[k] * static_cast<double>(static_cast<float>(x[k]) * scale);
 }
 
+void add_rms_norm_row(const double *x, const double *h, double *sum, double *out, const double *weight,
+                      int64_t cols, double eps) {
+  for (int64_t k = 0; k < cols; ++k) sum[k] = x[k] + h[k];
+  rms_norm_row(sum, out, weight, cols, eps);
+}
+
 void silu_mul_row(const double *gate, const double *up, double *out, int64_t cols) {
   for (int64_t k = 0; k < cols; ++k) out[k] = gate[k] / (1.0 + std::exp(-gate[k])) * up[k];
 }
@@ -124,6 +143,51 @@ void rotary_row(double *row, const double *cos, const double *sin, int64_t heads
       x[half + i] = x2 * cos[half + i] + x1 * sin[half + i];
     }
   }
+}
+
+// --- the greedy sampler's argmax: the first index of each row's maximum, a NaN counting as the maximum (torch.max's
+// indices). Sixteen lanes keep their own best (strictly greater: a lane keeps its first), merged at the end.
+template <typename T>
+int64_t argmax_row(const T *x, int64_t cols) {
+  typedef int32_t I __attribute__((vector_size(64)));
+  const int64_t vec = cols - cols % 16;
+  float value = -__builtin_inff();
+  int64_t index = -1;
+  bool nan = false;
+  if (vec > 0) {
+    const I lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    F16x best = load16(x);
+    I where = lane, nans = best != best;
+    for (int64_t k = 16; k < vec; k += 16) {
+      const F16x v = load16(x + k);
+      const I greater = v > best;  // NaN > best is false: best stays a number
+      best = greater ? v : best;
+      where = greater ? lane + static_cast<int32_t>(k) : where;
+      nans |= v != v;
+    }
+    for (int l = 0; l < 16; ++l) {
+      nan |= nans[l] != 0;
+      if (index < 0 || best[l] > value || (best[l] == value && where[l] < index)) value = best[l], index = where[l];
+    }
+  }
+  for (int64_t k = vec; k < cols; ++k) {
+    const float v = load1(x + k);
+    nan |= v != v;
+    if (index < 0 || v > value) value = v, index = k;
+  }
+  if (nan)
+    for (int64_t k = 0; k < cols; ++k)
+      if (load1(x + k) != load1(x + k)) return k;
+  return index;
+}
+
+int64_t argmax_row(const double *x, int64_t cols) {
+  int64_t index = 0;
+  for (int64_t k = 0; k < cols; ++k) {
+    if (x[k] != x[k]) return k;
+    if (x[k] > x[index]) index = k;
+  }
+  return index;
 }
 
 template <typename F>
@@ -148,6 +212,17 @@ int rms_norm(const void *x, int64_t x_stride, void *out, int64_t out_stride, con
 }
 
 template <typename T>
+int add_rms_norm(const void *x, int64_t x_stride, const void *h, int64_t h_stride, void *sum, void *out,
+                 const void *weight, int64_t rows, int64_t cols, double eps, int threads) {
+  const T *xs = static_cast<const T *>(x), *hs = static_cast<const T *>(h), *w = static_cast<const T *>(weight);
+  T *sums = static_cast<T *>(sum), *outs = static_cast<T *>(out);
+  for_rows(rows, cols, threads, [&](int64_t i) {
+    add_rms_norm_row(xs + i * x_stride, hs + i * h_stride, sums + i * cols, outs + i * cols, w, cols, eps);
+  });
+  return 0;
+}
+
+template <typename T>
 int silu_mul(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, void *out, int64_t out_stride,
              int64_t rows, int64_t cols, int threads) {
   const T *g = static_cast<const T *>(gate), *u = static_cast<const T *>(up);
@@ -167,6 +242,13 @@ int rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t 
   return 0;
 }
 
+template <typename T>
+int argmax_rows(const void *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t cols, int threads) {
+  const T *xs = static_cast<const T *>(x);
+  for_rows(rows, cols, threads, [&](int64_t i) { out[i] = argmax_row(xs + i * x_stride, cols); });
+  return 0;
+}
+
 }  // namespace
 
 #define PAGED_HF_LAYER_OPS(NAME, T)                                                                              \
@@ -181,6 +263,15 @@ int rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t 
   extern "C" int rotary_##NAME(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t cs_stride,  \
                                int64_t rows, int64_t heads, int64_t head_dim, int threads) {                   \
     return rotary<T>(x, x_stride, cos, sin, cs_stride, rows, heads, head_dim, threads);                         \
+  }                                                                                                             \
+  extern "C" int add_rms_norm_##NAME(const void *x, int64_t x_stride, const void *h, int64_t h_stride, void *sum, \
+                                     void *out, const void *weight, int64_t rows, int64_t cols, double eps,      \
+                                     int threads) {                                                              \
+    return add_rms_norm<T>(x, x_stride, h, h_stride, sum, out, weight, rows, cols, eps, threads);               \
+  }                                                                                                             \
+  extern "C" int argmax_rows_##NAME(const void *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t cols,  \
+                                    int threads) {                                                              \
+    return argmax_rows<T>(x, x_stride, out, rows, cols, threads);                                               \
   }
 
 PAGED_HF_LAYER_OPS(float32, float)

@@ -4,6 +4,10 @@
 
 #include <cstdint>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace paged_hf {
 
 // exp(x) for x <= 0 (scores minus their max), 16 lanes at once: Cephes' expf polynomial on the remainder of
@@ -65,6 +69,14 @@ inline F16x load_bf16x16(const uint16_t *p) {
   return v;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// vcvtneps2bf16: round to nearest even and NaN made quiet, as below, in one instruction (subnormal floats, which
+// no activation holds, go to zero)
+inline void store_bf16x16(uint16_t *p, F16x v) {
+  const __m256bh h = _mm512_cvtneps_pbh(reinterpret_cast<const __m512 &>(v));
+  __builtin_memcpy(p, &h, sizeof(h));
+}
+#else
 inline void store_bf16x16(uint16_t *p, F16x v) {
   typedef uint32_t U __attribute__((vector_size(64)));
   typedef uint16_t H __attribute__((vector_size(32)));
@@ -74,6 +86,14 @@ inline void store_bf16x16(uint16_t *p, F16x v) {
   const U nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where v is NaN
   const H h = __builtin_convertvector((rounded & ~nan) | (((bits >> 16) | 0x40u) & nan), H);
   __builtin_memcpy(p, &h, sizeof(h));
+}
+#endif
+
+// v rounded to bf16 and back to float (what torch's `.to(bfloat16)` between two float ops does)
+inline F16x round_bf16(F16x v) {
+  uint16_t h[16];
+  store_bf16x16(h, v);
+  return load_bf16x16(h);
 }
 
 }  // namespace paged_hf

@@ -10,7 +10,9 @@ prompt's chunk). The main thread's time is split by the trace:
 - Python: what is left inside the step's phases (`paged_hf::schedule`, `step_inputs`, `model`: HF's module code
   and dispatch, `sample_and_stop`), and of the step outside them (outputs, bookkeeping);
 - idle: the profiled loop's time between steps.
-The intra-op worker threads' work is in the op that waits for it (the main thread's op time).
+The intra-op worker threads' work is in the op that waits for it (the main thread's op time). The profiler's own
+cost per recorded op lands outside the kernels, so the kernels' share is also given over the same kind of step
+run without the profiler just before and after (the kernels' time barely changes under it: a few long ops).
 """
 
 from __future__ import annotations
@@ -78,7 +80,12 @@ def _inside(event, name: str) -> bool:
 
 
 def profile_steps(generator, num_steps: int, before_each=None) -> dict:
-    """Profile `num_steps` generator.step() calls -> {"step_ms": median step wall, "split": {category: share}}."""
+    """Profile `num_steps` generator.step() calls -> {"step_ms": median step wall, "split": {category: share},
+    "plain_step_ms": the mean of as many steps of the same kind run before and after without the profiler,
+    "kernels_ms": the mean profiled step's matmul and attention time}. The profiler costs ~1 us per op recorded
+    (a few thousand ops a step), which lands outside the kernels: their time over the plain step is the share
+    without that cost."""
+    plain = _plain_steps(generator, num_steps, before_each)
     walls = []
     with profiling.enabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -93,8 +100,28 @@ def profile_steps(generator, num_steps: int, before_each=None) -> dict:
     split = split_step_time(prof.events(), wall * 1e6, sum(walls) * 1e6, other_ops)
     total = sum(split.values()) or 1.0
     top = sorted(other_ops.items(), key=lambda item: -item[1])[:5]
-    return {"step_ms": sorted(walls)[len(walls) // 2] * 1e3, "split": {k: v / total for k, v in split.items()},
-            "top_other_ops": {name: us / total for name, us in top}}
+    plain += _plain_steps(generator, num_steps, before_each)  # before and after: the host's drift evens out
+    step_ms = _median(walls) * 1e3
+    shares = {k: v / total for k, v in split.items()}
+    return {"step_ms": step_ms, "split": shares, "top_other_ops": {name: us / total for name, us in top},
+            "plain_step_ms": sum(plain) * 1e3 / len(plain),
+            "kernels_ms": (shares["matmuls"] + shares["attention"]) * sum(walls) * 1e3 / len(walls)}
+
+
+def _plain_steps(generator, num_steps: int, before_each) -> list[float]:
+    """The walls of `num_steps` steps without the profiler."""
+    walls = []
+    for _ in range(num_steps):
+        if before_each is not None:
+            before_each()
+        start = time.perf_counter()
+        generator.step()
+        walls.append(time.perf_counter() - start)
+    return walls
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def run_profile(args) -> int:
@@ -141,7 +168,9 @@ def format_profile(model: str, dtype: str, num_seqs: int, steps: dict) -> str:
         lines.append(f"| {category} | " + " | ".join(f"{r['split'][category] * 100:.1f}%" for r in steps.values()) + " |")
     kernels = {kind: r["split"]["matmuls"] + r["split"]["attention"] for kind, r in steps.items()}
     lines.append("inside the matmul and attention kernels: " +
-                 ", ".join(f"{kind} {share * 100:.1f}%" for kind, share in kernels.items()))
+                 ", ".join(f"{kind} {share * 100:.1f}%" for kind, share in kernels.items()) + " of the profiled step; " +
+                 ", ".join(f"{kind} {min(1.0, r['kernels_ms'] / r['plain_step_ms']) * 100:.1f}% of the step without "
+                           f"the profiler ({r['plain_step_ms']:.1f} ms)" for kind, r in steps.items()))
     for kind, r in steps.items():
         lines.append(f"{kind}: largest other ops: " +
                      ", ".join(f"{name} {share * 100:.1f}%" for name, share in r["top_other_ops"].items()))

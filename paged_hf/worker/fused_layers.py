@@ -9,7 +9,9 @@ with its dispatch overhead. During a step:
 - an RMSNorm whose forward is LlamaRMSNorm's runs as one compiled op (eight torch ops and two casts in bf16;
   not in float64 models, see `_not_float64`);
 - an attention whose forward is LlamaAttention's rotates q and k in place in the fused q/k/v output, one compiled
-  op for the ~12 of `apply_rotary_pos_emb`, then calls the attention function exactly as its own forward does.
+  op for the ~12 of `apply_rotary_pos_emb`, then calls the attention function exactly as its own forward does;
+- a decoder layer whose forward is LlamaDecoderLayer's, and whose norms, attention and MLP are all fused, calls
+  them directly and adds the residual and normalizes it in one compiled op.
 A module qualifies by its forward's code, not its class name: the transformers families copied from Llama
 (Mistral, Qwen2, Qwen3, ...) share that code; anything else keeps its own forward.
 
@@ -25,7 +27,7 @@ import inspect
 import torch
 from transformers.activations import SiLUActivation
 from transformers.models.llama import modeling_llama
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm
 
 from paged_hf.integrations.lora import updates_over
 from paged_hf.kernels import layer_ops
@@ -187,6 +189,36 @@ class FusedRMSNorm(StandIn):
         return self.norm(x) if out is None else out
 
 
+class FusedDecoderLayer(StandIn):
+    """LlamaDecoderLayer's forward over its fused parts, called directly (no module dispatch between them), with
+    the residual add after the attention and the norm after it as one compiled op. Where a part is not its fused
+    stand-in this step (a LoRA wrapper, a hook), the layer's own forward runs."""
+
+    def __init__(self, layer: torch.nn.Module, parts: dict[str, torch.nn.Module]):
+        super().__init__(layer)
+        object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "parts", parts)  # name -> the fused stand-in installed there in a step
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        layer, parts = self.layer, self.parts
+        if any(layer._modules[name] is not part for name, part in parts.items()) or "past_key_values" in kwargs:
+            return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                       cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+                                       **kwargs)
+        hidden = parts["input_layernorm"].forward(hidden_states)
+        hidden, _ = parts["self_attn"].forward(hidden, position_embeddings, attention_mask, cache,
+                                               position_ids=position_ids, use_cache=use_cache, **kwargs)
+        norm = parts["post_attention_layernorm"].norm
+        fused = layer_ops.add_rms_norm(hidden_states, hidden, norm.weight, norm.variance_epsilon)
+        if fused is None:
+            residual = hidden_states + hidden
+            hidden = parts["post_attention_layernorm"].forward(residual)
+        else:
+            residual, hidden = fused
+        return residual + parts["mlp"].forward(hidden)
+
+
 class FusedLayers(ModuleSwaps):
     """Every qualifying projection group, MLP and RMSNorm of the model, swapped for its fused stand-in in a step."""
 
@@ -203,6 +235,7 @@ class FusedLayers(ModuleSwaps):
                 if _same_forward(child, LlamaRMSNorm) and _on_cpu(child) and _not_float64(child):
                     self.sites.append((parent, name, child, FusedRMSNorm(child)))
         self._add_mlps(model)
+        self._add_decoder_layers(model)
 
     @property
     def fused_linears(self) -> set[int]:
@@ -238,6 +271,18 @@ class FusedLayers(ModuleSwaps):
                     stand_in = FusedAttention(child, PROJECTION_GROUPS[0], qkv[0].group, qkv)
                     self.sites.append((parent, name, child, stand_in))
 
+    def _add_decoder_layers(self, model: torch.nn.Module) -> None:
+        """Llama's decoder layers whose norms, attention and MLP all have fused stand-ins."""
+        stand_ins = {(id(parent), name): stand_in for parent, name, _, stand_in in self.sites}
+        kinds = {"input_layernorm": FusedRMSNorm, "self_attn": FusedAttention, "post_attention_layernorm": FusedRMSNorm,
+                 "mlp": FusedMLP}
+        for parent in list(model.modules()):
+            for name, child in parent._modules.items():
+                parts = {part: stand_ins.get((id(child), part)) for part in kinds}
+                if _same_forward(child, LlamaDecoderLayer) and all(isinstance(parts[part], kind)
+                                                                   for part, kind in kinds.items()):
+                    self.sites.append((parent, name, child, FusedDecoderLayer(child, parts)))
+
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         for group in self.groups:
@@ -248,7 +293,9 @@ def _same_forward(module: torch.nn.Module | None, reference: type) -> bool:
     """The module's class runs `reference`'s forward code (the same bytecode and names), with no hooks."""
     if module is None or module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
         return False
-    return _same_code(type(module).forward, reference.forward)
+    forward = type(module).forward  # and under a decorator (every decorated forward shares the wrapper's code)
+    return (_same_code(forward, reference.forward)
+            and _same_code(inspect.unwrap(forward), inspect.unwrap(reference.forward)))
 
 
 def _runs_llama_attention(module: torch.nn.Module) -> bool:

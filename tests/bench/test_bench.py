@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -288,3 +289,6 @@ def test_bench_profile_splits_a_decode_and_a_mixed_step(tmp_path, capsys):
         shares = [float(cells[column].strip().rstrip("%")) for cells in rows.values()]
         assert abs(sum(shares) - 100) < 0.5
     assert float(rows["attention"][0].strip().rstrip("%")) > 0 and float(rows["matmuls"][0].strip().rstrip("%")) > 0
+    without = re.findall(r"(decode|mixed) ([\d.]+)% of the step without the profiler \(([\d.]+) ms\)", table)
+    assert [kind for kind, _, _ in without] == ["decode", "mixed"], table
+    assert all(0 < float(share) <= 100 and float(ms) > 0 for _, share, ms in without), table

@@ -72,10 +72,11 @@ def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_rotary_in_place_matches_transformers_and_leaves_v_alone(dtype):
+@pytest.mark.parametrize("head_dim", [16, 40, 64])  # half a head: one at a time; 16 lanes and a tail; 16 lanes x 2
+def test_rotary_in_place_matches_transformers_and_leaves_v_alone(dtype, head_dim):
     _available(dtype)
     torch.manual_seed(3)
-    tokens, q_heads, kv_heads, head_dim = 11, 4, 2, 16
+    tokens, q_heads, kv_heads = 11, 4, 2
     qkv = torch.randn(1, tokens, (q_heads + 2 * kv_heads) * head_dim).to(dtype)
     angles = torch.randn(1, tokens, head_dim // 2).repeat(1, 1, 2)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -87,3 +88,33 @@ def test_rotary_in_place_matches_transformers_and_leaves_v_alone(dtype):
     for got, expected in ((q, expected_q), (k, expected_k), (v, expected_v)):
         torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
     assert not layer_ops.rotate_in_place(qkv, cos[..., :8], sin[..., :8], q_heads, head_dim)  # partial rotary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("cols", [7, 16, 33, 49155])
+def test_argmax_rows_is_torch_max_indices_with_ties_nans_and_infinities(dtype, cols):
+    """The greedy sampler's tokens: the first maximal index (ties), a NaN counting as the maximum (the first NaN),
+    rows of -inf, +inf twice, and a maximum in the tail past the last full 16 lanes."""
+    _available(dtype)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(cols)).to(dtype)
+    x[1, 5], x[1, 2] = float("nan"), float("nan")
+    x[2] = float("-inf")
+    x[3] = 1.0
+    x[4, cols - 1] = 100.0
+    x[5, cols // 2], x[5, cols // 3] = float("inf"), float("inf")
+    x[6, 0] = 50.0
+    assert layer_ops.argmax_rows(x) == x.max(dim=-1).indices.tolist()
+    assert layer_ops.argmax_rows(x[:, : cols - 1]) == x[:, : cols - 1].max(dim=-1).indices.tolist()  # strided rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows, cols", [(1, 576), (7, 64), (130, 100), (3, 37)])
+def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype, rows, cols):
+    """The sum bit for bit torch's add (rounded where torch rounds), the norm bit for bit the compiled RMSNorm's
+    of that sum (which test_rms_norm_matches_transformers holds to HF's)."""
+    _available(dtype)
+    torch.manual_seed(rows * cols)
+    x, h, weight = (torch.randn(rows, cols) * 3).to(dtype), torch.randn(rows, cols).to(dtype), torch.randn(cols).to(dtype)
+    total, normed = layer_ops.add_rms_norm(x, h, weight, 1e-6)
+    assert torch.equal(total, x + h)
+    assert torch.equal(normed, layer_ops.rms_norm(x + h, weight, 1e-6))
