@@ -48,6 +48,11 @@ def step_scope(cache):
         _STEP_CACHE.reset(token)
 
 
+def step_cache():
+    """The paged cache of the step running on this thread, or None outside a paged step."""
+    return _STEP_CACHE.get()
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sliding_window=None, softcap=None, s_aux=None, **kwargs):
     cache = _STEP_CACHE.get()
@@ -56,7 +61,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             return eager_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    _check_step_call(module, attention_mask, dropout, kwargs)
+    check_step_call(module, attention_mask, dropout, kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     output = cache.attend(module, query, key, value, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
@@ -64,7 +69,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     return output, None
 
 
-def _check_step_call(module, attention_mask, dropout, kwargs) -> None:
+def check_step_call(module, attention_mask, dropout, kwargs) -> None:
     """What a paged step's kernels cannot honour raises (the model is then refused, never served differently)."""
     name = type(module).__name__
     if attention_mask is not None and not (attention_mask.dim() == 4 and attention_mask.numel() == 1):

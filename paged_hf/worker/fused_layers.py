@@ -9,7 +9,9 @@ with its dispatch overhead. During a step:
 - an RMSNorm whose forward is LlamaRMSNorm's runs as one compiled op (eight torch ops and two casts in bf16;
   not in float64 models, see `_not_float64`);
 - an attention whose forward is LlamaAttention's rotates q and k in place in the fused q/k/v output, one compiled
-  op for the ~12 of `apply_rotary_pos_emb`, then calls the attention function exactly as its own forward does;
+  op for the ~12 of `apply_rotary_pos_emb`, then calls the attention function exactly as its own forward does
+  (in a paged step, with the paged function: the output's rows go to the paged cache directly, checked as that
+  function checks a call);
 - a decoder layer whose forward is LlamaDecoderLayer's, and whose norms, attention and MLP are all fused, calls
   them directly and adds the residual and normalizes it in one compiled op.
 A module qualifies by its forward's code, not its class name: the transformers families copied from Llama
@@ -30,6 +32,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm
 
 from paged_hf.integrations.lora import updates_over
+from paged_hf.integrations.transformers import check_step_call, paged_attention_forward, step_cache
 from paged_hf.kernels import layer_ops
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn, packable_dtypes, weight_version
@@ -157,6 +160,9 @@ class FusedAttention(_AroundGroup):
         if qkv is not None:
             sizes = self.group.sizes
             rotated = [layer_ops.rotate_in_place(qkv, cos, sin, (sizes[0] + sizes[1]) // head_dim, head_dim)] * 2
+            paged = self._paged_rows(qkv, rotated[0], attention_mask, cache, kwargs)
+            if paged is not None:
+                return attention.o_proj(paged.view(*input_shape, -1)), None
             parts = qkv.split(sizes, dim=-1)
         else:  # what the installed modules give (fresh tensors), q and k rotated one by one
             parts = [attention._modules[name](hidden_states) for name in self.names]
@@ -175,6 +181,21 @@ class FusedAttention(_AroundGroup):
                                               scaling=attention.scaling, **kwargs)
         output = output.reshape(*input_shape, -1).contiguous()
         return attention.o_proj(output), weights
+
+
+    def _paged_rows(self, qkv: torch.Tensor, rotated: bool, attention_mask, cache, kwargs) -> torch.Tensor | None:
+        """In a paged step whose attention function is the paged one: the fused q/k/v output's rows straight to
+        the paged cache (`PagedCache.write_and_attend`), [num_tokens, num_heads, head_dim] out, checked as the
+        paged attention function checks its calls; None where the call must go through the function."""
+        attention = self.owner
+        if (not rotated or cache is None or step_cache() is not cache or not qkv.is_contiguous()
+                or attention_function(attention, None) is not paged_attention_forward):
+            return None
+        check_step_call(attention, attention_mask, attention.attention_dropout, kwargs)
+        rows = qkv.view(-1, qkv.shape[-1])
+        query, key, value = (part.view(rows.shape[0], -1, attention.head_dim)
+                             for part in rows.split(self.group.sizes, dim=-1))
+        return cache.write_and_attend(attention, query, key, value, scaling=attention.scaling)
 
 
 class FusedRMSNorm(StandIn):

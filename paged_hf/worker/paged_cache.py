@@ -125,6 +125,22 @@ class PagedCache(Cache):
                              self.key_cache[slot], self.value_cache[slot], plan, self.scales[slot])
         return key_states, value_states
 
+    def write_and_attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         *, scaling: float) -> torch.Tensor:
+        """`update` then `attend` for a module whose q/k/v are rows [num_tokens, heads, dim] (views of the fused
+        attention's q/k/v output, worker/fused_layers.py) -> [num_tokens, num_heads, value_head_dim]: the same
+        writes and kernel calls without transformers' [1, heads, tokens, dim] layout in between."""
+        assert self.in_step, "PagedCache.write_and_attend outside of a paged step"
+        slot = self.books.write(module.layer_idx, key, value)
+        plan = self._plans[self.layer_devices[slot]]
+        self.kernel.write_kv(key, value, self.key_cache[slot], self.value_cache[slot], plan, self.scales[slot])
+        with span("attention"):
+            layer_idx, transform = self.books.resolve(module, key, value)
+            assert layer_idx == slot and transform is None
+            return self.kernel.attend(query, key, value, self.key_cache[slot], self.value_cache[slot], plan,
+                                      scales=self.scales[slot], scaling=scaling, sliding_window=None, softcap=None,
+                                      sinks=None, chunk_size=self.attention_layers[slot].chunk_size)
+
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                scaling: float, sliding_window: int | None, softcap: float | None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
