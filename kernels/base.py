@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
+from paged_hf.kernels import layer_ops
 from paged_hf.kernels.quant import KVScales, plan_write, write_quantized
 
 
@@ -41,5 +42,6 @@ def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         write_quantized(key, key_cache, scales.key, scales.dynamic, slot_mapping, plan.quant_write)
         write_quantized(value, value_cache, scales.value, scales.dynamic, slot_mapping, plan.quant_write)
         return
-    key_cache.view(-1, *key_cache.shape[-2:]).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, *value_cache.shape[-2:]).index_copy_(0, slot_mapping, value)
+    for source, cache in ((key, key_cache), (value, value_cache)):
+        if not layer_ops.scatter_rows(source, cache, slot_mapping):  # (one compiled call on CPU)
+            cache.view(-1, *cache.shape[-2:]).index_copy_(0, slot_mapping, source)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -108,6 +109,47 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
     out = torch.empty(rows.count, dtype=torch.int64)
     function[3](rows.pointer, rows.stride, out.data_ptr(), rows.count, rows.cols, torch.get_num_threads())
     return out.tolist()
+
+
+def scatter_rows(source: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """cache.view(-1, *source.shape[1:]).index_copy_(0, slots, source) for source [tokens, ...] whose tokens are
+    contiguous rows (a token's K or V heads) into a contiguous CPU cache of the same dtype: one call instead of a
+    view and an index_copy_ per tensor. False (nothing written) where it cannot serve them."""
+    if (source.dim() < 2 or source.device.type != "cpu" or not _heads_contiguous(source)
+            or cache.dtype != source.dtype or not cache.is_contiguous() or cache.device.type != "cpu"
+            or slots.dtype != torch.int64 or not slots.is_contiguous() or slots.device.type != "cpu"
+            or slots.numel() != source.shape[0]):
+        return False
+    cols = math.prod(source.shape[1:])
+    if cols == 0 or cache.numel() % cols:
+        return False
+    function = _scatter()
+    if function is None:
+        return False
+    size = source.element_size()
+    function(source.data_ptr(), source.stride(0) * size, cache.data_ptr(), cols * size, slots.data_ptr(),
+                      source.shape[0])
+    return True
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """Every dim after the first laid out contiguously (a token's heads one after the other)."""
+    expected = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter():
+    """scatter_rows, or None (no compiler: logged once)."""
+    library = native.load_or_warn(native.load_layer_ops, "the decoder layers' elementwise code")
+    if library is None:
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    return native.entry_point(library, "scatter_rows", [pointer, size, pointer, size, pointer, size])
 
 
 def _rows(x: torch.Tensor) -> Rows | None:

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "vec_math.h"
 
@@ -250,6 +251,16 @@ int argmax_rows(const void *x, int64_t x_stride, int64_t *out, int64_t rows, int
 }
 
 }  // namespace
+
+// The paged cache's write: row i of src (row_bytes, src_stride bytes apart) to row slots[i] of dst, for rows
+// whose elements are contiguous (a token's K or V heads), of any dtype
+extern "C" int scatter_rows(const void *src, int64_t src_stride, void *dst, int64_t row_bytes, const int64_t *slots,
+                            int64_t rows) {
+  const char *from = static_cast<const char *>(src);
+  char *to = static_cast<char *>(dst);
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(to + slots[i] * row_bytes, from + i * src_stride, row_bytes);
+  return 0;
+}
 
 #define PAGED_HF_LAYER_OPS(NAME, T)                                                                              \
   extern "C" int rms_norm_##NAME(const void *x, int64_t x_stride, void *out, int64_t out_stride,                \

@@ -118,3 +118,20 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype, rows, cols):
     total, normed = layer_ops.add_rms_norm(x, h, weight, 1e-6)
     assert torch.equal(total, x + h)
     assert torch.equal(normed, layer_ops.rms_norm(x + h, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_scatter_rows_is_the_caches_index_copy_and_refuses_what_it_cannot_copy_as_rows(dtype):
+    """K of a fused q/k/v output (token rows a row stride apart, heads contiguous) into scattered cache slots."""
+    _available(dtype)
+    qkv = torch.randn(7, 9 * 16 + 2 * 3 * 16).to(dtype)
+    key = qkv[:, 144:192].view(7, 3, 16)
+    cache = torch.zeros(20, 4, 3, 16, dtype=dtype)
+    expected = cache.clone()
+    slots = torch.tensor([5, 0, 79, 33, 34, 35, 12])
+    assert layer_ops.scatter_rows(key, cache, slots)
+    expected.view(-1, 3, 16).index_copy_(0, slots, key)
+    assert torch.equal(cache, expected)
+    assert not layer_ops.scatter_rows(key.transpose(1, 2), cache, slots)  # heads not contiguous
+    assert not layer_ops.scatter_rows(key, cache.to(torch.float16), slots)  # another dtype
+    assert not layer_ops.scatter_rows(key, cache, slots.to(torch.int32))
