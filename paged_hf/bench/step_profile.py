@@ -85,22 +85,16 @@ def profile_steps(generator, num_steps: int, before_each=None) -> dict:
     "kernels_ms": the mean profiled step's matmul and attention time}. The profiler costs ~1 us per op recorded
     (a few thousand ops a step), which lands outside the kernels: their time over the plain step is the share
     without that cost."""
-    plain = _plain_steps(generator, num_steps, before_each)
-    walls = []
+    plain = _timed_steps(generator, num_steps, before_each)
     with profiling.enabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        for _ in range(num_steps):
-            if before_each is not None:
-                before_each()
-            step_start = time.perf_counter()
-            generator.step()
-            walls.append(time.perf_counter() - step_start)
+        walls = _timed_steps(generator, num_steps, before_each)
         wall = time.perf_counter() - start
     other_ops: dict[str, float] = {}
     split = split_step_time(prof.events(), wall * 1e6, sum(walls) * 1e6, other_ops)
     total = sum(split.values()) or 1.0
     top = sorted(other_ops.items(), key=lambda item: -item[1])[:5]
-    plain += _plain_steps(generator, num_steps, before_each)  # before and after: the host's drift evens out
+    plain += _timed_steps(generator, num_steps, before_each)  # before and after: the host's drift evens out
     step_ms = _median(walls) * 1e3
     shares = {k: v / total for k, v in split.items()}
     return {"step_ms": step_ms, "split": shares, "top_other_ops": {name: us / total for name, us in top},
@@ -108,8 +102,8 @@ def profile_steps(generator, num_steps: int, before_each=None) -> dict:
             "kernels_ms": (shares["matmuls"] + shares["attention"]) * sum(walls) * 1e3 / len(walls)}
 
 
-def _plain_steps(generator, num_steps: int, before_each) -> list[float]:
-    """The walls of `num_steps` steps without the profiler."""
+def _timed_steps(generator, num_steps: int, before_each) -> list[float]:
+    """The walls of `num_steps` steps (`before_each` called before each, outside its wall)."""
     walls = []
     for _ in range(num_steps):
         if before_each is not None:
