@@ -182,7 +182,6 @@ class FusedAttention(_AroundGroup):
         output = output.reshape(*input_shape, -1).contiguous()
         return attention.o_proj(output), weights
 
-
     def _paged_rows(self, qkv: torch.Tensor, rotated: bool, attention_mask, cache, kwargs) -> torch.Tensor | None:
         """In a paged step whose attention function is the paged one: the fused q/k/v output's rows straight to
         the paged cache (`PagedCache.write_and_attend`), [num_tokens, num_heads, head_dim] out, checked as the

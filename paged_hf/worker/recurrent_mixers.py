@@ -98,7 +98,7 @@ class MixerStandIn(StandIn):
                            self._call(args, kwargs, cache, select(hidden), [slot], False, select)))
         first = pieces[0][1]
         if isinstance(first, torch.Tensor):
-            return _packed([(rows, output) for rows, output in pieces], hidden.shape[1])
+            return _packed(pieces, hidden.shape[1])
         # a tuple (a projection's query, key and value; an attention's output and weights): its per-token
         # tensors put back in row order, anything else (a call's own state, weights) dropped
         return type(first)(_packed([(rows, output[i]) for rows, output in pieces], hidden.shape[1])
