@@ -128,7 +128,7 @@ def scatter_rows(source: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor)
         return False
     size = source.element_size()
     function(source.data_ptr(), source.stride(0) * size, cache.data_ptr(), cols * size, slots.data_ptr(),
-                      source.shape[0])
+             source.shape[0])
     return True
 
 
@@ -171,7 +171,8 @@ def _rows(x: torch.Tensor) -> Rows | None:
 
 @functools.lru_cache(maxsize=None)
 def _entry_points(dtype: torch.dtype):
-    """(rms_norm, silu_mul, rotary, argmax_rows, add_rms_norm) compiled for `dtype`, or None (other dtypes; no compiler: logged once)."""
+    """(rms_norm, silu_mul, rotary, argmax_rows, add_rms_norm) compiled for `dtype`, or None (other dtypes; no
+    compiler: logged once)."""
     if dtype not in NATIVE_DTYPES:
         return None
     library = native.load_or_warn(native.load_layer_ops, "the decoder layers' elementwise code")

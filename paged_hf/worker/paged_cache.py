@@ -120,10 +120,13 @@ class PagedCache(Cache):
         `slot_mapping`; returned unchanged (the attention function reads the cache, not these)."""
         assert self.in_step, "PagedCache.update outside of a paged step"
         slot = self.books.write(layer_idx, key_states, value_states)
-        plan = self._plans[self.layer_devices[slot]]
-        self.kernel.write_kv(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1),
-                             self.key_cache[slot], self.value_cache[slot], plan, self.scales[slot])
+        self._write_rows(slot, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
         return key_states, value_states
+
+    def _write_rows(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value [num_tokens, kv_heads, dim] into cache slot `slot`'s blocks, through the step's plan."""
+        self.kernel.write_kv(key, value, self.key_cache[slot], self.value_cache[slot],
+                             self._plans[self.layer_devices[slot]], self.scales[slot])
 
     def write_and_attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          *, scaling: float) -> torch.Tensor:
@@ -132,12 +135,12 @@ class PagedCache(Cache):
         writes and kernel calls without transformers' [1, heads, tokens, dim] layout in between."""
         assert self.in_step, "PagedCache.write_and_attend outside of a paged step"
         slot = self.books.write(module.layer_idx, key, value)
-        plan = self._plans[self.layer_devices[slot]]
-        self.kernel.write_kv(key, value, self.key_cache[slot], self.value_cache[slot], plan, self.scales[slot])
+        self._write_rows(slot, key, value)
         with span("attention"):
             layer_idx, transform = self.books.resolve(module, key, value)
             assert layer_idx == slot and transform is None
-            return self.kernel.attend(query, key, value, self.key_cache[slot], self.value_cache[slot], plan,
+            return self.kernel.attend(query, key, value, self.key_cache[slot], self.value_cache[slot],
+                                      self._plans[self.layer_devices[slot]],
                                       scales=self.scales[slot], scaling=scaling, sliding_window=None, softcap=None,
                                       sinks=None, chunk_size=self.attention_layers[slot].chunk_size)
 
