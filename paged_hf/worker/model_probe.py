@@ -95,7 +95,7 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
         raise UnsupportedModelError(f"{model_name(model)}: its forward fails with its attention switched to another "
                                     f"implementation ({type(exc).__name__}: {exc}); a model that computes attention "
                                     "with its own code is not served") from exc
-    returned = output.get("cache", output.get("past_key_values")) if hasattr(output, "get") else None
+    returned = _returned_cache(output)
     if returned is not cache:
         raise UnsupportedModelError(f"{model_name(model)} does not keep its K/V in the transformers cache it is "
                                     "given (own cache code or none)")
@@ -191,3 +191,13 @@ def _apply_mask_patterns(model, config, layers: list[AttentionLayer], windows: d
                 f"{model_name(model)} layer {index} is {kind.replace('_', ' ')}"
                 + (f" over {window} tokens" if window else "") + f" in its mask, but its attention call passes "
                 f"sliding_window={passed}: the paged kernels window by the call")
+
+
+def _returned_cache(output):
+    """The cache a forward returned: `cache` (transformers >= 5.2x), else `past_key_values` (older; asking a newer
+    output for it logs a deprecation warning, so it is asked only when `cache` is absent)."""
+    if not hasattr(output, "get"):
+        return None
+    returned = output.get("cache")
+    return returned if returned is not None else output.get("past_key_values")
+
