@@ -88,7 +88,7 @@ class PipelineStep(EngineStep):
         batch = MicroBatch([scheduled.request for scheduled in inputs.sampled])
         for request in batch.sampled:
             request.in_flight = True
-        if logits is not None:
+        if logits is not None and self.links.samples:  # the last stage's other tensor ranks receive it
             batch.result = self._sample_result(batch.sampled, logits, inputs)
             self.links.send_result(batch.result)
         return batch

@@ -134,7 +134,7 @@ def add_scaling_args(parser: argparse.ArgumentParser) -> None:
                        "launches N local ranks under torchrun itself (gloo on CPU, NCCL on GPUs)")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
                        help="split the model's layers over N ranks (stages), N micro-batches in flight; launched "
-                       "under torchrun as --tensor-parallel-size is (not combined with it yet)")
+                       "under torchrun as --tensor-parallel-size is; with it, N stages of that many ranks each")
     group.add_argument("--replicas", type=int, default=0, metavar="N",
                        help="N engine replicas behind one endpoint on Ray Serve (needs the 'ray' extra)")
     group.add_argument("--routing", default="prefix", choices=("prefix", "round_robin"),

@@ -275,7 +275,8 @@ def load_model(
     given; otherwise transformers picks (``sdpa`` on CPU). The resulting ``config._attn_implementation`` is logged.
     ``tp_plan="auto"``: tensor parallel under an initialized process group; each rank keeps its own shard where
     transformers put it (``device`` is not applied). ``pipeline_stage=(index, count)``: only that stage's layers
-    (loader/pipeline_stage.py).
+    (loader/pipeline_stage.py); with ``tp_plan`` too, this rank's slice of that stage, the process group's ranks
+    split evenly over the stages (loader/stage_shards.py).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -291,11 +292,13 @@ def load_model(
     from paged_hf.loader.quantized import load_quantized_model, quantization_config  # noqa: PLC0415
 
     if pipeline_stage is not None:
-        if tp_plan is not None:
-            raise ValueError("pipeline parallelism with tensor parallelism is not served yet: give one or the other")
         from paged_hf.loader.pipeline_stage import load_stage  # noqa: PLC0415
 
-        model = load_stage(source, dtype, device, *pipeline_stage)
+        index, count = pipeline_stage
+        import torch.distributed as dist  # noqa: PLC0415
+
+        tp_size = dist.get_world_size() // count if tp_plan is not None else 1
+        model = load_stage(source, dtype, device, index, count, tp_size=tp_size)
     elif quantization_config(source) is not None:  # served on its own integers (docs/quantization.md)
         if tp_plan is not None:
             raise ValueError("a quantized checkpoint is not served tensor-parallel")

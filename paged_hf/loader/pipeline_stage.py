@@ -10,12 +10,16 @@ refused. A tied LM head on the last stage is read from the embeddings' tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from paged_hf.loader.stage_shards import shard_stage, tensor_group
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,13 @@ class StageLayout:
     start: int  # its decoder layers are [start, end) of the model's
     end: int
     num_layers: int
+    tp_rank: int = 0  # tensor parallelism inside the stage (loader/stage_shards.py): this rank of the stage's
+    tp_size: int = 1
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the pipeline's process group (stages outer, a stage's tensor ranks inner)."""
+        return self.index * self.tp_size + self.tp_rank
 
     @property
     def is_first(self) -> bool:
@@ -104,8 +115,10 @@ def absent_layers(model: torch.nn.Module) -> set[int]:
     return set() if stage is None else {i for i in range(stage.num_layers) if not stage.holds(i)}
 
 
-def load_stage(folder, dtype: torch.dtype, device, index: int, count: int) -> torch.nn.Module:
-    """Stage `index` of `count` of the checkpoint in `folder`, in eval mode, with `model.pipeline_stage` set."""
+def load_stage(folder, dtype: torch.dtype, device, index: int, count: int, tp_size: int = 1) -> torch.nn.Module:
+    """Stage `index` of `count` of the checkpoint in `folder`, in eval mode, with `model.pipeline_stage` set;
+    `tp_size` > 1: this rank's slice of it (loader/stage_shards.py; the process group holds count * tp_size ranks,
+    this one's tensor rank is its global rank's remainder)."""
     from accelerate import init_empty_weights  # noqa: PLC0415
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
 
@@ -121,6 +134,8 @@ def load_stage(folder, dtype: torch.dtype, device, index: int, count: int) -> to
     stage = stage_layout(text.num_hidden_layers, index, count, _head_layers(model))
     _drop_other_stages(model, stage)
     _read_tensors(model, Path(str(folder)), dtype, tied=bool(getattr(text, "tie_word_embeddings", False)))
+    if tp_size > 1:
+        stage = _split_tensors(model, stage, tp_size)
     model.pipeline_stage = stage
     if (Path(str(folder)) / "generation_config.json").exists():  # its EOS ids, as from_pretrained reads them
         from transformers import GenerationConfig  # noqa: PLC0415
@@ -128,6 +143,20 @@ def load_stage(folder, dtype: torch.dtype, device, index: int, count: int) -> to
         model.generation_config = GenerationConfig.from_pretrained(folder)
     model.to(device)
     return model.eval()
+
+
+def _split_tensors(model: torch.nn.Module, stage: StageLayout, tp_size: int) -> StageLayout:
+    """This rank's slice of the stage's linears; the layout with its tensor rank."""
+    if not dist.is_initialized() or dist.get_world_size() != stage.count * tp_size:
+        raise ValueError(f"{stage.count} pipeline stages of {tp_size} tensor-parallel ranks run in a process group "
+                         f"of {stage.count * tp_size} ranks (torch.distributed, initialized before loading)")
+    if dist.get_rank() // tp_size != stage.index:
+        raise ValueError(f"rank {dist.get_rank()} belongs to pipeline stage {dist.get_rank() // tp_size}, "
+                         f"not {stage.index} ({tp_size} tensor-parallel ranks a stage)")
+    stage = dataclasses.replace(stage, tp_rank=dist.get_rank() % tp_size, tp_size=tp_size)
+    shard_stage(model, stage.tp_rank, tp_size, tensor_group(stage.index, stage.count, tp_size))
+    model._tp_size = tp_size  # what the adapters and quantization check: sharded linears
+    return stage
 
 
 def _head_layers(model: torch.nn.Module) -> float:

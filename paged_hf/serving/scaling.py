@@ -3,6 +3,7 @@ line's, paged_hf.entrypoints.cli.add_scaling_args).
 
     paged-hf serve --tensor-parallel-size 2 ...     # relaunches itself under torchrun (one node)
     paged-hf serve --pipeline-parallel-size 2 ...   # the same, the layers split into 2 stages
+    paged-hf serve -pp 2 -tp 2 ...                  # 2 stages of 2 tensor-parallel ranks each: 4 ranks
     torchrun --nproc-per-node 2 -m paged_hf serve ...  # the same; torchrun's flags for several nodes
     paged-hf serve --replicas 2 ...                 # replicas on Ray Serve, routed by prefix and adapter
 """
@@ -25,8 +26,6 @@ def serve_scaled(args: argparse.Namespace) -> int | None:
     for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.tensor_parallel_size > 1 and args.pipeline_parallel_size > 1:
-        raise ValueError("--tensor-parallel-size with --pipeline-parallel-size is not served yet: give one or the other")
     if args.replicas < 0:
         raise ValueError(f"--replicas must be >= 0, got {args.replicas}")
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or under_torchrun():

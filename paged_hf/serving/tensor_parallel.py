@@ -1,7 +1,8 @@
 """`paged-hf serve` with tensor or pipeline parallelism: rank 0 serves HTTP, the other ranks mirror its engine.
 
 Under torchrun (`torchrun --nproc-per-node N -m paged_hf serve ...`) every rank loads its shard
-(`tp_plan="auto"`), or with `--pipeline-parallel-size N` its stage's layers (loader/pipeline_stage.py), and
+(`tp_plan="auto"`), or with `--pipeline-parallel-size N` its stage's layers (loader/pipeline_stage.py; with
+`--tensor-parallel-size T` too, N stages of T ranks, each rank its slice of its stage: loader/stage_shards.py), and
 builds the same engine; rank 0 wraps it in a `LockstepGenerator` and serves the app, the others `follow()` (see
 lockstep.py). `--tensor-parallel-size N` outside torchrun re-executes the same command under torchrun with N local
 ranks (as `--pipeline-parallel-size N` does). A rank that fails ends the whole server with an error and exit
@@ -31,12 +32,12 @@ FAILURE_EXIT_S = 10.0
 def serve_tensor_parallel(args: argparse.Namespace) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     pipeline = args.pipeline_parallel_size > 1
-    size = args.pipeline_parallel_size if pipeline else args.tensor_parallel_size
+    size = args.pipeline_parallel_size * args.tensor_parallel_size
     if world_size == 1:
         _relaunch_under_torchrun(args, size)  # does not return
     if size not in (1, world_size):
-        flag = "--pipeline-parallel-size" if pipeline else "--tensor-parallel-size"
-        raise ValueError(f"{flag} {size} does not match torchrun's {world_size} ranks")
+        raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size} x --tensor-parallel-size "
+                         f"{args.tensor_parallel_size} = {size} ranks does not match torchrun's {world_size}")
     _init_process_group(args.device)
     group = control_group()
     from paged_hf.serving.openai.engine_loop import reserve_torch_threads  # noqa: PLC0415 - optional: fastapi
@@ -44,8 +45,7 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
     rank = dist.get_rank()
     # rank 0 steps on its engine thread (as `paged-hf serve`), the other ranks on their main thread
     engine_threads = reserve_torch_threads() if rank == 0 else None
-    model, tokenizer, generator = load_engine(
-        args, **({"pipeline_stage": (rank, world_size)} if pipeline else {"tp_plan": "auto"}))
+    model, tokenizer, generator = load_engine(args, **_shard_of(args, rank, world_size))
     if rank != 0:
         try:
             follow(generator, group)
@@ -57,7 +57,8 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
     lockstep = LockstepGenerator(generator, group)
     server = make_server(args, build_app(args, model, tokenizer, lockstep, engine_threads))
     lockstep.on_failure = lambda exc: _end_server(server, exc)  # the server is built around lockstep
-    kind = f"pipeline parallel ({world_size} stages)" if pipeline else "tensor parallel"
+    kind = (f"pipeline parallel ({args.pipeline_parallel_size} stages of {world_size // args.pipeline_parallel_size} "
+            "ranks)" if pipeline else "tensor parallel")
     print(f"paged-hf serve: {kind} over {world_size} ranks ({dist.get_backend()})", file=sys.stderr)
     server.run()
     lockstep.close()
@@ -65,6 +66,17 @@ def serve_tensor_parallel(args: argparse.Namespace) -> int:
         os._exit(1)
     dist.destroy_process_group()
     return 0
+
+
+def _shard_of(args: argparse.Namespace, rank: int, world_size: int) -> dict:
+    """`load_model`'s arguments for this rank: its pipeline stage (a run of the layers; with tensor parallelism
+    too, stages are the outer split: ranks 0..T-1 hold stage 0), else transformers' tensor-parallel shard. Under a
+    plain torchrun (no size flag) every rank is a tensor-parallel rank."""
+    if args.pipeline_parallel_size == 1:
+        return {"tp_plan": "auto"}
+    ranks_per_stage = world_size // args.pipeline_parallel_size
+    shard = {"pipeline_stage": (rank // ranks_per_stage, args.pipeline_parallel_size)}
+    return {**shard, "tp_plan": "auto"} if ranks_per_stage > 1 else shard
 
 
 def _relaunch_under_torchrun(args: argparse.Namespace, size: int) -> None:
