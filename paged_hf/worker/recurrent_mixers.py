@@ -9,7 +9,8 @@ of a step (many requests' tokens one after the other) must not reach it whole. I
 and the outputs are put back in row order. (A mixer whose multi-token path ignores the state, as Mamba's
 selective scan does, computes continuing chunks token by token in lockstep with the decodes instead.) Each call sees a `StateView` of its slots (worker/recurrent_state.py)
 in place of the paged cache. Mixers are found by what their code calls: the cache's state API
-(`update_conv_state`, `update_recurrent_state`, ...), on a module with a `layer_idx` of a state layer.
+(`update_conv_state`, `update_recurrent_state`, ...), on a module with a `layer_idx` of a state layer; a block
+that keeps its states on itself (RecurrentGemma's) has them put on it around each call (worker/module_states.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from paged_hf.integrations.transformers import UnservedAttention
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
 from paged_hf.worker.recurrence_kernels import RecurrenceKernels
+from paged_hf.worker.module_states import ModuleStates, module_state_blocks
 from paged_hf.worker.recurrent_state import RecurrentStates, StateView
 
 STATE_CALLS = frozenset({"get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
@@ -75,9 +77,11 @@ class MixerStandIn(StandIn):
     a continuing prompt chunk in one call (the mixer's chunked path starts from its state), else token by
     token in lockstep with the decodes (for a mixer whose multi-token path starts from no state: Mamba's)."""
 
-    def __init__(self, original: torch.nn.Module, mode: RecurrentMixers):
+    def __init__(self, original: torch.nn.Module, mode: RecurrentMixers,
+                 own_states: tuple[int, ModuleStates] | None = None):
         super().__init__(original)
         object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "own_states", own_states)  # (layer_idx, states) of a block that keeps its own
 
     def forward(self, *args, **kwargs):
         args, kwargs = list(args), dict(kwargs)
@@ -118,7 +122,11 @@ class MixerStandIn(StandIn):
         call_kwargs = {k: None if k == "attention_mask" else pick(v) for k, v in kwargs.items()}
         if not args:
             call_kwargs["hidden_states"] = hidden
+        if self.own_states is not None:
+            self.own_states[1].load(view, self.own_states[0])
         output = self.original(*call_args, **call_kwargs)
+        if self.own_states is not None:
+            self.own_states[1].store(view, self.own_states[0])
         view.write_back()
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             return output
@@ -165,9 +173,13 @@ class RecurrentMixers(ModuleSwaps):
         if states is None:
             return
         layers = states.layer_indices
+        own = {id(block): layer_idx for layer_idx, block in module_state_blocks(model).items() if layer_idx in layers}
         for parent in model.modules():
             for name, child in parent._modules.items():
-                if child is not None and getattr(child, "layer_idx", None) in layers and calls_state_api(child):
+                if child is not None and id(child) in own:
+                    self.sites.append((parent, name, child,
+                                       MixerStandIn(child, self, (own[id(child)], ModuleStates(child)))))
+                elif child is not None and getattr(child, "layer_idx", None) in layers and calls_state_api(child):
                     self.sites.append((parent, name, child, MixerStandIn(child, self)))
         self.kernels = RecurrenceKernels([original for _, _, original, _ in self.sites])
 

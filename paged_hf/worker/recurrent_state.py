@@ -118,6 +118,10 @@ class StateView:
         self._write(pool, full[..., -kernel:])
         return full
 
+    def put_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0) -> None:
+        """The call's convolution states as they are (a block that keeps its own: worker/module_states.py)."""
+        self._write(self._tensor(self.states.conv, layer_idx, state_idx), conv_states)
+
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
         pool = self._tensor(self.states.recurrent, layer_idx, state_idx)

@@ -30,7 +30,6 @@ NOT_SERVED = {
     "inkling2_loop_text": "position_bias",
     "qwen4_exp": "indexed sparse attention",
     "qwen4_exp_text": "indexed sparse attention",
-    "recurrent_gemma": "own cache code",  # states kept on its modules, not in the transformers cache
     "rwkv": "own cache code",
     "xlstm": "its forward fails",  # its own rnn_state cache
 }
