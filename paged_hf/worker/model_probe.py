@@ -29,7 +29,7 @@ from transformers.cache_utils import (
 from paged_hf.integrations.transformers import eager_attention
 from paged_hf.loader.pipeline_stage import absent_layers, stage_of
 from paged_hf.worker.attention_switch import AttentionSwitch
-from paged_hf.worker.module_states import read_module_state_layers
+from paged_hf.worker.module_states import read_own_state_layers
 from paged_hf.worker.own_attention import OwnAttentions
 from paged_hf.worker.recurrent_state import StateLayer, read_state_layers
 
@@ -97,8 +97,8 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
                                     f"implementation ({type(exc).__name__}: {exc}); a model that computes attention "
                                     "with its own code is not served") from exc
     returned = _returned_cache(output)
-    own_state_layers = read_module_state_layers(model)  # states a block keeps on itself (RecurrentGemma's)
-    if returned is not cache and not (returned is None and own_state_layers and updates):
+    own_state_layers = read_own_state_layers(model)  # states kept outside the cache (RecurrentGemma's, RWKV's)
+    if returned is not cache and not (returned is None and own_state_layers):
         raise UnsupportedModelError(f"{model_name(model)} does not keep its K/V in the transformers cache it is "
                                     "given (own cache code or none)")
     state_layers = read_state_layers(cache) + own_state_layers

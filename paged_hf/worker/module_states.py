@@ -1,81 +1,132 @@
-"""Recurrent layers that keep their states on their own modules, not in the transformers cache.
+"""Recurrent layers that keep their states outside the transformers cache: on their own modules, or in a list the
+model's forward hands from layer to layer.
 
-RecurrentGemma (Griffin) is a hybrid whose attention layers write the cache it is given, while each recurrent
-block keeps its convolution's last inputs (`conv1d_state`) and its RG-LRU's state (`rg_lru.recurrent_states`) as
-attributes of its modules, one row per batch row. The engine keeps those states in its state slots like any
-hybrid's (worker/recurrent_state.py: the convolution state as a layer's conv state, the RG-LRU's as its recurrent
-one) and, around each call of the block's own forward, puts the call's rows on the modules and takes them back
-after it (`ModuleStates`, used by worker/recurrent_mixers.py). A block's fresh prompt starts from no state (the
-block zero-fills it, as in HF's own generate); its multi-token path starts from no state, so the engine probe runs
-continuing chunks token by token. The layer index of a block is its decoder layer's.
+- RecurrentGemma (Griffin): its attention layers write the cache they are given, while each recurrent block keeps
+  its convolution's last inputs (`conv1d_state`) and its RG-LRU's state (`rg_lru.recurrent_states`) as attributes
+  of its modules, one row per batch row (`ModuleAttributes`).
+- RWKV: no cache at all; the model's forward builds five tensors [batch, hidden, layers] and each block reads and
+  writes its own column (the attention's and the feed-forward's token shifts, the WKV numerator, denominator and
+  running maximum) (`StateArgument`).
+
+The engine keeps these states in its state slots like any hybrid's (worker/recurrent_state.py) and, around each
+call of the block's own forward (worker/recurrent_mixers.py), hands the call's rows to the block the way its own
+code reads them and takes them back after it. A fresh prompt starts from the block's own initial state. The
+blocks are found by class (OWN_STATES); their layer index is their `layer_id`, else their decoder layer's.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from paged_hf.worker.recurrent_state import StateLayer, StateView
 
-#: module class name -> the attribute paths of its states: (convolution state, recurrent state)
-MODULE_STATES: dict[str, tuple[str, str]] = {
-    "RecurrentGemmaRecurrentBlock": ("conv1d_state", "rg_lru.recurrent_states"),
-}
 
+class ModuleAttributes:
+    """A block whose states are attributes of its modules (RecurrentGemma's recurrent block): the convolution
+    state (conv state 0) and the RG-LRU's (recurrent state 0); None on the block makes it start from zeros."""
 
-def module_state_blocks(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """Decoder layer index -> the module in it that keeps states on itself (MODULE_STATES), for models with any."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    blocks = {}
-    for layer_idx, layer in enumerate(layers if isinstance(layers, torch.nn.ModuleList) else ()):
-        for module in layer.modules():
-            if type(module).__name__ in MODULE_STATES:
-                blocks[layer_idx] = module
-    return blocks
+    paths = ("conv1d_state", "rg_lru.recurrent_states")
+    batches = True  # its one-token path takes a batch of sequences
 
+    def __init__(self, block: torch.nn.Module, layer_idx: int):
+        self.block, self.layer_idx = block, layer_idx
 
-def read_module_state_layers(model: torch.nn.Module) -> list[StateLayer]:
-    """The state layers of the blocks that keep states on themselves, after one forward of a single sequence
-    (their attributes then hold one row each), which are then cleared (the user's model keeps none of ours)."""
-    layers = []
-    for layer_idx, block in module_state_blocks(model).items():
-        conv, recurrent = (_get(block, path) for path in MODULE_STATES[type(block).__name__])
+    def state_layer(self) -> StateLayer | None:
+        """After one forward of a single sequence: the states' shapes, then cleared (the model keeps none)."""
+        conv, recurrent = (_get(self.block, path) for path in self.paths)
+        self._set(None, None)
         if not isinstance(conv, torch.Tensor) or not isinstance(recurrent, torch.Tensor):
-            continue  # this forward kept no state (a pipeline stage's absent layer)
-        layers.append(StateLayer(layer_idx, conv.device, [(tuple(conv.shape[1:]), conv.dtype)],
-                                 [(tuple(recurrent.shape[1:]), recurrent.dtype)]))
-        ModuleStates(block).clear()
-    return layers
+            return None
+        return StateLayer(self.layer_idx, conv.device, [(tuple(conv.shape[1:]), conv.dtype)],
+                          [(tuple(recurrent.shape[1:]), recurrent.dtype)])
 
+    def load(self, view: StateView, args: list, kwargs: dict) -> None:
+        self._set(view.get_conv_state(self.layer_idx), view.get_recurrent_state(self.layer_idx))
 
-@dataclass
-class ModuleStates:
-    """The states of one block that keeps them on itself, as a call's `StateView` gives them."""
-
-    block: torch.nn.Module
-
-    def load(self, view: StateView, layer_idx: int) -> None:
-        """The call's rows onto the block: a continuing call's states, or none (the block starts from zeros)."""
-        conv = view.get_conv_state(layer_idx)
-        recurrent = view.get_recurrent_state(layer_idx)
-        self._set(conv, recurrent)
-
-    def store(self, view: StateView, layer_idx: int) -> None:
-        """The block's states after the call back into the call's slots; the block keeps none."""
-        conv_path, recurrent_path = MODULE_STATES[type(self.block).__name__]
-        view.put_conv_state(_get(self.block, conv_path), layer_idx)
-        view.update_recurrent_state(_get(self.block, recurrent_path), layer_idx)
-        self.clear()
-
-    def clear(self) -> None:
+    def store(self, view: StateView, output) -> None:
+        conv, recurrent = (_get(self.block, path) for path in self.paths)
+        view.put_conv_state(conv, self.layer_idx)
+        view.update_recurrent_state(recurrent, self.layer_idx)
         self._set(None, None)
 
     def _set(self, conv: torch.Tensor | None, recurrent: torch.Tensor | None) -> None:
-        for path, value in zip(MODULE_STATES[type(self.block).__name__], (conv, recurrent)):
+        for path, value in zip(self.paths, (conv, recurrent)):
             owner_path, _, name = path.rpartition(".")
             setattr(self.block.get_submodule(owner_path) if owner_path else self.block, name, value)
+
+
+class StateArgument:
+    """A block that reads and writes its column of the `state` list its forward is given (RWKV's: five tensors
+    [batch, hidden, layers]; the last three in float32, the running maximum starting at -1e30). The call gets
+    tensors whose every column is the call's rows of this layer (stride 0 along the layers), so the block's
+    reads and writes of its own column land in them. Its one-token path broadcasts a batch of B sequences to
+    B x B rows (the token shift it reads is [B, hidden], the hidden states [B, 1, hidden]; transformers' own
+    batched generate has the same fault), so each sequence is a call of its own."""
+
+    batches = False
+
+    def __init__(self, block: torch.nn.Module, layer_idx: int):
+        self.block, self.layer_idx = block, layer_idx
+        self._state: list[torch.Tensor] = []
+
+    def state_layer(self) -> StateLayer:
+        hidden, dtype = self.block.ln1.normalized_shape[0], self.block.ln1.weight.dtype
+        dtypes = (dtype, dtype, torch.float32, torch.float32, torch.float32)
+        return StateLayer(self.layer_idx, self.block.ln1.weight.device, [],
+                          [((hidden,), state_dtype) for state_dtype in dtypes])
+
+    def load(self, view: StateView, args: list, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden"]
+        layers = self._num_layers(kwargs)
+        rows = []
+        for index in range(5):
+            row = view.get_recurrent_state(self.layer_idx, index)
+            if row is None:  # a fresh prompt: the model's own initial state
+                shape = view.states.recurrent[self.layer_idx][index].shape[1:]
+                row = torch.zeros(hidden.shape[0], *shape, dtype=view.states.recurrent[self.layer_idx][index].dtype,
+                                  device=hidden.device)
+                if index == 4:
+                    row -= 1e30
+            row = row.clone()  # the block writes its column in place
+            rows.append(row)
+        self._state = rows
+        kwargs["state"] = [row[..., None].expand(*row.shape, layers) for row in rows]
+        kwargs["use_cache"] = True  # else the block does not write its WKV state back
+
+    def store(self, view: StateView, output) -> None:
+        for index, row in enumerate(self._state):
+            view.update_recurrent_state(row, self.layer_idx, index)
+        self._state = []
+
+    def _num_layers(self, kwargs: dict) -> int:
+        state = kwargs.get("state")
+        return state[0].shape[-1] if state else self.layer_idx + 1
+
+
+OwnStates = ModuleAttributes | StateArgument
+#: block class name -> how its states are kept
+OWN_STATES: dict[str, type[OwnStates]] = {"RecurrentGemmaRecurrentBlock": ModuleAttributes, "RwkvBlock": StateArgument}
+
+
+def own_state_blocks(model: torch.nn.Module) -> dict[int, OwnStates]:
+    """Layer index -> the states' keeper of each block of `model` that keeps its states outside the cache."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    decoder_layer = {id(m): i for i, layer in enumerate(layers if isinstance(layers, torch.nn.ModuleList) else ())
+                     for m in layer.modules()}
+    blocks = {}
+    for module in model.modules():
+        keeper = OWN_STATES.get(type(module).__name__)
+        layer_idx = getattr(module, "layer_id", decoder_layer.get(id(module)))
+        if keeper is not None and layer_idx is not None:
+            blocks[layer_idx] = keeper(module, layer_idx)
+    return blocks
+
+
+def read_own_state_layers(model: torch.nn.Module) -> list[StateLayer]:
+    """The state layers of the blocks that keep their states outside the cache (after one forward)."""
+    layers = [keeper.state_layer() for keeper in own_state_blocks(model).values()]
+    return [layer for layer in layers if layer is not None]
 
 
 def _get(module: torch.nn.Module, path: str):

@@ -10,7 +10,8 @@ and the outputs are put back in row order. (A mixer whose multi-token path ignor
 selective scan does, computes continuing chunks token by token in lockstep with the decodes instead.) Each call sees a `StateView` of its slots (worker/recurrent_state.py)
 in place of the paged cache. Mixers are found by what their code calls: the cache's state API
 (`update_conv_state`, `update_recurrent_state`, ...), on a module with a `layer_idx` of a state layer; a block
-that keeps its states on itself (RecurrentGemma's) has them put on it around each call (worker/module_states.py).
+that keeps its states outside the cache (RecurrentGemma's, RWKV's) gets them around each call the way its own code
+reads them (worker/module_states.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_hf.integrations.transformers import UnservedAttention
+from paged_hf.integrations.transformers import UnservedAttention, step_cache
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
 from paged_hf.worker.recurrence_kernels import RecurrenceKernels
-from paged_hf.worker.module_states import ModuleStates, module_state_blocks
+from paged_hf.worker.module_states import OwnStates, own_state_blocks
 from paged_hf.worker.recurrent_state import RecurrentStates, StateView
 
 STATE_CALLS = frozenset({"get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
@@ -77,11 +78,10 @@ class MixerStandIn(StandIn):
     a continuing prompt chunk in one call (the mixer's chunked path starts from its state), else token by
     token in lockstep with the decodes (for a mixer whose multi-token path starts from no state: Mamba's)."""
 
-    def __init__(self, original: torch.nn.Module, mode: RecurrentMixers,
-                 own_states: tuple[int, ModuleStates] | None = None):
+    def __init__(self, original: torch.nn.Module, mode: RecurrentMixers, own_states: OwnStates | None = None):
         super().__init__(original)
         object.__setattr__(self, "mode", mode)
-        object.__setattr__(self, "own_states", own_states)  # (layer_idx, states) of a block that keeps its own
+        object.__setattr__(self, "own_states", own_states)  # a block's that keeps them outside the cache
 
     def forward(self, *args, **kwargs):
         args, kwargs = list(args), dict(kwargs)
@@ -89,7 +89,7 @@ class MixerStandIn(StandIn):
         step: RecurrentStep = cache.recurrent_step
         hidden = args[0] if args else kwargs["hidden_states"]  # [1, num_tokens, hidden]
         pieces = []  # (rows of the packed row, the call's outputs)
-        for rows, slots in step.lockstep(self.mode.whole_chunks):
+        for rows, slots in self._calls(step):
             if len(slots) == 1:  # one sequence: its rows as [1, tokens, hidden]
                 select = lambda t, rows=rows: t[:, rows[0]: rows[-1] + 1]  # noqa: E731
             else:  # one token of each sequence: [batch, 1, hidden]
@@ -109,6 +109,17 @@ class MixerStandIn(StandIn):
                            if all(_per_call_token(output[i], len(rows)) for rows, output in pieces) else None
                            for i in range(len(first)))
 
+    def _calls(self, step: RecurrentStep) -> list[tuple[list[int], list[int]]]:
+        """(rows, slots) of the calls over continuing queries; a block whose one-token path reads a batch wrongly
+        (RWKV's) gets one sequence a call."""
+        calls = step.lockstep(self.mode.whole_chunks)
+        if self.own_states is None or self.own_states.batches:
+            return calls
+        split = []
+        for rows, slots in calls:  # a batch holds one row of each sequence; a longer call is one sequence
+            split += [([row], [slot]) for row, slot in zip(rows, slots)] if len(slots) > 1 else [(rows, slots)]
+        return split
+
     def _call(self, args, kwargs, cache, hidden, slots, continuing, select):
         """The original mixer on `hidden` [batch, tokens, hidden] with a view of `slots`; per-token tensors of
         the packed row among its other arguments are selected the same way (`select`)."""
@@ -123,10 +134,10 @@ class MixerStandIn(StandIn):
         if not args:
             call_kwargs["hidden_states"] = hidden
         if self.own_states is not None:
-            self.own_states[1].load(view, self.own_states[0])
+            self.own_states.load(view, call_args, call_kwargs)
         output = self.original(*call_args, **call_kwargs)
         if self.own_states is not None:
-            self.own_states[1].store(view, self.own_states[0])
+            self.own_states.store(view, output)
         view.write_back()
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             return output
@@ -154,7 +165,9 @@ def _per_token(value, num_tokens: int) -> bool:
 
 
 def _paged_cache_in(args: list, kwargs: dict):
-    for value in (*args, *kwargs.values()):
+    """The step's paged cache: among the call's arguments, else the step's own (a block the model's forward hands
+    no cache, as RWKV's)."""
+    for value in (*args, *kwargs.values(), step_cache()):
         if getattr(value, "recurrent_step", None) is not None:
             return value
     raise UnservedAttention("a recurrent mixer was called without the paged cache")
@@ -173,12 +186,11 @@ class RecurrentMixers(ModuleSwaps):
         if states is None:
             return
         layers = states.layer_indices
-        own = {id(block): layer_idx for layer_idx, block in module_state_blocks(model).items() if layer_idx in layers}
+        own = {id(keeper.block): keeper for layer_idx, keeper in own_state_blocks(model).items() if layer_idx in layers}
         for parent in model.modules():
             for name, child in parent._modules.items():
                 if child is not None and id(child) in own:
-                    self.sites.append((parent, name, child,
-                                       MixerStandIn(child, self, (own[id(child)], ModuleStates(child)))))
+                    self.sites.append((parent, name, child, MixerStandIn(child, self, own[id(child)])))
                 elif child is not None and getattr(child, "layer_idx", None) in layers and calls_state_api(child):
                     self.sites.append((parent, name, child, MixerStandIn(child, self)))
         self.kernels = RecurrenceKernels([original for _, _, original, _ in self.sites])
