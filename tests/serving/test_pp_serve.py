@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
-import torch
 from serve_process import MODEL, ServerProcess, complete_greedy, kill_rank_mid_stream, save_tiny_model
-from test_tp_serve import FLAGS, PROMPTS  # the same prompts and flags as tensor parallelism's
-from tiny_server import serving
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from test_tp_serve import (FLAGS, PROMPTS,  # the same prompts, flags and checks as tensor parallelism's
+                           send_bad_input_and_abandon_a_stream, single_process_texts)
+from transformers import AutoModelForCausalLM
 
-import paged_hf
 from paged_hf.integrations.peft import save_random_adapter
-from paged_hf.serving.openai import create_app
 
 
 
@@ -42,18 +38,9 @@ def _all_texts(url: str) -> list[str]:
 
 def test_pipeline_server_gives_single_process_greedy_tokens(pp_server):
     folder, adapter, server = pp_server
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
-    generator = paged_hf.wrap(model, AutoTokenizer.from_pretrained(folder), num_blocks=256, max_model_len=512,
-                              max_num_batched_tokens=8, adapters={"tuned": adapter}).generator
-    with serving(create_app(generator, generator.tokenizer, MODEL)) as url:
-        expected = _all_texts(url)
-    assert all(text.strip() for text in expected)
+    expected = single_process_texts(folder, _all_texts, adapters={"tuned": adapter})
     assert expected[:8] != expected[8:]  # the adapter changes the answers
-    too_long = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "the " * 600}, timeout=60)
-    assert too_long.status_code == 400, too_long.text
-    body = {"model": MODEL, "prompt": "the a of", "max_tokens": 300, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-        assert next(response.iter_lines()).startswith("data: ")  # then abandoned: its abort reaches both stages
+    send_bad_input_and_abandon_a_stream(server.url)
     assert _all_texts(server.url) == expected
 
 
