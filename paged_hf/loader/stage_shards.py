@@ -44,11 +44,10 @@ class RowwiseShard(torch.nn.Linear):
 
 
 def tensor_group(stage_index: int, stage_count: int, size: int):
-    """The gloo group of stage `stage_index`'s `size` ranks (global ranks index * size .. + size - 1: the pipeline
-    is the outer dimension, as in transformers' device mesh). A collective: every rank makes every stage's group,
-    in the same order."""
-    groups = [dist.new_group(list(range(stage * size, (stage + 1) * size)), backend="gloo")
-              for stage in range(stage_count)]
+    """The group of stage `stage_index`'s `size` ranks (global ranks index * size .. + size - 1: the pipeline is
+    the outer dimension, as in transformers' device mesh), on the default backend (gloo on CPU, NCCL on GPUs: the
+    all-reduces run on the hidden states' device). A collective: every rank makes every stage's group, in order."""
+    groups = [dist.new_group(list(range(stage * size, (stage + 1) * size))) for stage in range(stage_count)]
     return groups[stage_index]
 
 
