@@ -82,13 +82,13 @@ class PipelineStep(EngineStep):
         return bool(self.in_flight)
 
     def _launch(self, out) -> MicroBatch:
-        logits, inputs = self.runner.run(out)  # None before the last stage (its hidden states went on)
+        logits, inputs = self.runner.run(out)  # None on every rank but the sampling one
         for scheduled in out.scheduled:
             self.scheduler.advance(scheduled)
         batch = MicroBatch([scheduled.request for scheduled in inputs.sampled])
         for request in batch.sampled:
             request.in_flight = True
-        if logits is not None and self.links.samples:  # the last stage's other tensor ranks receive it
+        if logits is not None:  # the sampling rank's (the others receive the result when the batch completes)
             batch.result = self._sample_result(batch.sampled, logits, inputs)
             self.links.send_result(batch.result)
         return batch

@@ -292,12 +292,12 @@ def load_model(
     from paged_hf.loader.quantized import load_quantized_model, quantization_config  # noqa: PLC0415
 
     if pipeline_stage is not None:
+        import torch.distributed as dist  # noqa: PLC0415
+
         from paged_hf.loader.pipeline_stage import load_stage  # noqa: PLC0415
 
         index, count = pipeline_stage
-        import torch.distributed as dist  # noqa: PLC0415
-
-        tp_size = dist.get_world_size() // count if tp_plan is not None else 1
+        tp_size = dist.get_world_size() // count if tp_plan is not None else 1  # the stages share the ranks evenly
         model = load_stage(source, dtype, device, index, count, tp_size=tp_size)
     elif quantization_config(source) is not None:  # served on its own integers (docs/quantization.md)
         if tp_plan is not None:

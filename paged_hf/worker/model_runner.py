@@ -114,12 +114,14 @@ class ModelRunner:
         return {"inputs_embeds": hidden[None]}
 
     def _call_model(self, kwargs: dict) -> torch.Tensor | None:
-        """The logits rows; a pipeline stage before the last hands its hidden states on and returns None."""
-        if self.links is None or self.links.stage.is_last:
+        """The logits rows; a pipeline rank that does not sample runs the decoder only and returns None: before the
+        last stage it hands its hidden states on, on the last stage (its other tensor ranks) no LM head runs."""
+        if self.links is None or self.links.samples:
             return self.model(**kwargs).logits[0]
         kwargs.pop("logits_to_keep", None)
         hidden = self.model.get_decoder()(**kwargs).last_hidden_state[0]  # [num_tokens, hidden_size]
-        self.links.send_hidden(hidden)
+        if not self.links.stage.is_last:
+            self.links.send_hidden(hidden)
         return None
 
     def _lora_step(self, adapter_slots: torch.Tensor | None):

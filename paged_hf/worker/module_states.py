@@ -76,31 +76,25 @@ class StateArgument:
                           [((hidden,), state_dtype) for state_dtype in dtypes])
 
     def load(self, view: StateView, args: list, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs["hidden"]
-        layers = self._num_layers(kwargs)
+        """The call's rows (the view's: the block's in-place writes go to them, and `store` puts them back), a
+        fresh prompt's the model's initial state; as `layer_idx + 1` columns, of which the block reads its own."""
+        batch = (args[0] if args else kwargs["hidden"]).shape[0]
         rows = []
         for index in range(5):
             row = view.get_recurrent_state(self.layer_idx, index)
-            if row is None:  # a fresh prompt: the model's own initial state
-                shape = view.states.recurrent[self.layer_idx][index].shape[1:]
-                row = torch.zeros(hidden.shape[0], *shape, dtype=view.states.recurrent[self.layer_idx][index].dtype,
-                                  device=hidden.device)
-                if index == 4:
-                    row -= 1e30
-            row = row.clone()  # the block writes its column in place
+            if row is None:  # a fresh prompt
+                pool = view.states.recurrent[self.layer_idx][index]
+                row = torch.full((batch, *pool.shape[1:]), -1e30 if index == 4 else 0.0, dtype=pool.dtype,
+                                 device=pool.device)
             rows.append(row)
         self._state = rows
-        kwargs["state"] = [row[..., None].expand(*row.shape, layers) for row in rows]
+        kwargs["state"] = [row[..., None].expand(*row.shape, self.layer_idx + 1) for row in rows]
         kwargs["use_cache"] = True  # else the block does not write its WKV state back
 
     def store(self, view: StateView, output) -> None:
         for index, row in enumerate(self._state):
             view.update_recurrent_state(row, self.layer_idx, index)
         self._state = []
-
-    def _num_layers(self, kwargs: dict) -> int:
-        state = kwargs.get("state")
-        return state[0].shape[-1] if state else self.layer_idx + 1
 
 
 OwnStates = ModuleAttributes | StateArgument
