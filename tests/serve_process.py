@@ -72,8 +72,22 @@ class ServerProcess:
         self.process.wait(30)
 
     def _kill(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        """The server and every process it started: torchrun's ranks run in sessions of their own, so killing the
+        server's process group alone would leave them serving (and holding memory) after the test."""
+        if self.process.poll() is not None:
+            return
+        import psutil  # noqa: PLC0415 - the bench extra
+
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        os.killpg(self.process.pid, signal.SIGKILL)
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def complete_greedy(url: str, model: str, prompt: str, stream: bool, max_tokens: int = 12) -> str:
