@@ -37,7 +37,7 @@ def verify_engine(runner) -> None:
     prompts = [torch.randint(vocab_size // 4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
     try:
         with _without_activation_rounding(model):
-            with torch.inference_mode():
+            with torch.inference_mode(), runner.recurrent_mixers.uncut_rows:  # each prompt in one piece, as a step
                 reference = [_own_forward(model, prompt, runner.info.input_device) for prompt in prompts]
             mismatch = _probe_engine(runner, prompts, reference)
             mixers = runner.recurrent_mixers

@@ -29,7 +29,7 @@ from transformers.cache_utils import (
 from paged_hf.integrations.transformers import eager_attention
 from paged_hf.loader.pipeline_stage import absent_layers, stage_of
 from paged_hf.worker.attention_switch import AttentionSwitch
-from paged_hf.worker.module_states import read_own_state_layers
+from paged_hf.worker.module_states import STATE_CACHES, read_own_state_layers
 from paged_hf.worker.own_attention import OwnAttentions
 from paged_hf.worker.recurrent_state import StateLayer, read_state_layers
 
@@ -120,11 +120,14 @@ def _probe_inputs(model: torch.nn.Module, config, device: torch.device) -> dict:
 
 def own_cache_class(model: torch.nn.Module) -> type[DynamicCache] | None:
     """The cache class a model's forward insists on, where its modeling module defines one (MiniMax's
-    `MiniMaxCache`, which keeps its lightning attention's states beside the K/V layers); None for the others."""
+    `MiniMaxCache`, which keeps its lightning attention's states beside the K/V layers; for xLSTM's `xLSTMCache`,
+    no DynamicCache, the class that answers its forward's reads: module_states.STATE_CACHES); None for the others."""
     module = sys.modules.get(type(model).__module__)
     for value in vars(module).values() if module is not None else ():
         if isinstance(value, type) and issubclass(value, DynamicCache) and value.__module__ == module.__name__:
             return value
+        if isinstance(value, type) and value.__module__ == module.__name__ and value.__name__ in STATE_CACHES:
+            return STATE_CACHES[value.__name__]
     return None
 
 

@@ -7,6 +7,9 @@ model's forward hands from layer to layer.
 - RWKV: no cache at all; the model's forward builds five tensors [batch, hidden, layers] and each block reads and
   writes its own column (the attention's and the feed-forward's token shifts, the WKV numerator, denominator and
   running maximum) (`StateArgument`).
+- xLSTM: each block takes its mLSTM's states (the matrix memory C, the normalizer n, the running maximum m) as its
+  second argument and returns the new ones beside its output; the model's forward reads them from its own
+  `xLSTMCache.rnn_state` (`StatePair`; the paged cache answers those reads: `RnnStateCache`).
 
 The engine keeps these states in its state slots like any hybrid's (worker/recurrent_state.py) and, around each
 call of the block's own forward (worker/recurrent_mixers.py), hands the call's rows to the block the way its own
@@ -16,7 +19,10 @@ blocks are found by class (OWN_STATES); their layer index is their `layer_id`, e
 
 from __future__ import annotations
 
+import sys
+
 import torch
+from transformers import DynamicCache
 
 from paged_hf.worker.recurrent_state import StateLayer, StateView
 
@@ -97,15 +103,89 @@ class StateArgument:
         self._state = []
 
 
-OwnStates = ModuleAttributes | StateArgument
+class StatePair:
+    """A block called as `block(hidden, state) -> (hidden, state)`, `state` a tuple of per-sequence tensors or None
+    (xLSTM's: C [heads, qk, v], n [heads, qk], m [heads, 1]), kept in the model's dtype, as transformers' own
+    cache keeps them. A fresh prompt starts from zeros, as transformers' generate does (its cache starts zeroed)."""
+
+    batches = True
+
+    def __init__(self, block: torch.nn.Module, layer_idx: int):
+        self.block, self.layer_idx = block, layer_idx
+
+    def state_layer(self) -> StateLayer:
+        config = self.block.config
+        heads, qk, v = config.num_heads, config.qk_head_dim, config.v_head_dim
+        weight = self.block.norm_mlstm.weight
+        return StateLayer(self.layer_idx, weight.device, [],
+                          [((heads, qk, v), weight.dtype), ((heads, qk), weight.dtype), ((heads, 1), weight.dtype)])
+
+    def load(self, view: StateView, args: list, kwargs: dict) -> None:
+        batch = (args[0] if args else kwargs["x"]).shape[0]
+        state = []
+        for index, pool in enumerate(view.states.recurrent[self.layer_idx]):
+            row = view.get_recurrent_state(self.layer_idx, index)
+            state.append(pool.new_zeros(batch, *pool.shape[1:]) if row is None else row)
+        kwargs.pop("state", None)
+        del args[1:]
+        args.append(tuple(state))
+
+    def store(self, view: StateView, output) -> None:
+        for index, state in enumerate(output[1]):
+            view.update_recurrent_state(state, self.layer_idx, index)
+
+
+class RnnStateCache(DynamicCache):
+    """The reads a model whose forward keeps its blocks' states in `cache.rnn_state` (xLSTM's) makes of its cache:
+    no layer's state (each block's keeper hands it its rows) and a sequence offset nothing reads back. The paged
+    cache, which holds no attention layers for such a model, is empty (falsy), so the model writes nothing back."""
+
+    class _NoStates(dict):
+        def __missing__(self, layer_idx: int) -> None:
+            return None
+
+    rnn_state = _NoStates()
+
+    @property
+    def seqlen_offset(self) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.long)
+
+    @seqlen_offset.setter
+    def seqlen_offset(self, value: torch.Tensor) -> None:
+        pass  # positions come from the step
+
+
+class UncutRows:
+    """xLSTM's forward cuts an input longer than its config's `max_inference_chunksize` into pieces, each through
+    every block, which would cut a step's packed row in the middle of a request: within a step the limit is lifted
+    (the engine's token budget bounds a step; the recurrence is the same math cut or not)."""
+
+    def __init__(self, model: torch.nn.Module):
+        config = getattr(model, "config", None)
+        self.config = config if hasattr(config, "max_inference_chunksize") else None
+        self._limit = None
+
+    def __enter__(self) -> None:
+        if self.config is not None:
+            self._limit, self.config.max_inference_chunksize = self.config.max_inference_chunksize, sys.maxsize
+
+    def __exit__(self, *exc) -> None:
+        if self.config is not None:
+            self.config.max_inference_chunksize = self._limit
+
+
+OwnStates = ModuleAttributes | StateArgument | StatePair
 #: block class name -> how its states are kept
-OWN_STATES: dict[str, type[OwnStates]] = {"RecurrentGemmaRecurrentBlock": ModuleAttributes, "RwkvBlock": StateArgument}
+OWN_STATES: dict[str, type[OwnStates]] = {"RecurrentGemmaRecurrentBlock": ModuleAttributes, "RwkvBlock": StateArgument,
+                                          "xLSTMBlock": StatePair}
+#: the name of a cache class a model's forward reads states from -> the cache class that answers those reads
+STATE_CACHES: dict[str, type[DynamicCache]] = {"xLSTMCache": RnnStateCache}
 
 
 def own_state_blocks(model: torch.nn.Module) -> dict[int, OwnStates]:
     """Layer index -> the states' keeper of each block of `model` that keeps its states outside the cache."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(decoder, "layers", getattr(decoder, "blocks", None))
     decoder_layer = {id(m): i for i, layer in enumerate(layers if isinstance(layers, torch.nn.ModuleList) else ())
                      for m in layer.modules()}
     blocks = {}

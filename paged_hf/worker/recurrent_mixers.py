@@ -24,7 +24,7 @@ import torch
 from paged_hf.integrations.transformers import UnservedAttention, step_cache
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
 from paged_hf.worker.recurrence_kernels import RecurrenceKernels
-from paged_hf.worker.module_states import OwnStates, own_state_blocks
+from paged_hf.worker.module_states import OwnStates, UncutRows, own_state_blocks
 from paged_hf.worker.recurrent_state import RecurrentStates, StateView
 
 STATE_CALLS = frozenset({"get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
@@ -183,6 +183,7 @@ class RecurrentMixers(ModuleSwaps):
         self.sites = []
         self.whole_chunks = True
         self.kernels = RecurrenceKernels([])
+        self.uncut_rows = UncutRows(model)
         if states is None:
             return
         layers = states.layer_indices
@@ -198,7 +199,9 @@ class RecurrentMixers(ModuleSwaps):
     def __enter__(self) -> None:
         super().__enter__()
         self.kernels.__enter__()
+        self.uncut_rows.__enter__()
 
     def __exit__(self, *exc) -> None:
+        self.uncut_rows.__exit__(*exc)
         self.kernels.__exit__(*exc)
         super().__exit__(*exc)

@@ -98,3 +98,16 @@ def test_abort_frees_the_state_slot_and_a_repeated_prompt_gives_the_same_tokens(
 def test_speculative_decoding_of_a_hybrid_is_refused():
     with pytest.raises(ValueError, match="hybrid model"):
         paged_hf.wrap(build("lfm2", torch.float64), speculative={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_xlstm_steps_longer_than_the_pieces_its_forward_cuts_an_input_into():
+    """xLSTM's forward cuts an input longer than `max_inference_chunksize` into pieces, which would cut a packed
+    row mid-request: a step lifts the limit, and the tokens stay HF's (whose own prompts are cut)."""
+    model = build("xlstm", torch.float64)
+    model.config.max_inference_chunksize = 5
+    batch = prompts([23, 3, 9])
+    engine = paged_hf.wrap(model, num_blocks=64, block_size=4, max_num_batched_tokens=16).generator
+    outputs = engine.generate(batch, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, GREEDY.max_new_tokens) for p in batch]
+    assert model.config.max_inference_chunksize == 5  # lifted within steps only
+    assert_no_state_leak(engine)

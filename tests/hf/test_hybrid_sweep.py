@@ -30,7 +30,6 @@ NOT_SERVED = {
     "inkling2_loop_text": "position_bias",
     "qwen4_exp": "indexed sparse attention",
     "qwen4_exp_text": "indexed sparse attention",
-    "xlstm": "its forward fails",  # its own rnn_state cache
 }
 PRESSURE = {"num_blocks": 12, "block_size": 4, "max_num_batched_tokens": 8, "max_num_seqs": 4}
 
