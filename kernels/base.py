@@ -28,7 +28,8 @@ class AttentionKernel(Protocol):
         """query: [num_tokens, num_heads, head_dim]; key/value: this step's [num_tokens, num_kv_heads, head_dim]
         (already in the cache; V's head_dim may differ from K's). Returns [num_tokens, num_heads, value head_dim].
         Causal, window and chunk masking are ours; `sinks` [num_heads]: a per-head logit in the softmax (gpt-oss);
-        `chunk_size`: a query sees only the keys of its own chunk of positions (Llama 4's chunked layers)."""
+        `chunk_size`: a query sees only the keys of its own chunk of positions (Llama 4's chunked layers). The torch
+        kernel alone also takes `distance_bias` (a logit per query token, head and backward distance: Inkling's)."""
 
 
 def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -87,17 +87,22 @@ class TorchKernel:
         write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping, scales, plan)
 
     def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap,
-               scales: KVScales | None = None, sinks: torch.Tensor | None = None, chunk_size: int | None = None):
+               scales: KVScales | None = None, sinks: torch.Tensor | None = None, chunk_size: int | None = None,
+               distance_bias: torch.Tensor | None = None):
+        """distance_bias: [num_tokens, num_heads, extent], a logit each query token adds to the key `d` positions
+        before it, for 0 <= d < extent (Inkling's learned relative bias; nothing beyond)."""
         # [num_tokens, num_heads, value_head_dim]
         output = query.new_empty(*query.shape[:-1], value_cache.shape[-1])
         masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=scales, sinks=sinks,
                        chunk_size=chunk_size)
+        if distance_bias is not None:  # (a kernel of its own computes none: kernels.select_kernel)
+            masking["distance_bias"] = distance_bias
         self.attend_decodes(query, output, key_cache, value_cache, plan, **masking)
         self.attend_prefills(query, key, value, output, key_cache, value_cache, plan, **masking)
         return output
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window,
-                       softcap, scales=None, sinks=None, chunk_size=None) -> None:
+                       softcap, scales=None, sinks=None, chunk_size=None, distance_bias=None) -> None:
         """Writes the output rows of the one-token queries."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
         value_head_dim = value_cache.shape[-1]
@@ -109,10 +114,15 @@ class TorchKernel:
             k = k.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
             v = v.view(num_rows, -1, num_kv_heads, value_head_dim).transpose(1, 2)
             mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window, chunk_size)
-            output.index_copy_(0, group.rows, attention(q, k, v, mask, scaling, softcap, sinks=sinks).squeeze(2))
+            bias = None
+            if distance_bias is not None:  # [num_rows, num_heads, 1, padded_len]
+                distance = (group.context_lens[:, None] - 1) - torch.arange(k.shape[2], device=q.device)[None, :]
+                bias = bias_by_distance(distance_bias.index_select(0, group.rows), distance[:, None, :]).unsqueeze(2)
+            output.index_copy_(0, group.rows,
+                               attention(q, k, v, mask, scaling, softcap, sinks=sinks, bias=bias).squeeze(2))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
-                        sliding_window, softcap, scales=None, sinks=None, chunk_size=None) -> None:
+                        sliding_window, softcap, scales=None, sinks=None, chunk_size=None, distance_bias=None) -> None:
         """Writes the output rows of the prefill chunks."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
         value_head_dim = value_cache.shape[-1]
@@ -128,11 +138,18 @@ class TorchKernel:
                 v = v.view(-1, num_kv_heads, value_head_dim)[: chunk.context_len]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_dim]
             v = v.transpose(0, 1).unsqueeze(0)
-            if chunk.fresh and sliding_window is None and softcap is None and sinks is None and chunk_size is None:
+            plain = sliding_window is None and softcap is None and sinks is None and chunk_size is None
+            if chunk.fresh and plain and distance_bias is None:
                 out = attention(q, k, v, None, scaling, None, is_causal=True)
             else:
                 mask = self._prefill_mask(plan, index, chunk, sliding_window, chunk_size, q.device)
-                out = attention(q, k, v, mask, scaling, softcap, sinks=sinks)
+                bias = None
+                if distance_bias is not None:  # [1, num_heads, query_len, context_len]
+                    offset = chunk.context_len - chunk.query_len
+                    distance = (torch.arange(offset, chunk.context_len, device=q.device)[:, None]
+                                - torch.arange(chunk.context_len, device=q.device)[None, :])
+                    bias = bias_by_distance(distance_bias[rows].transpose(0, 1), distance[None]).unsqueeze(0)
+                out = attention(q, k, v, mask, scaling, softcap, sinks=sinks, bias=bias)
             output[rows] = out[0].transpose(0, 1)
 
     @staticmethod
@@ -222,10 +239,19 @@ def _decode_group(group: list[tuple[int, int, list[int]]], device) -> DecodeGrou
     )
 
 
-def attention(q, k, v, mask, scaling, softcap, is_causal=False, sinks=None) -> torch.Tensor:
-    """SDPA with grouped KV heads; soft-capping (Gemma 2) and attention sinks (`sinks`: [num_heads], a logit per
-    head that takes part in the softmax and whose weight is dropped, gpt-oss) need the explicit softmax path."""
-    if softcap is None and sinks is None:
+def bias_by_distance(table: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """table [..., extent] (a logit per backward distance), distance [..., keys] (query minus key position,
+    broadcast over the table's leading dims) -> [..., keys]: the table's logit where 0 <= distance < extent, else 0."""
+    extent = table.shape[-1]
+    index = distance.clamp(0, extent - 1).expand(*table.shape[:-1], distance.shape[-1])
+    return table.gather(-1, index).masked_fill((distance < 0) | (distance >= extent), 0.0)
+
+
+def attention(q, k, v, mask, scaling, softcap, is_causal=False, sinks=None, bias=None) -> torch.Tensor:
+    """SDPA with grouped KV heads; soft-capping (Gemma 2), attention sinks (`sinks`: [num_heads], a logit per
+    head that takes part in the softmax and whose weight is dropped, gpt-oss) and an additive bias over the scores
+    (`bias`, broadcast to [..., num_heads, query_len, key_len]) need the explicit softmax path."""
+    if softcap is None and sinks is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=is_causal,
                                               enable_gqa=q.shape[1] != k.shape[1])
     groups = q.shape[1] // k.shape[1]
@@ -234,6 +260,8 @@ def attention(q, k, v, mask, scaling, softcap, is_causal=False, sinks=None) -> t
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [..., num_heads, query_len, key_len]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.to(compute)
     if is_causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:

@@ -50,6 +50,7 @@ class AttentionLayer:
     device: torch.device
     has_sinks: bool = False  # a per-head logit in the softmax (gpt-oss's `s_aux`)
     chunk_size: int | None = None  # chunked attention: a query sees the keys of its own chunk only (Llama 4)
+    distance_bias: bool = False  # a learned logit by query-key distance added to the scores (Inkling)
 
 
 def model_name(model: torch.nn.Module) -> str:
@@ -64,6 +65,7 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cache layer -> (key, value) written
     returned: dict[int, tuple[int, torch.Tensor]] = {}  # id of the key update() returned -> (layer, that key)
     sinks: set[int] = set()
+    biased: set[int] = set()  # layers whose attention call passes a `position_bias`
     windows: dict[int, int | None] = {}  # cache layer -> the sliding_window its attention call passed
     original_update = cache.update
 
@@ -82,6 +84,8 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
             windows[layer] = kwargs.get("sliding_window")
             if s_aux is not None:
                 sinks.add(layer)
+            if kwargs.get("position_bias") is not None:
+                biased.add(layer)
         return eager_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux)
 
     cache.update = record_update
@@ -105,6 +109,8 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     without_kv = {i for i, layer in enumerate(cache.layers) if isinstance(layer, DummyLayer)}  # MLP-only layers
     without_kv |= absent_layers(model)  # a pipeline stage's: other stages hold them
     layers = _layers(model, updates, sinks, {layer.layer_idx for layer in state_layers} | without_kv)
+    for layer in layers:
+        layer.distance_bias = layer.layer_idx in biased
     if not own_attentions.sites:  # (older families window in their own code, which their stand-ins pass on)
         _apply_mask_patterns(model, config, layers, windows)
     return layers, state_layers

@@ -146,17 +146,21 @@ class PagedCache(Cache):
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                scaling: float, sliding_window: int | None, softcap: float | None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, distance_bias: torch.Tensor | None = None) -> torch.Tensor:
         """query: [1, num_heads, num_tokens, head_dim] -> [1, num_tokens, num_heads, value_head_dim]; key/value:
-        what the module hands its attention function (its layer is found by them, step_books.py)."""
+        what the module hands its attention function (its layer is found by them, step_books.py); distance_bias:
+        [num_tokens, num_heads, extent] (the torch kernel's, kernels/torch_kernel.py)."""
         with span("attention"):
-            return self._attend(module, query, key, value, scaling, sliding_window, softcap, sinks)
+            return self._attend(module, query, key, value, scaling, sliding_window, softcap, sinks, distance_bias)
 
-    def _attend(self, module, query, key, value, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
+    def _attend(self, module, query, key, value, scaling, sliding_window, softcap, sinks,
+                distance_bias=None) -> torch.Tensor:
         layer_idx, transform = self.books.resolve(module, key, value)
         query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, dim]
         masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
                        chunk_size=self.attention_layers[layer_idx].chunk_size)
+        if distance_bias is not None:
+            masking["distance_bias"] = distance_bias
         key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
         if transform is None:
             output = self.kernel.attend(query, key, value, key_cache, value_cache,

@@ -48,6 +48,8 @@ OVERRIDES: dict = {
     "granitemoehybrid": {**MAMBA, "layer_types": ["mamba", "attention"]},
     # num_hidden_layers counts every attention call: layers per stack x H cycles x (L cycles + 1)
     "hrm_text": {"num_layers_per_stack": 1, "H_cycles": 2, "L_cycles": 1, "num_hidden_layers": 4, "L_bp_cycles": [1]},
+    # a relative bias that ends before the prompts do, and the full layers' log scaling of queries and bias on
+    "inkling_text": {"rel_extent": 6, "log_scaling_n_floor": 3},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
               "use_mamba_kernels": False},
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},

@@ -13,8 +13,9 @@ from paged_hf.utils import cpu_flags
 from paged_hf.worker.step_inputs import AttentionMetadata
 
 
-def dense_reference(q, k, v, scaling, window, softcap):
-    """q: [query_len, heads, dim] for the last query_len positions of a sequence with K/V k, v: [len, kv, dim]."""
+def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None):
+    """q: [query_len, heads, dim] for the last query_len positions of a sequence with K/V k, v: [len, kv, dim];
+    distance_bias: [query_len, heads, extent], added to each score by its query-key distance (0 beyond)."""
     query_len, context_len = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
@@ -24,6 +25,10 @@ def dense_reference(q, k, v, scaling, window, softcap):
         scores = torch.tanh(scores / softcap) * softcap
     query_pos = torch.arange(context_len - query_len, context_len)[:, None]
     key_pos = torch.arange(context_len)[None, :]
+    if distance_bias is not None:
+        for qi, qp in enumerate(query_pos[:, 0].tolist()):
+            for kp in range(max(0, qp - distance_bias.shape[-1] + 1), qp + 1):
+                scores[:, qi, kp] += distance_bias[qi, :, qp - kp]
     allowed = key_pos <= query_pos
     if window is not None:
         allowed &= key_pos > query_pos - window
@@ -32,9 +37,10 @@ def dense_reference(q, k, v, scaling, window, softcap):
 
 
 def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap,
-                        seed, scaling=0.3):
+                        seed, scaling=0.3, bias_extent=None):
     """Builds a paged batch of requests with (cached, new) token counts on scattered blocks, writes the new K/V
-    through the kernel, attends, and compares every request's rows with dense attention in float64."""
+    through the kernel, attends, and compares every request's rows with dense attention in float64 (with a random
+    bias by distance over `bias_extent` distances where given)."""
     torch.manual_seed(seed)
     num_blocks = sum(-(-(past + new) // block_size) for past, new in shapes) + 8
     permutation = torch.randperm(num_blocks).tolist()  # scattered blocks, as after churn
@@ -60,14 +66,17 @@ def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, bl
     query = torch.randn(num_heads, starts[-1], head_dim, dtype=torch.float64).transpose(0, 1)
     key_cache, value_cache, new_k, new_v, query = (t.to(dtype) for t in (key_cache, value_cache, new_k, new_v, query))
     kernel.write_kv(new_k, new_v, key_cache, value_cache, plan)
+    bias = None if bias_extent is None else torch.randn(starts[-1], num_heads, bias_extent, dtype=torch.float64)
+    extra = {} if bias is None else {"distance_bias": bias.to(dtype)}
     out = kernel.attend(query, new_k, new_v, key_cache, value_cache, plan, scaling=scaling, sliding_window=window,
-                        softcap=softcap)
+                        softcap=softcap, **extra)
     for i in range(len(shapes)):
         rows = slice(starts[i], starts[i + 1])
         k, v = full_k[i], full_v[i]
         if dtype in HALF_TOLERANCE:  # the reference sees the cache's rounded K/V: only the kernel's arithmetic counts
             k, v = k.to(dtype).double(), v.to(dtype).double()
-        expected = dense_reference(query[rows].double(), k, v, scaling, window, softcap)
+        expected = dense_reference(query[rows].double(), k, v, scaling, window, softcap,
+                                   None if bias is None else bias[rows])
         tolerance = {torch.float64: 1e-10, torch.float32: 2e-5}.get(dtype) or HALF_TOLERANCE[dtype]
         torch.testing.assert_close(out[rows], expected.to(dtype), rtol=tolerance, atol=tolerance)
 
@@ -91,6 +100,17 @@ def test_mixed_prefill_and_decode_batch_matches_dense(kernel_name, window, softc
     shapes = [(0, 9), (6, 1), (0, 1), (13, 5), (21, 1), (3, 4), (7, 1)]
     check_against_dense(make_kernel(kernel_name, dtype, 16), shapes, num_heads=4, num_kv_heads=2, head_dim=16,
                         block_size=4, dtype=dtype, window=window, softcap=softcap, seed=seed)
+
+
+@pytest.mark.parametrize("extent", [1, 3, 40])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, 10.0)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_torch_kernel_adds_a_bias_by_query_key_distance(extent, window, softcap, dtype):
+    """Inkling's learned relative bias: a logit per query token, head and distance below `extent` (the fresh
+    prompt, the chunk with a past and the decodes each index it by their own positions)."""
+    shapes = [(0, 9), (6, 1), (0, 1), (13, 5), (21, 1), (3, 4), (7, 1)]
+    check_against_dense(TorchKernel(), shapes, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype,
+                        window=window, softcap=softcap, seed=extent, bias_extent=extent)
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (18, 2, 32), (4, 4, 128), (8, 1, 16)])
