@@ -89,8 +89,9 @@ class TorchKernel:
     def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap,
                scales: KVScales | None = None, sinks: torch.Tensor | None = None, chunk_size: int | None = None,
                distance_bias: torch.Tensor | None = None):
-        """distance_bias: [num_tokens, num_heads, extent], a logit each query token adds to the key `d` positions
-        before it, for 0 <= d < extent (Inkling's learned relative bias; nothing beyond)."""
+        """sinks: [num_heads] (gpt-oss) or [num_tokens, num_heads] (Inkling 2: each query token's own), a logit in
+        the softmax whose weight is dropped; distance_bias: [num_tokens, num_heads, extent], a logit each query token
+        adds to the key `d` positions before it, for 0 <= d < extent (Inkling's learned relative bias)."""
         # [num_tokens, num_heads, value_head_dim]
         output = query.new_empty(*query.shape[:-1], value_cache.shape[-1])
         masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=scales, sinks=sinks,
@@ -118,8 +119,9 @@ class TorchKernel:
             if distance_bias is not None:  # [num_rows, num_heads, 1, padded_len]
                 distance = (group.context_lens[:, None] - 1) - torch.arange(k.shape[2], device=q.device)[None, :]
                 bias = bias_by_distance(distance_bias.index_select(0, group.rows), distance[:, None, :]).unsqueeze(2)
+            row_sinks = _per_query(sinks, lambda t: t.index_select(0, group.rows)[:, :, None, None])
             output.index_copy_(0, group.rows,
-                               attention(q, k, v, mask, scaling, softcap, sinks=sinks, bias=bias).squeeze(2))
+                               attention(q, k, v, mask, scaling, softcap, sinks=row_sinks, bias=bias).squeeze(2))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
                         sliding_window, softcap, scales=None, sinks=None, chunk_size=None, distance_bias=None) -> None:
@@ -149,7 +151,8 @@ class TorchKernel:
                     distance = (torch.arange(offset, chunk.context_len, device=q.device)[:, None]
                                 - torch.arange(chunk.context_len, device=q.device)[None, :])
                     bias = bias_by_distance(distance_bias[rows].transpose(0, 1), distance[None]).unsqueeze(0)
-                out = attention(q, k, v, mask, scaling, softcap, sinks=sinks, bias=bias)
+                row_sinks = _per_query(sinks, lambda t: t[rows].transpose(0, 1)[None, :, :, None])
+                out = attention(q, k, v, mask, scaling, softcap, sinks=row_sinks, bias=bias)
             output[rows] = out[0].transpose(0, 1)
 
     @staticmethod
@@ -239,6 +242,12 @@ def _decode_group(group: list[tuple[int, int, list[int]]], device) -> DecodeGrou
     )
 
 
+def _per_query(sinks: torch.Tensor | None, select) -> torch.Tensor | None:
+    """Per-head sinks [num_heads] as they are; per-token ones [num_tokens, num_heads] as `select` shapes the rows
+    of a call ([..., num_heads, query_len, 1], over its scores)."""
+    return sinks if sinks is None or sinks.dim() == 1 else select(sinks)
+
+
 def bias_by_distance(table: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
     """table [..., extent] (a logit per backward distance), distance [..., keys] (query minus key position,
     broadcast over the table's leading dims) -> [..., keys]: the table's logit where 0 <= distance < extent, else 0."""
@@ -248,8 +257,9 @@ def bias_by_distance(table: torch.Tensor, distance: torch.Tensor) -> torch.Tenso
 
 
 def attention(q, k, v, mask, scaling, softcap, is_causal=False, sinks=None, bias=None) -> torch.Tensor:
-    """SDPA with grouped KV heads; soft-capping (Gemma 2), attention sinks (`sinks`: [num_heads], a logit per
-    head that takes part in the softmax and whose weight is dropped, gpt-oss) and an additive bias over the scores
+    """SDPA with grouped KV heads; soft-capping (Gemma 2), attention sinks (`sinks`: [num_heads], or per query as
+    [..., num_heads, query_len, 1]: a logit that takes part in the softmax and whose weight is dropped, gpt-oss,
+    Inkling 2) and an additive bias over the scores
     (`bias`, broadcast to [..., num_heads, query_len, key_len]) need the explicit softmax path."""
     if softcap is None and sinks is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=is_causal,
@@ -268,6 +278,6 @@ def attention(q, k, v, mask, scaling, softcap, is_causal=False, sinks=None, bias
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
-    sink_column = sinks.to(compute).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    sink_column = (sinks.view(-1, 1, 1) if sinks.dim() == 1 else sinks).to(compute).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, v).to(dtype)

@@ -10,10 +10,8 @@ and window:
   is the interface's (their local layers attend `window_size` tokens, GPT-Neo does not scale its scores);
 - Falcon: its forward is short and inline; the stand-in's is the same with the attention through the
   interface (ALiBi variants raise: the paged kernels have no ALiBi);
-- Inkling: each query token adds a learned logit per backward distance to its scores (`position_bias`, built by
-  its forward densely over the positions its cache reports, which a packed row does not have); the stand-in hands
-  the paged cache the per-token table itself (the torch kernel adds it by each key's distance) and scales the
-  full-attention layers' queries and table by each token's own position (its `log_scaling`).
+- Inkling and Inkling 2: a learned logit per query token and backward distance in the scores, per-token sinks
+  and attention across depth (worker/inkling_attention.py).
 The engine probe checks each against the model's own forward; families not listed keep their own code and are
 refused there.
 """
@@ -22,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from paged_hf.integrations.transformers import UnservedAttention, step_cache
+from paged_hf.integrations.transformers import UnservedAttention
 from paged_hf.worker.attention_switch import attention_function
+from paged_hf.worker.inkling_attention import inkling_stand_in
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
 
 
@@ -87,42 +86,6 @@ class FalconPagedAttention(StandIn):
         return attention.dense(output), None
 
 
-class InklingPagedAttention(StandIn):
-    """InklingAttention's forward in a step (module docstring); its own forward outside steps (the probe)."""
-
-    def forward(self, hidden_states, attention_mask=None, conv_mask=None, cache=None, **kwargs):
-        attention = self.original
-        if cache is None or cache is not step_cache():
-            return attention(hidden_states, attention_mask, conv_mask=conv_mask, cache=cache, **kwargs)
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, attention.head_dim)
-        query = attention.q_proj(hidden_states)
-        key = attention.k_sconv(attention.k_proj(hidden_states), cache=cache, conv_mask=conv_mask)
-        value = attention.v_sconv(attention.v_proj(hidden_states), cache=cache, conv_mask=conv_mask)
-        query = attention.q_norm(query.view(hidden_shape)).transpose(1, 2)
-        key = attention.k_norm(key.view(hidden_shape)).transpose(1, 2)
-        value = value.view(hidden_shape).transpose(1, 2)
-        key, value = cache.update(key, value, attention.layer_idx)
-        relative = attention.r_proj(hidden_states).view(*input_shape, attention.num_heads, -1)
-        table = (relative @ attention.rel_logits_proj.proj)[0]  # [num_tokens, num_heads, extent]
-        config = attention.config
-        if not attention.is_sliding and config.log_scaling_n_floor is not None:  # in float32, as its own
-            positions = step_positions(cache.metadata, hidden_states.device)
-            tau = 1.0 + config.log_scaling_alpha * torch.log(
-                ((positions + 1).float() / config.log_scaling_n_floor).clamp(min=1.0))
-            query = (query.float() * tau.view(1, 1, -1, 1)).to(query.dtype)
-            table = (table.float() * tau.view(-1, 1, 1)).to(table.dtype)
-        output = cache.attend(attention, query, key, value, scaling=attention.scaling,
-                              sliding_window=attention.sliding_window, softcap=None, distance_bias=table)
-        return attention.o_proj(output.reshape(*input_shape, -1)), None
-
-
-def step_positions(metadata, device: torch.device) -> torch.Tensor:
-    """[num_tokens] each token's position in its sequence: a query of n tokens ends at its context length."""
-    return torch.cat([torch.arange(end - length, end, device=device)
-                      for end, length in zip(metadata.context_lens, metadata.query_lens)])
-
-
 def _module_function(module: torch.nn.Module, name: str):
     """A function of the module's own modeling file (what its forward calls by that name)."""
     return type(module).forward.__globals__[name]
@@ -138,9 +101,7 @@ def stand_in_for(module: torch.nn.Module, config) -> torch.nn.Module | None:
         return OwnAttnMethod(module, config, 1.0 / module.norm_factor, None)
     if name == "FalconAttention":
         return FalconPagedAttention(module, config)
-    if name == "InklingAttention":
-        return InklingPagedAttention(module)
-    return None
+    return inkling_stand_in(module)
 
 
 class OwnAttentions(ModuleSwaps):

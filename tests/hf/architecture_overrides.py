@@ -50,6 +50,13 @@ OVERRIDES: dict = {
     "hrm_text": {"num_layers_per_stack": 1, "H_cycles": 2, "L_cycles": 1, "num_hidden_layers": 4, "L_bp_cycles": [1]},
     # a relative bias that ends before the prompts do, and the full layers' log scaling of queries and bias on
     "inkling_text": {"rel_extent": 6, "log_scaling_n_floor": 3},
+    # and three layers in blocks of two (attention across depth); the looped model loops its middle layer twice
+    "inkling2_text": {"rel_extent": 6, "log_scaling_n_floor": 3, "num_hidden_layers": 3,
+                      "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"], "n_layers_per_attn_res_block": 2},
+    "inkling2_loop_text": {"rel_extent": 6, "log_scaling_n_floor": 3, "num_hidden_layers": 3,
+                           "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                           "n_layers_per_attn_res_block": 1, "loop_layer_index_start": 1, "loop_layer_index_end": 2,
+                           "loop_num_passes": 2},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
               "use_mamba_kernels": False},
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},

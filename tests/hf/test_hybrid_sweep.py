@@ -25,8 +25,6 @@ HYBRIDS = [name for name in architectures() if is_hybrid(name) and not not_a_dec
 
 #: refused at wrap(): why (the refusal's text, matched)
 NOT_SERVED = {
-    "inkling2_text": "position_bias",  # a learned bias per query/key pair, and per-token sinks, in its attention call
-    "inkling2_loop_text": "position_bias",
     "qwen4_exp": "indexed sparse attention",
     "qwen4_exp_text": "indexed sparse attention",
 }

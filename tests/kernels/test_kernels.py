@@ -13,9 +13,10 @@ from paged_hf.utils import cpu_flags
 from paged_hf.worker.step_inputs import AttentionMetadata
 
 
-def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None):
+def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None, sinks=None):
     """q: [query_len, heads, dim] for the last query_len positions of a sequence with K/V k, v: [len, kv, dim];
-    distance_bias: [query_len, heads, extent], added to each score by its query-key distance (0 beyond)."""
+    distance_bias: [query_len, heads, extent], added to each score by its query-key distance (0 beyond); sinks:
+    [query_len, heads], each query's logit in the softmax whose weight is dropped."""
     query_len, context_len = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
@@ -33,14 +34,16 @@ def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None):
     if window is not None:
         allowed &= key_pos > query_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.T[:, :, None]], dim=-1)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., :context_len], v)
 
 
 def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap,
-                        seed, scaling=0.3, bias_extent=None):
+                        seed, scaling=0.3, bias_extent=None, token_sinks=False):
     """Builds a paged batch of requests with (cached, new) token counts on scattered blocks, writes the new K/V
     through the kernel, attends, and compares every request's rows with dense attention in float64 (with a random
-    bias by distance over `bias_extent` distances where given)."""
+    bias by distance over `bias_extent` distances, and random sinks per query token, where asked)."""
     torch.manual_seed(seed)
     num_blocks = sum(-(-(past + new) // block_size) for past, new in shapes) + 8
     permutation = torch.randperm(num_blocks).tolist()  # scattered blocks, as after churn
@@ -67,7 +70,10 @@ def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, bl
     key_cache, value_cache, new_k, new_v, query = (t.to(dtype) for t in (key_cache, value_cache, new_k, new_v, query))
     kernel.write_kv(new_k, new_v, key_cache, value_cache, plan)
     bias = None if bias_extent is None else torch.randn(starts[-1], num_heads, bias_extent, dtype=torch.float64)
+    sinks = torch.randn(starts[-1], num_heads, dtype=torch.float64) if token_sinks else None
     extra = {} if bias is None else {"distance_bias": bias.to(dtype)}
+    if sinks is not None:
+        extra["sinks"] = sinks.to(dtype)
     out = kernel.attend(query, new_k, new_v, key_cache, value_cache, plan, scaling=scaling, sliding_window=window,
                         softcap=softcap, **extra)
     for i in range(len(shapes)):
@@ -76,7 +82,7 @@ def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, bl
         if dtype in HALF_TOLERANCE:  # the reference sees the cache's rounded K/V: only the kernel's arithmetic counts
             k, v = k.to(dtype).double(), v.to(dtype).double()
         expected = dense_reference(query[rows].double(), k, v, scaling, window, softcap,
-                                   None if bias is None else bias[rows])
+                                   None if bias is None else bias[rows], None if sinks is None else sinks[rows])
         tolerance = {torch.float64: 1e-10, torch.float32: 2e-5}.get(dtype) or HALF_TOLERANCE[dtype]
         torch.testing.assert_close(out[rows], expected.to(dtype), rtol=tolerance, atol=tolerance)
 
@@ -102,15 +108,16 @@ def test_mixed_prefill_and_decode_batch_matches_dense(kernel_name, window, softc
                         block_size=4, dtype=dtype, window=window, softcap=softcap, seed=seed)
 
 
-@pytest.mark.parametrize("extent", [1, 3, 40])
+@pytest.mark.parametrize("extent, token_sinks", [(1, False), (3, False), (40, False), (None, True), (3, True)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, 10.0)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_torch_kernel_adds_a_bias_by_query_key_distance(extent, window, softcap, dtype):
-    """Inkling's learned relative bias: a logit per query token, head and distance below `extent` (the fresh
-    prompt, the chunk with a past and the decodes each index it by their own positions)."""
+def test_torch_kernel_adds_a_bias_by_distance_and_sinks_per_query(extent, token_sinks, window, softcap, dtype):
+    """Inkling's learned relative bias (a logit per query token, head and distance below `extent`) and Inkling 2's
+    sinks (a logit per query token and head): the fresh prompt, the chunk with a past and the decodes each take
+    their own rows and positions."""
     shapes = [(0, 9), (6, 1), (0, 1), (13, 5), (21, 1), (3, 4), (7, 1)]
     check_against_dense(TorchKernel(), shapes, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype,
-                        window=window, softcap=softcap, seed=extent, bias_extent=extent)
+                        window=window, softcap=softcap, seed=extent or 0, bias_extent=extent, token_sinks=token_sinks)
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (18, 2, 32), (4, 4, 128), (8, 1, 16)])
