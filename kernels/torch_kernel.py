@@ -88,22 +88,26 @@ class TorchKernel:
 
     def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap,
                scales: KVScales | None = None, sinks: torch.Tensor | None = None, chunk_size: int | None = None,
-               distance_bias: torch.Tensor | None = None):
+               distance_bias: torch.Tensor | None = None, key_mask: torch.Tensor | None = None):
         """sinks: [num_heads] (gpt-oss) or [num_tokens, num_heads] (Inkling 2: each query token's own), a logit in
         the softmax whose weight is dropped; distance_bias: [num_tokens, num_heads, extent], a logit each query token
-        adds to the key `d` positions before it, for 0 <= d < extent (Inkling's learned relative bias)."""
+        adds to the key `d` positions before it, for 0 <= d < extent (Inkling's learned relative bias); key_mask:
+        [num_tokens, width] bool, the key positions each query token may attend, causality and window aside (an
+        indexer's selection, sparse attention; positions at or past `width` are not selected)."""
         # [num_tokens, num_heads, value_head_dim]
         output = query.new_empty(*query.shape[:-1], value_cache.shape[-1])
         masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=scales, sinks=sinks,
                        chunk_size=chunk_size)
-        if distance_bias is not None:  # (a kernel of its own computes none: kernels.select_kernel)
-            masking["distance_bias"] = distance_bias
+        for name, extra in (("distance_bias", distance_bias), ("key_mask", key_mask)):
+            if extra is not None:  # (a kernel of its own computes neither: kernels.select_kernel)
+                masking[name] = extra
         self.attend_decodes(query, output, key_cache, value_cache, plan, **masking)
         self.attend_prefills(query, key, value, output, key_cache, value_cache, plan, **masking)
         return output
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window,
-                       softcap, scales=None, sinks=None, chunk_size=None, distance_bias=None) -> None:
+                       softcap, scales=None, sinks=None, chunk_size=None, distance_bias=None,
+                       key_mask=None) -> None:
         """Writes the output rows of the one-token queries."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
         value_head_dim = value_cache.shape[-1]
@@ -115,6 +119,8 @@ class TorchKernel:
             k = k.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
             v = v.view(num_rows, -1, num_kv_heads, value_head_dim).transpose(1, 2)
             mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window, chunk_size)
+            if key_mask is not None:
+                mask = mask & _selected(key_mask.index_select(0, group.rows), k.shape[2])[:, None, None, :]
             bias = None
             if distance_bias is not None:  # [num_rows, num_heads, 1, padded_len]
                 distance = (group.context_lens[:, None] - 1) - torch.arange(k.shape[2], device=q.device)[None, :]
@@ -124,7 +130,8 @@ class TorchKernel:
                                attention(q, k, v, mask, scaling, softcap, sinks=row_sinks, bias=bias).squeeze(2))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
-                        sliding_window, softcap, scales=None, sinks=None, chunk_size=None, distance_bias=None) -> None:
+                        sliding_window, softcap, scales=None, sinks=None, chunk_size=None, distance_bias=None,
+                        key_mask=None) -> None:
         """Writes the output rows of the prefill chunks."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
         value_head_dim = value_cache.shape[-1]
@@ -141,10 +148,12 @@ class TorchKernel:
             k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_dim]
             v = v.transpose(0, 1).unsqueeze(0)
             plain = sliding_window is None and softcap is None and sinks is None and chunk_size is None
-            if chunk.fresh and plain and distance_bias is None:
+            if chunk.fresh and plain and distance_bias is None and key_mask is None:
                 out = attention(q, k, v, None, scaling, None, is_causal=True)
             else:
                 mask = self._prefill_mask(plan, index, chunk, sliding_window, chunk_size, q.device)
+                if key_mask is not None:
+                    mask = mask & _selected(key_mask[rows], chunk.context_len)
                 bias = None
                 if distance_bias is not None:  # [1, num_heads, query_len, context_len]
                     offset = chunk.context_len - chunk.query_len
@@ -240,6 +249,13 @@ def _decode_group(group: list[tuple[int, int, list[int]]], device) -> DecodeGrou
         context_lens=torch.tensor([length for length, _, _ in group], dtype=torch.long, device=device),
         max_blocks=max_blocks,
     )
+
+
+def _selected(key_mask: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """The rows of a key mask over `num_keys` key positions (cut, or padded with unselected positions)."""
+    if key_mask.shape[-1] >= num_keys:
+        return key_mask[:, :num_keys]
+    return torch.nn.functional.pad(key_mask, (0, num_keys - key_mask.shape[-1]), value=False)
 
 
 def _per_query(sinks: torch.Tensor | None, select) -> torch.Tensor | None:

@@ -56,6 +56,8 @@ def num_blocks_from_memory(info: ModelInfo, config: PagedConfig, max_model_len: 
         per_block = bytes_per_block(config.block_size, [info.num_kv_heads[i] for i in layers],
                                     [info.head_dim[i] for i in layers], storage_dtype(config.kv_cache_dtype, info.dtype),
                                     [info.value_head_dim[i] for i in layers])
+        per_block += sum(config.block_size * (info.attention_layers[i].indexer_dim or 0) for i in layers) * \
+            torch.empty((), dtype=info.dtype).element_size()  # sparse attention's indexer keys (indexer_keys.py)
         num_blocks = min(num_blocks, int(budget) // per_block)
     # tensor parallel: every rank must schedule identically, so all take the smallest pool
     return min_over_ranks(max(1, num_blocks))

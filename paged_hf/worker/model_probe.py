@@ -51,6 +51,7 @@ class AttentionLayer:
     has_sinks: bool = False  # a per-head logit in the softmax (gpt-oss's `s_aux`)
     chunk_size: int | None = None  # chunked attention: a query sees the keys of its own chunk only (Llama 4)
     distance_bias: bool = False  # a learned logit by query-key distance added to the scores (Inkling)
+    indexer_dim: int | None = None  # a sparse-attention indexer's key per token beside the K/V (`update_indexer`)
 
 
 def model_name(model: torch.nn.Module) -> str:
@@ -62,36 +63,11 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     """-> one AttentionLayer per layer that writes K/V, in layer order, and one StateLayer per hybrid layer that
     keeps a recurrent state. UnsupportedModelError for what cannot be paged."""
     cache = _probe_cache(model, config)
-    updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cache layer -> (key, value) written
-    returned: dict[int, tuple[int, torch.Tensor]] = {}  # id of the key update() returned -> (layer, that key)
-    sinks: set[int] = set()
-    biased: set[int] = set()  # layers whose attention call passes a `position_bias`
-    windows: dict[int, int | None] = {}  # cache layer -> the sliding_window its attention call passed
-    original_update = cache.update
-
-    def record_update(key, value, layer_idx, *args, **kwargs):
-        if layer_idx in updates:
-            raise UnsupportedModelError(f"{model_name(model)} writes cache layer {layer_idx} twice in one forward")
-        updates[layer_idx] = (key, value)
-        result = original_update(key, value, layer_idx, *args, **kwargs)
-        returned[id(result[0])] = (layer_idx, result[0])
-        return result
-
-    def record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
-                         s_aux=None, **kwargs):  # sliding_window stays in kwargs: eager_attention masks by the mask
-        if id(key) in returned:
-            layer = returned[id(key)][0]
-            windows[layer] = kwargs.get("sliding_window")
-            if s_aux is not None:
-                sinks.add(layer)
-            if kwargs.get("position_bias") is not None:
-                biased.add(layer)
-        return eager_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux)
-
-    cache.update = record_update
-    AttentionInterface.register(PROBE_ATTENTION, record_attention)
+    records = _Records(model, cache)
+    AttentionInterface.register(PROBE_ATTENTION, records.attention)
+    own_attentions = OwnAttentions(model, config)
+    _check_indexers(model, cache, own_attentions)
     try:
-        own_attentions = OwnAttentions(model, config)
         with AttentionSwitch(model, PROBE_ATTENTION), own_attentions:
             output = model(**_probe_inputs(model, config, device), cache=cache, use_cache=True)
     except UnsupportedModelError:
@@ -108,12 +84,56 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     state_layers = read_state_layers(cache) + own_state_layers
     without_kv = {i for i, layer in enumerate(cache.layers) if isinstance(layer, DummyLayer)}  # MLP-only layers
     without_kv |= absent_layers(model)  # a pipeline stage's: other stages hold them
-    layers = _layers(model, updates, sinks, {layer.layer_idx for layer in state_layers} | without_kv)
+    layers = _layers(model, records.updates, records.sinks, {layer.layer_idx for layer in state_layers} | without_kv)
     for layer in layers:
-        layer.distance_bias = layer.layer_idx in biased
+        layer.distance_bias = layer.layer_idx in records.biased
+        layer.indexer_dim = records.indexers.get(layer.layer_idx)
     if not own_attentions.sites:  # (older families window in their own code, which their stand-ins pass on)
-        _apply_mask_patterns(model, config, layers, windows)
+        _apply_mask_patterns(model, config, layers, records.windows)
     return layers, state_layers
+
+
+class _Records:
+    """What the probe's forward writes to its cache and hands its attention function, per cache layer: the cache's
+    `update` and `update_indexer` and the attention function (PROBE_ATTENTION) record as they go."""
+
+    def __init__(self, model: torch.nn.Module, cache: DynamicCache):
+        self.model = model
+        self.updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cache layer -> (key, value) written
+        self.returned: dict[int, int] = {}  # id of the key update() returned -> its layer
+        self._keep: list[torch.Tensor] = []  # those keys, alive while their ids are looked up
+        self.sinks: set[int] = set()
+        self.biased: set[int] = set()  # layers whose attention call passes a `position_bias`
+        self.windows: dict[int, int | None] = {}  # cache layer -> the sliding_window its attention call passed
+        self.indexers: dict[int, int] = {}  # cache layer -> the dim of the indexer keys it keeps
+        self._update, self._update_indexer = cache.update, getattr(cache, "update_indexer", None)
+        cache.update = self.update
+        if self._update_indexer is not None:
+            cache.update_indexer = self.update_indexer
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        if layer_idx in self.updates:
+            raise UnsupportedModelError(f"{model_name(self.model)} writes cache layer {layer_idx} twice in one forward")
+        self.updates[layer_idx] = (key, value)
+        result = self._update(key, value, layer_idx, *args, **kwargs)
+        self.returned[id(result[0])] = layer_idx
+        self._keep.append(result[0])
+        return result
+
+    def update_indexer(self, keys, layer_idx, *args, **kwargs):
+        self.indexers[layer_idx] = keys.shape[-1]
+        return self._update_indexer(keys, layer_idx, *args, **kwargs)
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                  s_aux=None, **kwargs):  # sliding_window stays in kwargs: eager_attention masks by the mask
+        if id(key) in self.returned:
+            layer = self.returned[id(key)]
+            self.windows[layer] = kwargs.get("sliding_window")
+            if s_aux is not None:
+                self.sinks.add(layer)
+            if kwargs.get("position_bias") is not None:
+                self.biased.add(layer)
+        return eager_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux)
 
 
 def _probe_inputs(model: torch.nn.Module, config, device: torch.device) -> dict:
@@ -152,11 +172,15 @@ def _probe_cache(model: torch.nn.Module, config) -> DynamicCache:
         raise UnsupportedModelError(f"{model_name(model)} has cache layers of kind {', '.join(sorted(kinds))} "
                                     f"({_kinds_reason(kinds)}); paged_hf serves models whose every layer keeps "
                                     "per-token K/V")
+    return cache
+
+
+def _check_indexers(model, cache: DynamicCache, own_attentions: OwnAttentions) -> None:
+    """Sparse attention whose indexer's selection no stand-in applies (worker/indexed_attention.py) is refused."""
     indexed = sorted(type(layer).__name__ for layer in cache.layers if hasattr(layer, "update_indexer"))
-    if indexed:
+    if indexed and not any(getattr(stand_in, "selects_keys", False) for *_, stand_in in own_attentions.sites):
         raise UnsupportedModelError(f"{model_name(model)} uses indexed sparse attention ({indexed[0]}), "
                                     "which the paged kernels do not compute")
-    return cache
 
 
 def _kinds_reason(kinds: set[str]) -> str:

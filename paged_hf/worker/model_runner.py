@@ -40,7 +40,8 @@ class ModelRunner:
         self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim, kv_dtype,
                                     info.value_head_dim, sinks=any(layer.has_sinks for layer in layers),
                                     chunked=any(layer.chunk_size for layer in layers),
-                                    distance_bias=any(layer.distance_bias for layer in layers))
+                                    distance_bias=any(layer.distance_bias for layer in layers),
+                                    sparse=any(layer.indexer_dim for layer in layers))
         states = RecurrentStates(info.state_layers, state_slot_count(config)) if info.is_hybrid else None
         self.cache = paged_cache_class(own_cache_class(model))(num_blocks, config.block_size, info.attention_layers, info.dtype, self.kernel, kv_dtype,
                                 states)

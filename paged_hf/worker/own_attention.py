@@ -11,7 +11,8 @@ and window:
 - Falcon: its forward is short and inline; the stand-in's is the same with the attention through the
   interface (ALiBi variants raise: the paged kernels have no ALiBi);
 - Inkling and Inkling 2: a learned logit per query token and backward distance in the scores, per-token sinks
-  and attention across depth (worker/inkling_attention.py).
+  and attention across depth (worker/inkling_attention.py);
+- Qwen4-Exp: sparse attention over the tokens its indexer selects (worker/indexed_attention.py).
 The engine probe checks each against the model's own forward; families not listed keep their own code and are
 refused there.
 """
@@ -22,6 +23,7 @@ import torch
 
 from paged_hf.integrations.transformers import UnservedAttention
 from paged_hf.worker.attention_switch import attention_function
+from paged_hf.worker.indexed_attention import indexed_stand_in
 from paged_hf.worker.inkling_attention import inkling_stand_in
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
 
@@ -91,7 +93,7 @@ def _module_function(module: torch.nn.Module, name: str):
     return type(module).forward.__globals__[name]
 
 
-def stand_in_for(module: torch.nn.Module, config) -> torch.nn.Module | None:
+def stand_in_for(module: torch.nn.Module, config, model: torch.nn.Module) -> torch.nn.Module | None:
     """The stand-in of an attention module with its own code, None for any other module."""
     name = type(module).__name__
     if name == "GPTNeoSelfAttention":
@@ -101,7 +103,7 @@ def stand_in_for(module: torch.nn.Module, config) -> torch.nn.Module | None:
         return OwnAttnMethod(module, config, 1.0 / module.norm_factor, None)
     if name == "FalconAttention":
         return FalconPagedAttention(module, config)
-    return inkling_stand_in(module)
+    return inkling_stand_in(module) or indexed_stand_in(module, model)
 
 
 class OwnAttentions(ModuleSwaps):
@@ -111,6 +113,6 @@ class OwnAttentions(ModuleSwaps):
         self.sites = []
         for parent in model.modules():
             for name, child in parent._modules.items():
-                stand_in = stand_in_for(child, config) if child is not None else None
+                stand_in = stand_in_for(child, config, model) if child is not None else None
                 if stand_in is not None:
                     self.sites.append((parent, name, child, stand_in))

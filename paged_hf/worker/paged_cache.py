@@ -23,6 +23,7 @@ from paged_hf.integrations.transformers import UnservedAttention
 from paged_hf.kernels.quant import KVScales, as_bytes, is_quantized
 from paged_hf.profiling import span
 from paged_hf.worker.gathered_attention import GatheredAttention
+from paged_hf.worker.indexer_keys import IndexerKeys
 from paged_hf.worker.model_probe import AttentionLayer
 from paged_hf.worker.recurrent_mixers import RecurrentStep
 from paged_hf.worker.recurrent_state import RecurrentStates
@@ -31,12 +32,23 @@ from paged_hf.worker.step_inputs import AttentionMetadata
 
 
 class NoLayerObjects(list):
-    """`PagedCache.layers`: empty, and a model that indexes it (compressed or indexed attention with cache layers
-    of its own: DeepSeek-V4, MiniMax-M3) is told why instead of getting an IndexError."""
+    """`PagedCache.layers`: empty; a model that indexes it gets a layer that holds nothing (`NoLayer`)."""
 
     def __getitem__(self, index):
+        return NoLayer()
+
+
+class NoLayer:
+    """A layer object of the paged cache: the history of positions a model keeps on one of its layers (Qwen4-Exp's
+    `indexer_position_ids`) is always empty, as positions come from the step; anything else a model reads of its
+    cache's layers (compressed or indexed attention with cache layers of its own: DeepSeek-V4, MiniMax-M3) is
+    refused, saying why."""
+
+    indexer_position_ids = property(lambda self: None, lambda self, value: None)
+
+    def __getattr__(self, name: str):
         raise UnservedAttention("the model reads its cache's layer objects (cache layers of its own, as compressed "
-                                "or indexed attention keeps): not served by the paged cache")
+                                f"or indexed attention keeps: `{name}`): not served by the paged cache")
 
 
 class PagedCache(Cache):
@@ -69,6 +81,9 @@ class PagedCache(Cache):
         self._plans: dict[torch.device, object] = {}
         self.books = StepBooks([layer.layer_idx for layer in layers])
         self.states = states
+        self.indexer_keys = IndexerKeys({layer.layer_idx: (layer.indexer_dim, dev) for layer, dev
+                                         in zip(layers, self.layer_devices) if layer.indexer_dim},
+                                        num_blocks, block_size, dtype)
         self.recurrent_step: RecurrentStep | None = None  # how the step's row splits for the recurrent mixers
         self.gathered_attention = GatheredAttention()
 
@@ -113,6 +128,7 @@ class PagedCache(Cache):
             for cache in caches + ((scales.key, scales.value) if scales is not None else ()):
                 cache = as_bytes(cache)  # fp8 moves as bytes
                 cache.index_copy_(0, dst_index, cache.index_select(0, src_index))
+        self.indexer_keys.copy_blocks(torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long))
 
     # --- the transformers.Cache protocol ----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -146,21 +162,22 @@ class PagedCache(Cache):
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                scaling: float, sliding_window: int | None, softcap: float | None,
-               sinks: torch.Tensor | None = None, distance_bias: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, distance_bias: torch.Tensor | None = None,
+               key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """query: [1, num_heads, num_tokens, head_dim] -> [1, num_tokens, num_heads, value_head_dim]; key/value:
-        what the module hands its attention function (its layer is found by them, step_books.py); distance_bias:
-        [num_tokens, num_heads, extent] (the torch kernel's, kernels/torch_kernel.py)."""
+        what the module hands its attention function (its layer is found by them, step_books.py); distance_bias
+        [num_tokens, num_heads, extent] and key_mask [num_tokens, width]: the torch kernel's
+        (kernels/torch_kernel.py)."""
         with span("attention"):
-            return self._attend(module, query, key, value, scaling, sliding_window, softcap, sinks, distance_bias)
+            return self._attend(module, query, key, value, scaling, sliding_window, softcap, sinks,
+                                dict(distance_bias=distance_bias, key_mask=key_mask))
 
-    def _attend(self, module, query, key, value, scaling, sliding_window, softcap, sinks,
-                distance_bias=None) -> torch.Tensor:
+    def _attend(self, module, query, key, value, scaling, sliding_window, softcap, sinks, extra) -> torch.Tensor:
         layer_idx, transform = self.books.resolve(module, key, value)
         query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, dim]
         masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
                        chunk_size=self.attention_layers[layer_idx].chunk_size)
-        if distance_bias is not None:
-            masking["distance_bias"] = distance_bias
+        masking.update({name: tensor for name, tensor in extra.items() if tensor is not None})
         key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
         if transform is None:
             output = self.kernel.attend(query, key, value, key_cache, value_cache,

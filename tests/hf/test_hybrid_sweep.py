@@ -25,8 +25,6 @@ HYBRIDS = [name for name in architectures() if is_hybrid(name) and not not_a_dec
 
 #: refused at wrap(): why (the refusal's text, matched)
 NOT_SERVED = {
-    "qwen4_exp": "indexed sparse attention",
-    "qwen4_exp_text": "indexed sparse attention",
 }
 PRESSURE = {"num_blocks": 12, "block_size": 4, "max_num_batched_tokens": 8, "max_num_seqs": 4}
 

@@ -13,10 +13,11 @@ from paged_hf.utils import cpu_flags
 from paged_hf.worker.step_inputs import AttentionMetadata
 
 
-def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None, sinks=None):
+def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None, sinks=None, key_mask=None):
     """q: [query_len, heads, dim] for the last query_len positions of a sequence with K/V k, v: [len, kv, dim];
     distance_bias: [query_len, heads, extent], added to each score by its query-key distance (0 beyond); sinks:
-    [query_len, heads], each query's logit in the softmax whose weight is dropped."""
+    [query_len, heads], each query's logit in the softmax whose weight is dropped; key_mask: [query_len, len], the
+    keys each query may attend besides causality."""
     query_len, context_len = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
@@ -33,6 +34,8 @@ def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None, sinks
     allowed = key_pos <= query_pos
     if window is not None:
         allowed &= key_pos > query_pos - window
+    if key_mask is not None:
+        allowed &= key_mask
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.T[:, :, None]], dim=-1)
@@ -40,10 +43,11 @@ def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None, sinks
 
 
 def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap,
-                        seed, scaling=0.3, bias_extent=None, token_sinks=False):
+                        seed, scaling=0.3, bias_extent=None, token_sinks=False, sparse=False):
     """Builds a paged batch of requests with (cached, new) token counts on scattered blocks, writes the new K/V
     through the kernel, attends, and compares every request's rows with dense attention in float64 (with a random
-    bias by distance over `bias_extent` distances, and random sinks per query token, where asked)."""
+    bias by distance over `bias_extent` distances, random sinks per query token, and a random selection of keys
+    per query token that always keeps the query's own, where asked)."""
     torch.manual_seed(seed)
     num_blocks = sum(-(-(past + new) // block_size) for past, new in shapes) + 8
     permutation = torch.randperm(num_blocks).tolist()  # scattered blocks, as after churn
@@ -74,6 +78,13 @@ def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, bl
     extra = {} if bias is None else {"distance_bias": bias.to(dtype)}
     if sinks is not None:
         extra["sinks"] = sinks.to(dtype)
+    selection = None
+    if sparse:  # random keys, each query's own always among them (no query is left with nothing to attend)
+        width = max(context_lens)
+        own = [n - (starts[i + 1] - t) for i, n in enumerate(context_lens) for t in range(starts[i], starts[i + 1])]
+        selection = torch.rand(starts[-1], width) < 0.4
+        selection[torch.arange(starts[-1]), torch.tensor(own)] = True
+        extra["key_mask"] = selection[:, : width - 3]  # narrower than the longest context: past it, nothing
     out = kernel.attend(query, new_k, new_v, key_cache, value_cache, plan, scaling=scaling, sliding_window=window,
                         softcap=softcap, **extra)
     for i in range(len(shapes)):
@@ -82,9 +93,17 @@ def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, bl
         if dtype in HALF_TOLERANCE:  # the reference sees the cache's rounded K/V: only the kernel's arithmetic counts
             k, v = k.to(dtype).double(), v.to(dtype).double()
         expected = dense_reference(query[rows].double(), k, v, scaling, window, softcap,
-                                   None if bias is None else bias[rows], None if sinks is None else sinks[rows])
+                                   None if bias is None else bias[rows], None if sinks is None else sinks[rows],
+                                   None if selection is None else _cut(selection[rows], k.shape[0], width - 3))
         tolerance = {torch.float64: 1e-10, torch.float32: 2e-5}.get(dtype) or HALF_TOLERANCE[dtype]
         torch.testing.assert_close(out[rows], expected.to(dtype), rtol=tolerance, atol=tolerance)
+
+
+def _cut(selection: torch.Tensor, num_keys: int, width: int) -> torch.Tensor:
+    """The selection over a request's keys, none at or past `width`."""
+    selection = selection[:, :num_keys].clone()
+    selection[:, width:] = False
+    return selection
 
 
 #: bf16/fp16 outputs against float64 attention over the same rounded inputs: one rounding of the output (half an
@@ -118,6 +137,15 @@ def test_torch_kernel_adds_a_bias_by_distance_and_sinks_per_query(extent, token_
     shapes = [(0, 9), (6, 1), (0, 1), (13, 5), (21, 1), (3, 4), (7, 1)]
     check_against_dense(TorchKernel(), shapes, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype,
                         window=window, softcap=softcap, seed=extent or 0, bias_extent=extent, token_sinks=token_sinks)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_torch_kernel_attends_only_the_keys_an_indexer_selected(window, dtype):
+    """Sparse attention (an indexer's selection per query token): fresh prompts, chunks with a past and decodes."""
+    shapes = [(0, 9), (6, 1), (0, 1), (13, 5), (21, 1), (3, 4), (7, 1)]
+    check_against_dense(TorchKernel(), shapes, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype,
+                        window=window, softcap=None, seed=3, sparse=True)
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (18, 2, 32), (4, 4, 128), (8, 1, 16)])

@@ -1,0 +1,108 @@
+"""Sparse attention over the tokens an indexer selects (Qwen4-Exp's QSA), in a paged step.
+
+Each attention layer's indexer scores the query against pooled blocks of its own per-token keys (written to and
+read from `cache.update_indexer`) and keeps the top ones; the attention then attends only the selected tokens.
+Its forward reads one sequence with its whole history: the keys so far, and rotary positions from 0 for the
+blocks' starts. In a step the stand-in runs the model's own indexer once per request, on that request's tokens,
+with its history from the paged indexer keys (worker/indexer_keys.py), its positions and a causal mask over its
+context; the selections go to the torch kernel as a mask over each query token's keys (`key_mask`), and the rest
+of the attention is the module's own code over the packed row.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from paged_hf.integrations.transformers import step_cache
+from paged_hf.worker.packed_linears import StandIn
+
+
+class Qwen4ExpAttention(StandIn):
+    """Qwen4ExpTextAttention in a step (module docstring); its own forward outside steps (the probe).
+    `rotary`: the model's rotary embedding, for the positions of the requests' histories."""
+
+    selects_keys = True  # applies its indexer's selection (the model probe refuses indexed models without one)
+
+    def __init__(self, original: torch.nn.Module, rotary: torch.nn.Module):
+        super().__init__(original)
+        object.__setattr__(self, "rotary", rotary)  # the model's own module: not registered here again
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        attention = self.original
+        if cache is None or cache is not step_cache():
+            if attention_mask is None:  # the probe's attention function has no mask: its indexer needs one
+                attention_mask = _causal(hidden_states.shape[1], cache.get_seq_length(attention.layer_idx)
+                                         if cache is not None else 0, hidden_states.device)
+            return attention(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        key_mask = self._selection(hidden_states, cache)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, attention.head_dim)
+        query, gate = torch.chunk(attention.q_proj(hidden_states).view(*input_shape, -1, attention.head_dim * 2), 2,
+                                  dim=-1)
+        gate = gate.reshape(*input_shape, -1)
+        query = attention.q_norm(query.view(hidden_shape)).transpose(1, 2)
+        key = attention.k_norm(attention.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value = attention.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = (x[:, -hidden_states.shape[1]:, :] for x in position_embeddings)
+        query, key = _module_function(attention, "apply_rotary_pos_emb")(query, key, cos, sin)
+        key, value = cache.update(key, value, attention.layer_idx)
+        output = cache.attend(attention, query, key, value, scaling=attention.scaling, sliding_window=None,
+                              softcap=None, key_mask=key_mask)
+        output = output.reshape(*input_shape, -1) * torch.sigmoid(gate)
+        return attention.o_proj(output), None
+
+    def _selection(self, hidden_states: torch.Tensor, cache) -> torch.Tensor:
+        """[num_tokens, longest context] bool: the tokens the indexer selects for each query token of the step."""
+        metadata, attention = cache.metadata, self.original
+        device = hidden_states.device
+        width = max(metadata.context_lens)
+        cos, sin = self.rotary(hidden_states, torch.arange(width, device=device)[None])  # positions 0 .. width - 1
+        key_mask = torch.zeros(hidden_states.shape[1], width, dtype=torch.bool, device=device)
+        starts = metadata.query_start_loc
+        for i, (context_len, table) in enumerate(zip(metadata.context_lens, metadata.block_tables)):
+            rows = slice(starts[i], starts[i + 1])
+            length = starts[i + 1] - starts[i]
+            history = RequestIndexerKeys(cache, metadata.slot_mapping[rows], table, context_len)
+            selected = attention.indexer(hidden_states[:, rows], (cos[:, :context_len], sin[:, :context_len]),
+                                         _causal(length, context_len - length, device), history)
+            key_mask[rows, :context_len] = selected[0, 0]
+        return key_mask
+
+
+def _causal(length: int, past: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, length, past + length] bool: the last `length` tokens of a sequence each see themselves and before."""
+    query_positions = torch.arange(past, past + length, device=device)[:, None]
+    return (torch.arange(past + length, device=device)[None, :] <= query_positions)[None, None]
+
+
+class RequestIndexerKeys:
+    """The cache one request's indexer call sees: `update_indexer` writes its new keys to their slots and returns
+    its whole history, [1, context_len, dim]."""
+
+    def __init__(self, cache, slots: torch.Tensor, block_table: list[int], context_len: int):
+        self.cache, self.slots, self.block_table, self.context_len = cache, slots, block_table, context_len
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        store = self.cache.indexer_keys
+        store.write(layer_idx, keys[0], self.slots)
+        return store.read(layer_idx, self.block_table, self.context_len)[None]
+
+
+def _module_function(module: torch.nn.Module, name: str):
+    """What `module`'s modeling file calls `name` (its forward's globals, under any decorator)."""
+    return inspect.unwrap(type(module).forward).__globals__.get(name)
+
+
+def rotary_of(model: torch.nn.Module, attention: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's rotary embedding of the class `attention`'s modeling file defines beside it."""
+    rotary_class = _module_function(attention, type(attention).__name__.replace("Attention", "RotaryEmbedding"))
+    return next((m for m in model.modules() if rotary_class is not None and isinstance(m, rotary_class)), None)
+
+
+def indexed_stand_in(module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module | None:
+    if type(module).__name__ != "Qwen4ExpTextAttention":
+        return None
+    rotary = rotary_of(model, module)
+    return None if rotary is None else Qwen4ExpAttention(module, rotary)
