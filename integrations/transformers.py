@@ -54,9 +54,13 @@ def step_cache():
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sliding_window=None, softcap=None, s_aux=None, **kwargs):
+                            sliding_window=None, softcap=None, s_aux=None, indices=None, **kwargs):
+    """`indices`: [1, num_tokens, k], the key positions each query token attends (a sparse-attention indexer's,
+    in a step: worker/indexed_attention.py), -1 for none."""
     cache = _STEP_CACHE.get()
     if cache is None:
+        if indices is not None:  # outside a step: the selection as a mask, as the model's own eager/sdpa path does
+            attention_mask = with_selection(attention_mask, indices, query.shape[2], key.shape[2])
         if softcap is not None or s_aux is not None:  # sdpa can neither soft-cap nor add sinks; eager can
             return eager_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -65,8 +69,22 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     output = cache.attend(module, query, key, value, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
-                          sinks=s_aux)
+                          sinks=s_aux, selected=indices)
     return output, None
+
+
+def with_selection(attention_mask, indices: torch.Tensor, query_len: int, key_len: int) -> torch.Tensor:
+    """A causal mask (`attention_mask`, or causal when None) restricted to the key positions `indices`
+    [batch, query_len, k] selects (-1: none): bool where the mask is bool or None, else additive."""
+    columns = torch.where(indices >= 0, indices.long(), key_len)
+    selected = torch.zeros(*indices.shape[:2], key_len + 1, dtype=torch.bool, device=indices.device)
+    selected = selected.scatter_(-1, columns, True)[..., :key_len].unsqueeze(1)  # [batch, 1, query_len, key_len]
+    if attention_mask is None:
+        positions = torch.arange(key_len, device=indices.device)
+        return selected & (positions[None, :] <= positions[key_len - query_len:, None])
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & selected
+    return attention_mask.masked_fill(~selected, torch.finfo(attention_mask.dtype).min)
 
 
 def check_step_call(module, attention_mask, dropout, kwargs) -> None:

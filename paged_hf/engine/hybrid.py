@@ -21,6 +21,11 @@ logger = logging.get_logger(__name__)
 
 def hybrid_config(config: PagedConfig, info: ModelInfo) -> PagedConfig:
     """The config the engine runs a hybrid model with (the user's own for any other model)."""
+    if any(layer.indexer_dim for layer in info.attention_layers) and (
+            config.kv_offloading_size or config.kv_cache_dir or config.kv_transfer_config is not None):
+        raise ValueError("kv_offloading_size / kv_cache_dir / kv_transfer_config: a sparse-attention model keeps "
+                         "its indexer's keys beside the K/V (worker/indexer_keys.py), which the KV tier, the disk "
+                         "cache and KV transfer do not carry")
     if not info.is_hybrid:
         return config
     if config.speculative is not None:

@@ -1,4 +1,4 @@
-"""Sparse attention over the tokens an indexer selects (Qwen4-Exp's QSA), in a paged step.
+"""Sparse attention over the tokens an indexer selects (Qwen4-Exp's QSA, DeepSeek-V3.2's DSA), in a paged step.
 
 Each attention layer's indexer scores the query against pooled blocks of its own per-token keys (written to and
 read from `cache.update_indexer`) and keeps the top ones; the attention then attends only the selected tokens.
@@ -6,7 +6,9 @@ Its forward reads one sequence with its whole history: the keys so far, and rota
 blocks' starts. In a step the stand-in runs the model's own indexer once per request, on that request's tokens,
 with its history from the paged indexer keys (worker/indexer_keys.py), its positions and a causal mask over its
 context; the selections go to the torch kernel as a mask over each query token's keys (`key_mask`), and the rest
-of the attention is the module's own code over the packed row.
+of the attention is the module's own code over the packed row. DeepSeek-V3.2's attention takes its indexer's top-k
+positions and hands them to its attention function as `indices` (as to a sparse kernel): there only the indexer
+has a stand-in, and the paged attention function turns the indices into the mask (`selected_keys`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,38 @@ def _causal(length: int, past: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(past + length, device=device)[None, :] <= query_positions)[None, None]
 
 
+class DeepseekV32Indexer(StandIn):
+    """DeepSeek-V3.2's indexer in a step: the model's own, once per request (its tokens, their positions, a causal
+    mask over its context, its history of indexer keys), each request's top-k key positions packed back in row
+    order, [1, num_tokens, top-k], -1 where a request has fewer. Its attention hands them to the attention
+    function as `indices` (what a sparse kernel takes), which the paged one turns into each query's keys."""
+
+    selects_keys = True
+
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
+        indexer = self.original
+        if cache is None or cache is not step_cache():
+            return indexer(hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=cache)
+        metadata, starts = cache.metadata, cache.metadata.query_start_loc
+        device = hidden_states.device
+        selected = torch.full((hidden_states.shape[1], indexer.index_topk), -1, dtype=torch.int32, device=device)
+        for i, (context_len, table) in enumerate(zip(metadata.context_lens, metadata.block_tables)):
+            rows = slice(starts[i], starts[i + 1])
+            length = starts[i + 1] - starts[i]
+            history = RequestIndexerKeys(cache, metadata.slot_mapping[rows], table, context_len)
+            top = indexer(hidden_states[:, rows], q_resid[:, rows], tuple(x[:, rows] for x in position_embeddings),
+                          _causal(length, context_len - length, device)[:, 0], position_ids[:, rows], cache=history)
+            selected[rows, : top.shape[-1]] = top[0]
+        return selected[None]
+
+
+def selected_keys(indices: torch.Tensor, width: int) -> torch.Tensor:
+    """[1, num_tokens, k] key positions per query token (-1: none) -> [num_tokens, width] bool."""
+    columns = torch.where(indices[0] >= 0, indices[0].long(), width)  # -1 lands in a column that is dropped
+    mask = torch.zeros(indices.shape[1], width + 1, dtype=torch.bool, device=indices.device)
+    return mask.scatter_(1, columns, True)[:, :width]
+
+
 class RequestIndexerKeys:
     """The cache one request's indexer call sees: `update_indexer` writes its new keys to their slots and returns
     its whole history, [1, context_len, dim]."""
@@ -102,6 +136,8 @@ def rotary_of(model: torch.nn.Module, attention: torch.nn.Module) -> torch.nn.Mo
 
 
 def indexed_stand_in(module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module | None:
+    if type(module).__name__ == "DeepseekV32Indexer":
+        return DeepseekV32Indexer(module)
     if type(module).__name__ != "Qwen4ExpTextAttention":
         return None
     rotary = rotary_of(model, module)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.cache_utils import (
     DynamicCache,
     DummyLayer,
@@ -65,6 +66,7 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     cache = _probe_cache(model, config)
     records = _Records(model, cache)
     AttentionInterface.register(PROBE_ATTENTION, records.attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, sdpa_mask)  # a mask where the model asks for one
     own_attentions = OwnAttentions(model, config)
     _check_indexers(model, cache, own_attentions)
     try:

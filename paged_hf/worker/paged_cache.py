@@ -23,6 +23,7 @@ from paged_hf.integrations.transformers import UnservedAttention
 from paged_hf.kernels.quant import KVScales, as_bytes, is_quantized
 from paged_hf.profiling import span
 from paged_hf.worker.gathered_attention import GatheredAttention
+from paged_hf.worker.indexed_attention import selected_keys
 from paged_hf.worker.indexer_keys import IndexerKeys
 from paged_hf.worker.model_probe import AttentionLayer
 from paged_hf.worker.recurrent_mixers import RecurrentStep
@@ -163,11 +164,14 @@ class PagedCache(Cache):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                scaling: float, sliding_window: int | None, softcap: float | None,
                sinks: torch.Tensor | None = None, distance_bias: torch.Tensor | None = None,
-               key_mask: torch.Tensor | None = None) -> torch.Tensor:
+               key_mask: torch.Tensor | None = None, selected: torch.Tensor | None = None) -> torch.Tensor:
         """query: [1, num_heads, num_tokens, head_dim] -> [1, num_tokens, num_heads, value_head_dim]; key/value:
         what the module hands its attention function (its layer is found by them, step_books.py); distance_bias
         [num_tokens, num_heads, extent] and key_mask [num_tokens, width]: the torch kernel's
-        (kernels/torch_kernel.py)."""
+        (kernels/torch_kernel.py); selected [1, num_tokens, k]: each query token's key positions (-1: none), as
+        a sparse kernel takes them, turned into the key mask here."""
+        if selected is not None:
+            key_mask = selected_keys(selected, max(self.metadata.context_lens))
         with span("attention"):
             return self._attend(module, query, key, value, scaling, sliding_window, softcap, sinks,
                                 dict(distance_bias=distance_bias, key_mask=key_mask))

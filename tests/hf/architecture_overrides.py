@@ -39,6 +39,9 @@ OVERRIDES: dict = {
     "dots3_note": dots3_note,
     "dots3_note_text": dots3_note,
     # to_dict lists each layer as (attention, mlp) blocks and doubles the counts: 3 layers, one of each stage
+    # two indexer heads leave many keys at an index score of exactly 0 (every head's ReLU at 0): a tie whose
+    # top-k order differs with the scores' shape, so HF's own full forward and its generate select differently
+    "deepseek_v32": {"index_n_heads": 16},
     "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,
              "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]},
     "falcon_h1": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128, "mamba_d_state": 16,
