@@ -13,12 +13,10 @@ has a stand-in, and the paged attention function turns the indices into the mask
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from paged_hf.integrations.transformers import step_cache
-from paged_hf.worker.packed_linears import StandIn
+from paged_hf.worker.packed_linears import StandIn, modeling_global
 
 
 class Qwen4ExpAttention(StandIn):
@@ -34,9 +32,6 @@ class Qwen4ExpAttention(StandIn):
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         attention = self.original
         if cache is None or cache is not step_cache():
-            if attention_mask is None:  # the probe's attention function has no mask: its indexer needs one
-                attention_mask = _causal(hidden_states.shape[1], cache.get_seq_length(attention.layer_idx)
-                                         if cache is not None else 0, hidden_states.device)
             return attention(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         key_mask = self._selection(hidden_states, cache)
         input_shape = hidden_states.shape[:-1]
@@ -48,7 +43,7 @@ class Qwen4ExpAttention(StandIn):
         key = attention.k_norm(attention.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
         value = attention.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = (x[:, -hidden_states.shape[1]:, :] for x in position_embeddings)
-        query, key = _module_function(attention, "apply_rotary_pos_emb")(query, key, cos, sin)
+        query, key = modeling_global(attention, "apply_rotary_pos_emb")(query, key, cos, sin)
         key, value = cache.update(key, value, attention.layer_idx)
         output = cache.attend(attention, query, key, value, scaling=attention.scaling, sliding_window=None,
                               softcap=None, key_mask=key_mask)
@@ -124,14 +119,9 @@ class RequestIndexerKeys:
         return store.read(layer_idx, self.block_table, self.context_len)[None]
 
 
-def _module_function(module: torch.nn.Module, name: str):
-    """What `module`'s modeling file calls `name` (its forward's globals, under any decorator)."""
-    return inspect.unwrap(type(module).forward).__globals__.get(name)
-
-
 def rotary_of(model: torch.nn.Module, attention: torch.nn.Module) -> torch.nn.Module | None:
     """The model's rotary embedding of the class `attention`'s modeling file defines beside it."""
-    rotary_class = _module_function(attention, type(attention).__name__.replace("Attention", "RotaryEmbedding"))
+    rotary_class = modeling_global(attention, type(attention).__name__.replace("Attention", "RotaryEmbedding"))
     return next((m for m in model.modules() if rotary_class is not None and isinstance(m, rotary_class)), None)
 
 

@@ -25,7 +25,7 @@ from paged_hf.integrations.transformers import UnservedAttention
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.indexed_attention import indexed_stand_in
 from paged_hf.worker.inkling_attention import inkling_stand_in
-from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
+from paged_hf.worker.packed_linears import ModuleSwaps, StandIn, modeling_global
 
 
 def _call_interface(module, config, query, key, value, attention_mask, scaling, window):
@@ -78,7 +78,7 @@ class FalconPagedAttention(StandIn):
         query = query.transpose(1, 2).reshape(batch_size, attention.num_heads, query_length, attention.head_dim)
         key = key.transpose(1, 2).reshape(batch_size, num_kv_heads, query_length, attention.head_dim)
         value = value.transpose(1, 2).reshape(batch_size, num_kv_heads, query_length, attention.head_dim)
-        rotary = _module_function(attention, "apply_rotary_pos_emb")
+        rotary = modeling_global(attention, "apply_rotary_pos_emb")
         query, key = rotary(query, key, *position_embeddings)
         if layer_past is not None:
             key, value = layer_past.update(key, value, attention.layer_idx)
@@ -86,11 +86,6 @@ class FalconPagedAttention(StandIn):
                                  attention.head_dim ** -0.5, None)
         output = output.reshape(batch_size, query_length, attention.num_heads * attention.head_dim)
         return attention.dense(output), None
-
-
-def _module_function(module: torch.nn.Module, name: str):
-    """A function of the module's own modeling file (what its forward calls by that name)."""
-    return type(module).forward.__globals__[name]
 
 
 def stand_in_for(module: torch.nn.Module, config, model: torch.nn.Module) -> torch.nn.Module | None:

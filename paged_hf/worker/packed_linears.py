@@ -14,6 +14,8 @@ The packed copies cost the linears' weights once more in memory.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 # the batch size the weights are laid out for; oneDNN runs any batch on them (measured: no slower at 1-512)
@@ -52,6 +54,11 @@ class StandIn(torch.nn.Module):
     @training.setter
     def training(self, value: bool) -> None:
         pass  # nn.Module.__init__ sets it; the mode is the original's
+
+
+def modeling_global(module: torch.nn.Module, name: str):
+    """What `module`'s modeling file calls `name` (its forward's globals, under any decorator), or None."""
+    return inspect.unwrap(type(module).forward).__globals__.get(name)
 
 
 class PackedLinear(StandIn):
