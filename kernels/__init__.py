@@ -19,18 +19,18 @@ logger = logging.get_logger(__name__)
 def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, head_dims: list[int],
                   kv_dtype: torch.dtype | None = None, value_head_dims: list[int] | None = None,
                   sinks: bool = False, chunked: bool = False, distance_bias: bool = False,
-                  sparse: bool = False) -> AttentionKernel:
+                  sparse: bool = False, alibi: bool = False) -> AttentionKernel:
     """`auto`: FlashInfer on CUDA, the compiled CPU kernel on CPU, each when it is usable for every layer
     (`devices`, `head_dims` of the keys, `value_head_dims`: per layer), the cache's storage dtype `kv_dtype`
-    (None: the model's `dtype`), attention sinks, chunked attention, biases by distance and keys selected per query
-    (`sinks`, `chunked`, `distance_bias`, `sparse`: some layer has them); otherwise torch, which computes all of
-    them. Naming a kernel that cannot be used is a ValueError."""
+    (None: the model's `dtype`), attention sinks, chunked attention, biases by distance, keys selected per query
+    and ALiBi (`sinks`, `chunked`, `distance_bias`, `sparse`, `alibi`: some layer has them); otherwise torch, which
+    computes all of them. Naming a kernel that cannot be used is a ValueError."""
     if name == "torch":
         logger.info("paged_hf attention backend: torch (asked for)")
         return TorchKernel()
     device_types = sorted({torch.device(d).type for d in devices})
     device = torch.device(devices[0]) if len(device_types) == 1 else None
-    only_torch = _needs_torch(head_dims, value_head_dims, sinks, chunked, distance_bias, sparse)
+    only_torch = _needs_torch(head_dims, value_head_dims, sinks, chunked, distance_bias, sparse, alibi)
     if device is None:
         kernel, reason = None, f"the layers span devices of several types ({', '.join(device_types)})"
     elif only_torch is not None:
@@ -51,9 +51,9 @@ def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, he
 
 
 def _needs_torch(head_dims: list[int], value_head_dims: list[int] | None, sinks: bool, chunked: bool,
-                 distance_bias: bool = False, sparse: bool = False) -> str | None:
+                 distance_bias: bool = False, sparse: bool = False, alibi: bool = False) -> str | None:
     """What only the torch kernel computes: K and V of different widths (MLA), attention sinks, chunks, biases by
-    distance, keys selected per query."""
+    distance, keys selected per query, ALiBi."""
     if value_head_dims is not None and list(value_head_dims) != list(head_dims):
         return "K and V have different head_dims (MLA): the torch kernel serves them"
     if sinks:
@@ -64,6 +64,8 @@ def _needs_torch(head_dims: list[int], value_head_dims: list[int] | None, sinks:
         return "a learned bias by distance in the scores (Inkling): the torch kernel serves it"
     if sparse:
         return "sparse attention over the keys an indexer selects: the torch kernel serves it"
+    if alibi:
+        return "ALiBi (BLOOM, MPT): the torch kernel serves it"
     return None
 
 

@@ -88,29 +88,23 @@ class TorchKernel:
 
     def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap,
                scales: KVScales | None = None, sinks: torch.Tensor | None = None, chunk_size: int | None = None,
-               distance_bias: torch.Tensor | None = None, key_mask: torch.Tensor | None = None):
-        """sinks: [num_heads] (gpt-oss) or [num_tokens, num_heads] (Inkling 2: each query token's own), a logit in
-        the softmax whose weight is dropped; distance_bias: [num_tokens, num_heads, extent], a logit each query token
-        adds to the key `d` positions before it, for 0 <= d < extent (Inkling's learned relative bias); key_mask:
-        [num_tokens, width] bool, the key positions each query token may attend, causality and window aside (an
-        indexer's selection, sparse attention; positions at or past `width` are not selected)."""
+               **per_query):
+        """`per_query`: what some models add to the scores (`ScoreTerms`: per-token sinks, a bias by distance,
+        ALiBi, a selection of keys), which a kernel of its own computes none of (kernels.select_kernel)."""
         # [num_tokens, num_heads, value_head_dim]
         output = query.new_empty(*query.shape[:-1], value_cache.shape[-1])
         masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=scales, sinks=sinks,
-                       chunk_size=chunk_size)
-        for name, extra in (("distance_bias", distance_bias), ("key_mask", key_mask)):
-            if extra is not None:  # (a kernel of its own computes neither: kernels.select_kernel)
-                masking[name] = extra
+                       chunk_size=chunk_size, **{name: term for name, term in per_query.items() if term is not None})
         self.attend_decodes(query, output, key_cache, value_cache, plan, **masking)
         self.attend_prefills(query, key, value, output, key_cache, value_cache, plan, **masking)
         return output
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window,
-                       softcap, scales=None, sinks=None, chunk_size=None, distance_bias=None,
-                       key_mask=None) -> None:
+                       softcap, scales=None, sinks=None, chunk_size=None, **per_query) -> None:
         """Writes the output rows of the one-token queries."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
         value_head_dim = value_cache.shape[-1]
+        terms = ScoreTerms(sinks=sinks, **per_query)
         for index, group in enumerate(plan.decodes):
             num_rows = group.rows.shape[0]
             q = query.index_select(0, group.rows).unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
@@ -119,22 +113,20 @@ class TorchKernel:
             k = k.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
             v = v.view(num_rows, -1, num_kv_heads, value_head_dim).transpose(1, 2)
             mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window, chunk_size)
-            if key_mask is not None:
-                mask = mask & _selected(key_mask.index_select(0, group.rows), k.shape[2])[:, None, None, :]
-            bias = None
-            if distance_bias is not None:  # [num_rows, num_heads, 1, padded_len]
-                distance = (group.context_lens[:, None] - 1) - torch.arange(k.shape[2], device=q.device)[None, :]
-                bias = bias_by_distance(distance_bias.index_select(0, group.rows), distance[:, None, :]).unsqueeze(2)
-            row_sinks = _per_query(sinks, lambda t: t.index_select(0, group.rows)[:, :, None, None])
-            output.index_copy_(0, group.rows,
-                               attention(q, k, v, mask, scaling, softcap, sinks=row_sinks, bias=bias).squeeze(2))
+            distance = (group.context_lens[:, None] - 1) - torch.arange(k.shape[2], device=q.device)[None, :]
+            bias, row_sinks, selected = terms.of_rows(lambda t: t.index_select(0, group.rows), distance)
+            if selected is not None:
+                mask = mask & selected[:, None, None, :]
+            out = attention(q, k, v, mask, scaling, softcap, sinks=terms.sinks if row_sinks is None else
+                            row_sinks.unsqueeze(2), bias=None if bias is None else bias.unsqueeze(2))
+            output.index_copy_(0, group.rows, out.squeeze(2))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
-                        sliding_window, softcap, scales=None, sinks=None, chunk_size=None, distance_bias=None,
-                        key_mask=None) -> None:
+                        sliding_window, softcap, scales=None, sinks=None, chunk_size=None, **per_query) -> None:
         """Writes the output rows of the prefill chunks."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
         value_head_dim = value_cache.shape[-1]
+        terms = ScoreTerms(sinks=sinks, **per_query)
         for index, chunk in enumerate(plan.prefills):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
@@ -147,21 +139,20 @@ class TorchKernel:
                 v = v.view(-1, num_kv_heads, value_head_dim)[: chunk.context_len]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_dim]
             v = v.transpose(0, 1).unsqueeze(0)
-            plain = sliding_window is None and softcap is None and sinks is None and chunk_size is None
-            if chunk.fresh and plain and distance_bias is None and key_mask is None:
+            plain = sliding_window is None and softcap is None and chunk_size is None and terms.none
+            if chunk.fresh and plain:
                 out = attention(q, k, v, None, scaling, None, is_causal=True)
             else:
                 mask = self._prefill_mask(plan, index, chunk, sliding_window, chunk_size, q.device)
-                if key_mask is not None:
-                    mask = mask & _selected(key_mask[rows], chunk.context_len)
-                bias = None
-                if distance_bias is not None:  # [1, num_heads, query_len, context_len]
-                    offset = chunk.context_len - chunk.query_len
-                    distance = (torch.arange(offset, chunk.context_len, device=q.device)[:, None]
-                                - torch.arange(chunk.context_len, device=q.device)[None, :])
-                    bias = bias_by_distance(distance_bias[rows].transpose(0, 1), distance[None]).unsqueeze(0)
-                row_sinks = _per_query(sinks, lambda t: t[rows].transpose(0, 1)[None, :, :, None])
-                out = attention(q, k, v, mask, scaling, softcap, sinks=row_sinks, bias=bias)
+                offset = chunk.context_len - chunk.query_len
+                distance = (torch.arange(offset, chunk.context_len, device=q.device)[:, None]
+                            - torch.arange(chunk.context_len, device=q.device)[None, :])
+                bias, row_sinks, selected = terms.of_rows(lambda t: t[rows], distance)
+                if selected is not None:
+                    mask = mask & selected
+                per_head = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731 - [rows, heads, ...] -> [1, heads, rows, ...]
+                out = attention(q, k, v, mask, scaling, softcap, sinks=terms.sinks if row_sinks is None else
+                                per_head(row_sinks), bias=None if bias is None else per_head(bias))
             output[rows] = out[0].transpose(0, 1)
 
     @staticmethod
@@ -251,17 +242,45 @@ def _decode_group(group: list[tuple[int, int, list[int]]], device) -> DecodeGrou
     )
 
 
+@dataclass
+class ScoreTerms:
+    """What some models add to each query token's scores beyond the causal, window and chunk masks (None: absent).
+    - sinks: [num_heads] (gpt-oss) or [num_tokens, num_heads] (Inkling 2: each query token's own), a logit in the
+      softmax whose weight is dropped;
+    - distance_bias: [num_tokens, num_heads, extent], a logit each query token adds to the key `d` positions before
+      it, for 0 <= d < extent (Inkling's learned relative bias);
+    - alibi_slopes: [num_heads], ALiBi's `-slope * d` for the key `d` positions back (BLOOM, MPT);
+    - key_mask: [num_tokens, width] bool, the key positions each query token may attend (an indexer's selection,
+      sparse attention; positions at or past `width` are not selected)."""
+    sinks: torch.Tensor | None = None
+    distance_bias: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+
+    @property
+    def none(self) -> bool:
+        return all(term is None for term in (self.sinks, self.distance_bias, self.alibi_slopes, self.key_mask))
+
+    def of_rows(self, take, distance: torch.Tensor):
+        """For the query rows `take` picks of a [num_tokens, ...] tensor, whose keys are `distance` [rows, keys]
+        positions back: (bias [rows, heads, keys], per-token sinks [rows, heads, 1], selection [rows, keys]),
+        each None where absent (per-head sinks stay `self.sinks`)."""
+        bias = None
+        if self.distance_bias is not None:
+            bias = bias_by_distance(take(self.distance_bias), distance[:, None, :])
+        if self.alibi_slopes is not None:
+            alibi = -self.alibi_slopes.double()[None, :, None] * distance[:, None, :]  # rounded once, to the scores
+            bias = alibi if bias is None else bias + alibi
+        sinks = None if self.sinks is None or self.sinks.dim() == 1 else take(self.sinks)[:, :, None]
+        selected = None if self.key_mask is None else _selected(take(self.key_mask), distance.shape[-1])
+        return bias, sinks, selected
+
+
 def _selected(key_mask: torch.Tensor, num_keys: int) -> torch.Tensor:
     """The rows of a key mask over `num_keys` key positions (cut, or padded with unselected positions)."""
     if key_mask.shape[-1] >= num_keys:
         return key_mask[:, :num_keys]
     return torch.nn.functional.pad(key_mask, (0, num_keys - key_mask.shape[-1]), value=False)
-
-
-def _per_query(sinks: torch.Tensor | None, select) -> torch.Tensor | None:
-    """Per-head sinks [num_heads] as they are; per-token ones [num_tokens, num_heads] as `select` shapes the rows
-    of a call ([..., num_heads, query_len, 1], over its scores)."""
-    return sinks if sinks is None or sinks.dim() == 1 else select(sinks)
 
 
 def bias_by_distance(table: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,9 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     cache = _probe_cache(model, config)
     records = _Records(model, cache)
     AttentionInterface.register(PROBE_ATTENTION, records.attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, sdpa_mask)  # a mask where the model asks for one
+    # the mask the model's own implementation builds (a model's code may need it: MPT casts it, DeepSeek-V3.2 slices it)
+    own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(getattr(config, "_attn_implementation", None) or "sdpa", sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, own_mask)
     own_attentions = OwnAttentions(model, config)
     _check_indexers(model, cache, own_attentions)
     try:

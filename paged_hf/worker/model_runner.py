@@ -37,18 +37,19 @@ class ModelRunner:
         self.block_size = config.block_size
         kv_dtype = storage_dtype(config.kv_cache_dtype, info.dtype)
         layers = info.attention_layers
+        self.own_attentions = OwnAttentions(model, text_config(model.config))  # attention code of their own
         self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim, kv_dtype,
                                     info.value_head_dim, sinks=any(layer.has_sinks for layer in layers),
                                     chunked=any(layer.chunk_size for layer in layers),
                                     distance_bias=any(layer.distance_bias for layer in layers),
-                                    sparse=any(layer.indexer_dim for layer in layers))
+                                    sparse=any(layer.indexer_dim for layer in layers),
+                                    alibi=any(getattr(s, "alibi", False) for *_, s in self.own_attentions.sites))
         states = RecurrentStates(info.state_layers, state_slot_count(config)) if info.is_hybrid else None
         self.cache = paged_cache_class(own_cache_class(model))(num_blocks, config.block_size, info.attention_layers, info.dtype, self.kernel, kv_dtype,
                                 states)
         self.recurrent_mixers = RecurrentMixers(model, states)  # a hybrid's recurrent layers, request by request
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)
-        self.own_attentions = OwnAttentions(model, text_config(model.config))  # older families' inline attention
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
         fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()

@@ -12,7 +12,8 @@ and window:
   interface (ALiBi variants raise: the paged kernels have no ALiBi);
 - Inkling and Inkling 2: a learned logit per query token and backward distance in the scores, per-token sinks
   and attention across depth (worker/inkling_attention.py);
-- Qwen4-Exp: sparse attention over the tokens its indexer selects (worker/indexed_attention.py).
+- Qwen4-Exp: sparse attention over the tokens its indexer selects (worker/indexed_attention.py);
+- BLOOM and MPT: ALiBi (worker/alibi_attention.py).
 The engine probe checks each against the model's own forward; families not listed keep their own code and are
 refused there.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from paged_hf.integrations.transformers import UnservedAttention
+from paged_hf.worker.alibi_attention import alibi_stand_in, step_overrides
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.indexed_attention import indexed_stand_in
 from paged_hf.worker.inkling_attention import inkling_stand_in
@@ -98,7 +100,7 @@ def stand_in_for(module: torch.nn.Module, config, model: torch.nn.Module) -> tor
         return OwnAttnMethod(module, config, 1.0 / module.norm_factor, None)
     if name == "FalconAttention":
         return FalconPagedAttention(module, config)
-    return inkling_stand_in(module) or indexed_stand_in(module, model)
+    return inkling_stand_in(module) or indexed_stand_in(module, model) or alibi_stand_in(module)
 
 
 class OwnAttentions(ModuleSwaps):
@@ -111,3 +113,14 @@ class OwnAttentions(ModuleSwaps):
                 stand_in = stand_in_for(child, config, model) if child is not None else None
                 if stand_in is not None:
                     self.sites.append((parent, name, child, stand_in))
+        self.overrides = step_overrides(model) if self.sites else []
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        for owner, name, value in self.overrides:
+            setattr(owner, name, value)  # an instance attribute over the class's method, for the step
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, _ in self.overrides:
+            owner.__dict__.pop(name, None)
+        super().__exit__(*exc)

@@ -164,17 +164,18 @@ class PagedCache(Cache):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                scaling: float, sliding_window: int | None, softcap: float | None,
                sinks: torch.Tensor | None = None, distance_bias: torch.Tensor | None = None,
-               key_mask: torch.Tensor | None = None, selected: torch.Tensor | None = None) -> torch.Tensor:
+               key_mask: torch.Tensor | None = None, selected: torch.Tensor | None = None,
+               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """query: [1, num_heads, num_tokens, head_dim] -> [1, num_tokens, num_heads, value_head_dim]; key/value:
         what the module hands its attention function (its layer is found by them, step_books.py); distance_bias
-        [num_tokens, num_heads, extent] and key_mask [num_tokens, width]: the torch kernel's
-        (kernels/torch_kernel.py); selected [1, num_tokens, k]: each query token's key positions (-1: none), as
+        [num_tokens, num_heads, extent], key_mask [num_tokens, width] and alibi_slopes [num_heads]: the torch
+        kernel's (kernels/torch_kernel.py `ScoreTerms`); selected [1, num_tokens, k]: each query token's key positions (-1: none), as
         a sparse kernel takes them, turned into the key mask here."""
         if selected is not None:
             key_mask = selected_keys(selected, max(self.metadata.context_lens))
         with span("attention"):
             return self._attend(module, query, key, value, scaling, sliding_window, softcap, sinks,
-                                dict(distance_bias=distance_bias, key_mask=key_mask))
+                                dict(distance_bias=distance_bias, key_mask=key_mask, alibi_slopes=alibi_slopes))
 
     def _attend(self, module, query, key, value, scaling, sliding_window, softcap, sinks, extra) -> torch.Tensor:
         layer_idx, transform = self.books.resolve(module, key, value)

@@ -13,11 +13,11 @@ from paged_hf.utils import cpu_flags
 from paged_hf.worker.step_inputs import AttentionMetadata
 
 
-def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None, sinks=None, key_mask=None):
+def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None, sinks=None, key_mask=None, alibi=None):
     """q: [query_len, heads, dim] for the last query_len positions of a sequence with K/V k, v: [len, kv, dim];
     distance_bias: [query_len, heads, extent], added to each score by its query-key distance (0 beyond); sinks:
     [query_len, heads], each query's logit in the softmax whose weight is dropped; key_mask: [query_len, len], the
-    keys each query may attend besides causality."""
+    keys each query may attend besides causality; alibi: [heads] slopes, `-slope * distance` added to each score."""
     query_len, context_len = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
@@ -27,6 +27,8 @@ def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None, sinks
         scores = torch.tanh(scores / softcap) * softcap
     query_pos = torch.arange(context_len - query_len, context_len)[:, None]
     key_pos = torch.arange(context_len)[None, :]
+    if alibi is not None:
+        scores = scores - alibi[:, None, None] * (query_pos - key_pos)[None]
     if distance_bias is not None:
         for qi, qp in enumerate(query_pos[:, 0].tolist()):
             for kp in range(max(0, qp - distance_bias.shape[-1] + 1), qp + 1):
@@ -43,11 +45,11 @@ def dense_reference(q, k, v, scaling, window, softcap, distance_bias=None, sinks
 
 
 def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap,
-                        seed, scaling=0.3, bias_extent=None, token_sinks=False, sparse=False):
+                        seed, scaling=0.3, bias_extent=None, token_sinks=False, sparse=False, alibi=False):
     """Builds a paged batch of requests with (cached, new) token counts on scattered blocks, writes the new K/V
     through the kernel, attends, and compares every request's rows with dense attention in float64 (with a random
     bias by distance over `bias_extent` distances, random sinks per query token, and a random selection of keys
-    per query token that always keeps the query's own, where asked)."""
+    per query token that always keeps the query's own, and ALiBi with random slopes, where asked)."""
     torch.manual_seed(seed)
     num_blocks = sum(-(-(past + new) // block_size) for past, new in shapes) + 8
     permutation = torch.randperm(num_blocks).tolist()  # scattered blocks, as after churn
@@ -78,6 +80,9 @@ def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, bl
     extra = {} if bias is None else {"distance_bias": bias.to(dtype)}
     if sinks is not None:
         extra["sinks"] = sinks.to(dtype)
+    slopes = torch.rand(num_heads, dtype=torch.float64) if alibi else None
+    if slopes is not None:
+        extra["alibi_slopes"] = slopes
     selection = None
     if sparse:  # random keys, each query's own always among them (no query is left with nothing to attend)
         width = max(context_lens)
@@ -94,7 +99,8 @@ def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, bl
             k, v = k.to(dtype).double(), v.to(dtype).double()
         expected = dense_reference(query[rows].double(), k, v, scaling, window, softcap,
                                    None if bias is None else bias[rows], None if sinks is None else sinks[rows],
-                                   None if selection is None else _cut(selection[rows], k.shape[0], width - 3))
+                                   None if selection is None else _cut(selection[rows], k.shape[0], width - 3),
+                                   slopes)
         tolerance = {torch.float64: 1e-10, torch.float32: 2e-5}.get(dtype) or HALF_TOLERANCE[dtype]
         torch.testing.assert_close(out[rows], expected.to(dtype), rtol=tolerance, atol=tolerance)
 
@@ -127,16 +133,19 @@ def test_mixed_prefill_and_decode_batch_matches_dense(kernel_name, window, softc
                         block_size=4, dtype=dtype, window=window, softcap=softcap, seed=seed)
 
 
-@pytest.mark.parametrize("extent, token_sinks", [(1, False), (3, False), (40, False), (None, True), (3, True)])
+@pytest.mark.parametrize("extent, token_sinks, alibi", [(1, False, False), (3, False, False), (40, False, False),
+                                                        (None, True, False), (3, True, False), (None, False, True),
+                                                        (3, True, True)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, 10.0)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_torch_kernel_adds_a_bias_by_distance_and_sinks_per_query(extent, token_sinks, window, softcap, dtype):
-    """Inkling's learned relative bias (a logit per query token, head and distance below `extent`) and Inkling 2's
-    sinks (a logit per query token and head): the fresh prompt, the chunk with a past and the decodes each take
-    their own rows and positions."""
+def test_torch_kernel_adds_biases_and_sinks_per_query(extent, token_sinks, alibi, window, softcap, dtype):
+    """Inkling's learned relative bias (a logit per query token, head and distance below `extent`), Inkling 2's
+    sinks (a logit per query token and head) and ALiBi (BLOOM, MPT): the fresh prompt, the chunk with a past and
+    the decodes each take their own rows and positions."""
     shapes = [(0, 9), (6, 1), (0, 1), (13, 5), (21, 1), (3, 4), (7, 1)]
     check_against_dense(TorchKernel(), shapes, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype,
-                        window=window, softcap=softcap, seed=extent or 0, bias_extent=extent, token_sinks=token_sinks)
+                        window=window, softcap=softcap, seed=extent or 0, bias_extent=extent, token_sinks=token_sinks,
+                        alibi=alibi)
 
 
 @pytest.mark.parametrize("window", [None, 5])
