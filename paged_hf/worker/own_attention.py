@@ -9,11 +9,14 @@ and window:
 - GPT-Neo and GPT-NeoX-Japanese: the module's own forward runs with the stand-in as `self`, whose `_attn`
   is the interface's (their local layers attend `window_size` tokens, GPT-Neo does not scale its scores);
 - Falcon: its forward is short and inline; the stand-in's is the same with the attention through the
-  interface (ALiBi variants raise: the paged kernels have no ALiBi);
+  interface (ALiBi variants raise: Falcon builds its ALiBi into its mask, with slopes rounded to bf16);
 - Inkling and Inkling 2: a learned logit per query token and backward distance in the scores, per-token sinks
   and attention across depth (worker/inkling_attention.py);
 - Qwen4-Exp: sparse attention over the tokens its indexer selects (worker/indexed_attention.py);
-- BLOOM and MPT: ALiBi (worker/alibi_attention.py).
+- BLOOM and MPT: ALiBi (worker/alibi_attention.py);
+- XGLM (BART's attention: query scaled before its product with the keys, a mask whose shape it checks): the
+  stand-in's forward is the same with the attention through the paged cache; cross-attention raises. (TrOCR's is
+  the same, but its positions count the tokens of one contiguous sequence, not the step's: refused.)
 The engine probe checks each against the model's own forward; families not listed keep their own code and are
 refused there.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_hf.integrations.transformers import UnservedAttention
+from paged_hf.integrations.transformers import UnservedAttention, step_cache
 from paged_hf.worker.alibi_attention import alibi_stand_in, step_overrides
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.indexed_attention import indexed_stand_in
@@ -73,7 +76,8 @@ class FalconPagedAttention(StandIn):
                 output_attentions=False, position_embeddings=None, **kwargs):
         attention = self.original
         if alibi is not None:
-            raise UnservedAttention("Falcon with ALiBi: the paged kernels have no ALiBi")
+            raise UnservedAttention("Falcon with ALiBi: its ALiBi is built into its attention mask (slopes rounded "
+                                    "to bf16), which a paged step does not pass")
         batch_size, query_length = hidden_states.shape[:2]
         num_kv_heads = attention.num_heads if attention.new_decoder_architecture else attention.num_kv_heads
         query, key, value = attention._split_heads(attention.query_key_value(hidden_states))
@@ -90,6 +94,24 @@ class FalconPagedAttention(StandIn):
         return attention.dense(output), None
 
 
+class BartStyleAttention(StandIn):
+    """XGLM's self-attention in a step; its own forward outside steps."""
+
+    def forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, *args, **kwargs):
+        attention = self.original
+        if cache is None or cache is not step_cache():
+            return attention(hidden_states, key_value_states, cache, attention_mask, *args, **kwargs)
+        if key_value_states is not None:
+            raise UnservedAttention(f"{type(attention).__name__} as cross-attention: not a paged self-attention")
+        shape = (*hidden_states.shape[:-1], attention.num_heads, attention.head_dim)
+        query = (attention.q_proj(hidden_states) * attention.scaling).view(shape).transpose(1, 2)
+        key = attention.k_proj(hidden_states).view(shape).transpose(1, 2)
+        value = attention.v_proj(hidden_states).view(shape).transpose(1, 2)
+        key, value = cache.update(key, value, attention.layer_idx)
+        output = cache.attend(attention, query, key, value, scaling=1.0, sliding_window=None, softcap=None)
+        return attention.out_proj(output.reshape(*hidden_states.shape[:-1], attention.embed_dim)), None
+
+
 def stand_in_for(module: torch.nn.Module, config, model: torch.nn.Module) -> torch.nn.Module | None:
     """The stand-in of an attention module with its own code, None for any other module."""
     name = type(module).__name__
@@ -100,6 +122,8 @@ def stand_in_for(module: torch.nn.Module, config, model: torch.nn.Module) -> tor
         return OwnAttnMethod(module, config, 1.0 / module.norm_factor, None)
     if name == "FalconAttention":
         return FalconPagedAttention(module, config)
+    if name == "XGLMAttention":
+        return BartStyleAttention(module)
     return inkling_stand_in(module) or indexed_stand_in(module, model) or alibi_stand_in(module)
 
 

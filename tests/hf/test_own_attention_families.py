@@ -1,6 +1,7 @@
-"""BLOOM and MPT (ALiBi: a per-head slope times each key's distance in the scores, computed by their own inline
-attention code) against HF's greedy tokens and top-5 logprobs, with chunked prefill, preemption and `n = 2`:
-each prompt chunk and decode sees its keys' distances from its own position."""
+"""Families whose attention is their own inline code, served by stand-ins (worker/own_attention.py): BLOOM and MPT
+(ALiBi: a per-head slope times each key's distance in the scores) and XGLM (BART's attention), against HF's greedy
+tokens and top-5 logprobs, with chunked prefill, preemption and `n = 2`: each prompt chunk and decode sees its
+keys' distances from its own position."""
 
 from __future__ import annotations
 
@@ -15,13 +16,30 @@ from paged_hf import SamplingParams
 from paged_hf.kernels import TorchKernel
 
 
-@pytest.mark.parametrize("model_type", ["bloom", "mpt"])
-def test_alibi_models_equal_hf_under_pressure(model_type):
-    model = build(model_type, torch.float64)
+#: model_type -> dtype (HF's own XGLM fails in float64: its mask's minimum is a float32 scalar)
+MODELS = {"bloom": torch.float64, "mpt": torch.float64, "xglm": torch.float32}
+
+
+def sharp(model_type: str) -> torch.nn.Module:
+    """The tiny model with its query and key projections scaled up: random weights of std 0.02 leave every score
+    near 0 and the softmax near uniform, where a wrong scale, slope or position would hardly show."""
+    model = build(model_type, MODELS[model_type])
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "query_key_value.weight", "Wqkv.weight")):
+                parameter.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_own_attention_families_equal_hf_under_pressure(model_type):
+    model = sharp(model_type)
     prompts = prompts_for(model)
     expected = hf_oracle(model, prompts)
     engine = paged_hf.wrap(model, num_blocks=12, block_size=4, max_num_batched_tokens=8, max_num_seqs=4).generator
-    assert isinstance(engine.runner.kernel, TorchKernel)  # the compiled kernels have no ALiBi
+    assert engine.runner.own_attentions.sites
+    if model_type != "xglm":
+        assert isinstance(engine.runner.kernel, TorchKernel)  # the compiled kernels have no ALiBi
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP_LOGPROBS,
                             n=2)
     outputs = engine.generate(prompts, params, use_tqdm=False)
