@@ -1,7 +1,9 @@
-"""Families whose attention is their own inline code, served by stand-ins (worker/own_attention.py): BLOOM and MPT
-(ALiBi: a per-head slope times each key's distance in the scores) and XGLM (BART's attention), against HF's greedy
-tokens and top-5 logprobs, with chunked prefill, preemption and `n = 2`: each prompt chunk and decode sees its
-keys' distances from its own position."""
+"""Families whose attention is their own code, served by stand-ins (worker/own_attention.py), against HF's greedy
+tokens and top-5 logprobs with chunked prefill, preemption and `n = 2`: Inkling and Inkling 2 (a learned bias by
+query-key distance, per-token sinks, log scaling by position, the loop's second pass on cache layers of its own),
+BLOOM and MPT (ALiBi) and XGLM (BART's attention). Random tiny models (weights of std 0.02) leave these terms far
+below what tokens notice, so each model's are scaled up until dropping one, or getting a scale, slope or position
+10% wrong, changes the answer."""
 
 from __future__ import annotations
 
@@ -15,31 +17,38 @@ import paged_hf
 from paged_hf import SamplingParams
 from paged_hf.kernels import TorchKernel
 
+INKLING2 = {"relative_position_bias.proj": 200.0, "sink_proj.weight": 100.0}
+#: model_type -> (dtype: float32 where HF's own forward fails in float64, parameter name suffix -> scale)
+MODELS = {
+    "inkling_text": (torch.float64, {"rel_logits_proj.proj": 200.0}),  # std 4: logits of units per distance
+    "inkling2_text": (torch.float32, INKLING2),
+    "inkling2_loop_text": (torch.float32, INKLING2),
+    "bloom": (torch.float64, {"query_key_value.weight": 8.0}),  # scores far from 0: a softmax far from uniform
+    "mpt": (torch.float64, {"Wqkv.weight": 8.0}),
+    "xglm": (torch.float32, {"q_proj.weight": 8.0, "k_proj.weight": 8.0}),
+}
 
-#: model_type -> dtype (HF's own XGLM fails in float64: its mask's minimum is a float32 scalar)
-MODELS = {"bloom": torch.float64, "mpt": torch.float64, "xglm": torch.float32}
 
-
-def sharp(model_type: str) -> torch.nn.Module:
-    """The tiny model with its query and key projections scaled up: random weights of std 0.02 leave every score
-    near 0 and the softmax near uniform, where a wrong scale, slope or position would hardly show."""
-    model = build(model_type, MODELS[model_type])
+def scaled(model_type: str) -> torch.nn.Module:
+    dtype, scales = MODELS[model_type]
+    model = build(model_type, dtype)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight", "query_key_value.weight", "Wqkv.weight")):
-                parameter.mul_(8.0)
+            for suffix, scale in scales.items():
+                if name.endswith(suffix):
+                    parameter.mul_(scale)
     return model
 
 
 @pytest.mark.parametrize("model_type", MODELS)
 def test_own_attention_families_equal_hf_under_pressure(model_type):
-    model = sharp(model_type)
+    model = scaled(model_type)
     prompts = prompts_for(model)
     expected = hf_oracle(model, prompts)
     engine = paged_hf.wrap(model, num_blocks=12, block_size=4, max_num_batched_tokens=8, max_num_seqs=4).generator
     assert engine.runner.own_attentions.sites
-    if model_type != "xglm":
-        assert isinstance(engine.runner.kernel, TorchKernel)  # the compiled kernels have no ALiBi
+    if model_type != "xglm":  # the compiled kernels have no bias by distance, per-token sinks or ALiBi
+        assert isinstance(engine.runner.kernel, TorchKernel)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP_LOGPROBS,
                             n=2)
     outputs = engine.generate(prompts, params, use_tqdm=False)
