@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.cache_utils import (
     DynamicCache,
     DummyLayer,
@@ -66,9 +66,10 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     cache = _probe_cache(model, config)
     records = _Records(model, cache)
     AttentionInterface.register(PROBE_ATTENTION, records.attention)
-    # the mask the model's own implementation builds (a model's code may need it: MPT casts it, DeepSeek-V3.2 slices it)
-    own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(getattr(config, "_attn_implementation", None) or "sdpa", sdpa_mask)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, own_mask)
+    # the mask the model's own implementation builds (a model's code may need it: MPT casts it, DeepSeek-V3.2 slices
+    # it), as a tensor: eager's or sdpa's (flex attention's block masks and flash attention's are no tensors)
+    own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(getattr(config, "_attn_implementation", None) or "sdpa")
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, own_mask if own_mask is eager_mask else sdpa_mask)
     own_attentions = OwnAttentions(model, config)
     _check_indexers(model, cache, own_attentions)
     try:
