@@ -111,6 +111,23 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
     return out.tolist()
 
 
+def scale_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """float32 [rows, cols] of x [..., cols] times `scale` [cols] (float32), rounded to x's dtype on the way as
+    `(x.float() * scale).to(x.dtype).float()` rounds it (a quantized linear's smoothed input), or None."""
+    rows = _rows(x)
+    if (rows is None or scale.dtype != torch.float32 or not scale.is_contiguous() or scale.device.type != "cpu"
+            or scale.numel() != rows.cols):
+        return None
+    function = _entry_points(x.dtype)
+    if function is None:
+        return None
+    out = torch.empty(rows.count, rows.cols, dtype=torch.float32)
+    with span("elementwise"):
+        function[5](rows.pointer, rows.stride, scale.data_ptr(), out.data_ptr(), rows.count, rows.cols,
+                    torch.get_num_threads())
+    return out
+
+
 def scatter_rows(source: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> bool:
     """cache.view(-1, *source.shape[1:]).index_copy_(0, slots, source) for source [tokens, ...] whose tokens are
     contiguous rows (a token's K or V heads) into a contiguous CPU cache of the same dtype: one call instead of a
@@ -171,8 +188,8 @@ def _rows(x: torch.Tensor) -> Rows | None:
 
 @functools.lru_cache(maxsize=None)
 def _entry_points(dtype: torch.dtype):
-    """(rms_norm, silu_mul, rotary, argmax_rows, add_rms_norm) compiled for `dtype`, or None (other dtypes; no
-    compiler: logged once)."""
+    """(rms_norm, silu_mul, rotary, argmax_rows, add_rms_norm, scale_rows) compiled for `dtype`, or None (other
+    dtypes; no compiler: logged once)."""
     if dtype not in NATIVE_DTYPES:
         return None
     library = native.load_or_warn(native.load_layer_ops, "the decoder layers' elementwise code")
@@ -188,4 +205,6 @@ def _entry_points(dtype: torch.dtype):
     argmax = native.entry_point(library, f"argmax_rows_{suffix}", [pointer, size, pointer, size, size, ctypes.c_int])
     add_rms = native.entry_point(library, f"add_rms_norm_{suffix}", [pointer, size, pointer, size, pointer, pointer,
                                                                     pointer, size, size, ctypes.c_double, ctypes.c_int])
-    return rms, silu, rotary, argmax, add_rms
+    scale = native.entry_point(library, f"scale_rows_{suffix}", [pointer, size, pointer, pointer, size, size,
+                                                                ctypes.c_int])
+    return rms, silu, rotary, argmax, add_rms, scale

@@ -17,6 +17,7 @@ import functools
 import torch
 
 from paged_hf.kernels import native
+from paged_hf.profiling import span
 
 #: the flags that build the portable loops on an x86 machine with AVX2 (tests compare the builds)
 PORTABLE_FLAGS = ("-mno-avx2", "-mno-fma")
@@ -69,9 +70,10 @@ def w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torc
     m, (n, kp) = rows.shape[0], qweight.shape
     out = torch.empty(m, n, dtype=torch.float32)
     qx, sx = torch.empty(m, kp, dtype=torch.int16), torch.empty(m, dtype=torch.float32)
-    status = lib.w8a8_linear(rows.data_ptr(), rows.stride(0), m, in_features, qweight.data_ptr(), scale.data_ptr(),
-                             _ptr(bias), n, kp, out.data_ptr(), n, qx.data_ptr(), sx.data_ptr(),
-                             torch.get_num_threads())
+    with span("matmul"):
+        status = lib.w8a8_linear(rows.data_ptr(), rows.stride(0), m, in_features, qweight.data_ptr(),
+                                 scale.data_ptr(), _ptr(bias), n, kp, out.data_ptr(), n, qx.data_ptr(), sx.data_ptr(),
+                                 torch.get_num_threads())
     return out if status == 0 else None
 
 
@@ -94,8 +96,9 @@ def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: tor
         return None
     m, (n, kp) = rows.shape[0], qweight.shape
     out = torch.empty(m, n, dtype=torch.float32)
-    status = lib.w8a16_linear(rows.data_ptr(), rows.stride(0), m, in_features, qweight.data_ptr(), scale.data_ptr(),
-                              _ptr(bias), n, kp, out.data_ptr(), n, torch.get_num_threads())
+    with span("matmul"):
+        status = lib.w8a16_linear(rows.data_ptr(), rows.stride(0), m, in_features, qweight.data_ptr(),
+                                  scale.data_ptr(), _ptr(bias), n, kp, out.data_ptr(), n, torch.get_num_threads())
     return out if status == 0 else None
 
 
@@ -110,8 +113,10 @@ def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_ze
     if k % 32 or group_size % 32 or k % group_size:
         return None
     out = zero_point_part(rows, scaled_zeros, group_size)  # [m, n]; the kernel writes the outputs over it
-    status = lib.w4a16_linear(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), scales.data_ptr(),
-                              out.data_ptr(), group_size, _ptr(bias), n, out.data_ptr(), n, torch.get_num_threads())
+    with span("matmul"):
+        status = lib.w4a16_linear(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), scales.data_ptr(),
+                                  out.data_ptr(), group_size, _ptr(bias), n, out.data_ptr(), n,
+                                  torch.get_num_threads())
     return out if status == 0 else None
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_hf.kernels import quant_gemm
+from paged_hf.kernels import layer_ops, quant_gemm
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -76,7 +76,9 @@ class Int8Linear(QuantizedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
         run = quant_gemm.w8a8 if self.act_quant else quant_gemm.w8a16
-        return run(self._scaled(x), self.qweight, self.weight_scale, self.bias32(), self.in_features)
+        scaled = None if self.input_scale is None else layer_ops.scale_rows(x, self.input_scale)  # one pass
+        return run(self._scaled(x) if scaled is None else scaled, self.qweight, self.weight_scale, self.bias32(),
+                   self.in_features)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = self._scaled(x).reshape(-1, self.in_features).float()

@@ -90,6 +90,15 @@ void silu_mul_row(const T *gate, const T *up, T *out, int64_t cols) {
   }
 }
 
+// a quantized linear's input scaled per channel (SmoothQuant), handed on in float: out = float(round_as(x, x * s)),
+// as torch's `(x.float() * s).to(x.dtype)` then `.float()` (float64 rows: `x.float() * s`)
+template <typename T>
+void scale_row(const T *x, const float *s, float *out, int64_t cols) {
+  const int64_t vec = cols - cols % 16;
+  for (int64_t k = 0; k < vec; k += 16) store16(out + k, round_as(x, load16(x + k) * load16(s + k)));
+  for (int64_t k = vec; k < cols; ++k) out[k] = round_as(x, load1(x + k) * s[k]);
+}
+
 // rotate_half(x) = cat(-x2, x1); each product and the sum rounded as torch's three bf16 ops round them. Sixteen
 // pairs at a time where the half head is a multiple of 16 (head_dim 64, 128, ...), one at a time otherwise.
 template <typename T>
@@ -191,6 +200,10 @@ int64_t argmax_row(const double *x, int64_t cols) {
   return index;
 }
 
+void scale_row(const double *x, const float *s, float *out, int64_t cols) {
+  for (int64_t k = 0; k < cols; ++k) out[k] = static_cast<float>(x[k]) * s[k];
+}
+
 template <typename F>
 void for_rows(int64_t rows, int64_t cols, int threads, F row) {
   if (rows * cols < kSerialWork || threads <= 1 || rows == 1) {
@@ -244,6 +257,13 @@ int rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t 
 }
 
 template <typename T>
+int scale_rows(const void *x, int64_t x_stride, const float *s, float *out, int64_t rows, int64_t cols, int threads) {
+  const T *xs = static_cast<const T *>(x);
+  for_rows(rows, cols, threads, [&](int64_t i) { scale_row(xs + i * x_stride, s, out + i * cols, cols); });
+  return 0;
+}
+
+template <typename T>
 int argmax_rows(const void *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t cols, int threads) {
   const T *xs = static_cast<const T *>(x);
   for_rows(rows, cols, threads, [&](int64_t i) { out[i] = argmax_row(xs + i * x_stride, cols); });
@@ -283,6 +303,10 @@ extern "C" int scatter_rows(const void *src, int64_t src_stride, void *dst, int6
   extern "C" int argmax_rows_##NAME(const void *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t cols,  \
                                     int threads) {                                                              \
     return argmax_rows<T>(x, x_stride, out, rows, cols, threads);                                               \
+  }                                                                                                             \
+  extern "C" int scale_rows_##NAME(const void *x, int64_t x_stride, const float *s, float *out, int64_t rows,    \
+                                   int64_t cols, int threads) {                                                 \
+    return scale_rows<T>(x, x_stride, s, out, rows, cols, threads);                                             \
   }
 
 PAGED_HF_LAYER_OPS(float32, float)

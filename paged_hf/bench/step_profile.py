@@ -3,7 +3,8 @@
 Two kinds of step, each profiled over a few steps with torch.profiler (CPU): a decode step of `--profile-seqs`
 sequences (64 by default, each past a 64-token prompt), and a mixed step (the same decodes and a 512-token
 prompt's chunk). The main thread's time is split by the trace:
-- matmuls: the self time of matmul ops (aten::mm/addmm/bmm, oneDNN's linear ops);
+- matmuls: the self time of matmul ops (aten::mm/addmm/bmm, oneDNN's linear ops) and of the quantized linears'
+  compiled kernels (`paged_hf::matmul`: calls outside torch);
 - attention: everything inside the paged attention calls (`paged_hf::attention`: the cache write and the kernel);
 - other ops: every other torch op's self time (copies, sampling's ops, ...) and the compiled elementwise ops
   (`paged_hf::elementwise`: RMSNorm, rotary, SiLU-and-multiply);
@@ -54,7 +55,7 @@ def split_step_time(events, wall_us: float, steps_us: float, other_ops: dict | N
         if name.startswith("paged_hf::"):
             phase = name.removeprefix("paged_hf::")
             key = ("attention" if phase == "attention" or _inside(event, "paged_hf::attention") else
-                   "other ops" if phase == "elementwise" else f"python: {phase}")
+                   "matmuls" if phase == "matmul" else "other ops" if phase == "elementwise" else f"python: {phase}")
         elif _inside(event, "paged_hf::attention"):
             key = "attention"
         elif is_matmul(name):

@@ -135,3 +135,15 @@ def test_scatter_rows_is_the_caches_index_copy_and_refuses_what_it_cannot_copy_a
     assert not layer_ops.scatter_rows(key.transpose(1, 2), cache, slots)  # heads not contiguous
     assert not layer_ops.scatter_rows(key, cache.to(torch.float16), slots)  # another dtype
     assert not layer_ops.scatter_rows(key, cache, slots.to(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_scale_rows_rounds_as_torch_does(dtype):
+    """A quantized linear's smoothed input in one pass: `(x.float() * s).to(x.dtype).float()` bit for bit, from
+    rows read in place (a slice of a wider tensor)."""
+    _available(dtype)
+    torch.manual_seed(7)
+    x = (torch.randn(37, 100) * 3).to(dtype)[:, :96]
+    scale = torch.rand(96) * 2
+    assert torch.equal(layer_ops.scale_rows(x, scale), (x.float() * scale).to(dtype).float())
+    assert layer_ops.scale_rows(x, torch.rand(95)) is None  # one scale per column or nothing
