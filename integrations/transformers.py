@@ -73,12 +73,18 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     return output, None
 
 
+def selection_mask(indices: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., query_len, k] key positions per query (-1: none, as a sparse kernel's `indices`) -> [..., query_len,
+    width] bool: the positions selected."""
+    columns = torch.where(indices >= 0, indices.long(), width)  # -1 lands in a column that is dropped
+    selected = torch.zeros(*indices.shape[:-1], width + 1, dtype=torch.bool, device=indices.device)
+    return selected.scatter_(-1, columns, True)[..., :width]
+
+
 def with_selection(attention_mask, indices: torch.Tensor, query_len: int, key_len: int) -> torch.Tensor:
     """A causal mask (`attention_mask`, or causal when None) restricted to the key positions `indices`
     [batch, query_len, k] selects (-1: none): bool where the mask is bool or None, else additive."""
-    columns = torch.where(indices >= 0, indices.long(), key_len)
-    selected = torch.zeros(*indices.shape[:2], key_len + 1, dtype=torch.bool, device=indices.device)
-    selected = selected.scatter_(-1, columns, True)[..., :key_len].unsqueeze(1)  # [batch, 1, query_len, key_len]
+    selected = selection_mask(indices, key_len).unsqueeze(1)  # [batch, 1, query_len, key_len]
     if attention_mask is None:
         positions = torch.arange(key_len, device=indices.device)
         return selected & (positions[None, :] <= positions[key_len - query_len:, None])

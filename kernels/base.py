@@ -29,7 +29,8 @@ class AttentionKernel(Protocol):
         (already in the cache; V's head_dim may differ from K's). Returns [num_tokens, num_heads, value head_dim].
         Causal, window and chunk masking are ours; `sinks` [num_heads]: a per-head logit in the softmax (gpt-oss);
         `chunk_size`: a query sees only the keys of its own chunk of positions (Llama 4's chunked layers). The torch
-        kernel alone also takes `distance_bias` (a logit per query token, head and backward distance: Inkling's)."""
+        kernel alone also takes the terms some models add per query token (`torch_kernel.ScoreTerms`: sinks per
+        token, a bias by distance, ALiBi slopes, a key selection)."""
 
 
 def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

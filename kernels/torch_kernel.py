@@ -113,12 +113,15 @@ class TorchKernel:
             k = k.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
             v = v.view(num_rows, -1, num_kv_heads, value_head_dim).transpose(1, 2)
             mask = self._decode_mask(plan, index, group, k.shape[2], sliding_window, chunk_size)
-            distance = (group.context_lens[:, None] - 1) - torch.arange(k.shape[2], device=q.device)[None, :]
-            bias, row_sinks, selected = terms.of_rows(lambda t: t.index_select(0, group.rows), distance)
-            if selected is not None:
-                mask = mask & selected[:, None, None, :]
-            out = attention(q, k, v, mask, scaling, softcap, sinks=terms.sinks if row_sinks is None else
-                            row_sinks.unsqueeze(2), bias=None if bias is None else bias.unsqueeze(2))
+            sinks_, bias = terms.sinks, None
+            if terms.per_query:  # [num_rows, num_heads, 1, ...] over the group's padded keys
+                distance = (group.context_lens[:, None] - 1) - torch.arange(k.shape[2], device=q.device)[None, :]
+                bias, row_sinks, selected = terms.of_rows(lambda t: t.index_select(0, group.rows), distance)
+                if selected is not None:
+                    mask = mask & selected[:, None, None, :]
+                sinks_ = sinks_ if row_sinks is None else row_sinks.unsqueeze(2)
+                bias = None if bias is None else bias.unsqueeze(2)
+            out = attention(q, k, v, mask, scaling, softcap, sinks=sinks_, bias=bias)
             output.index_copy_(0, group.rows, out.squeeze(2))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
@@ -144,15 +147,17 @@ class TorchKernel:
                 out = attention(q, k, v, None, scaling, None, is_causal=True)
             else:
                 mask = self._prefill_mask(plan, index, chunk, sliding_window, chunk_size, q.device)
-                offset = chunk.context_len - chunk.query_len
-                distance = (torch.arange(offset, chunk.context_len, device=q.device)[:, None]
-                            - torch.arange(chunk.context_len, device=q.device)[None, :])
-                bias, row_sinks, selected = terms.of_rows(lambda t: t[rows], distance)
-                if selected is not None:
-                    mask = mask & selected
-                per_head = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731 - [rows, heads, ...] -> [1, heads, rows, ...]
-                out = attention(q, k, v, mask, scaling, softcap, sinks=terms.sinks if row_sinks is None else
-                                per_head(row_sinks), bias=None if bias is None else per_head(bias))
+                sinks_, bias = terms.sinks, None
+                if terms.per_query:  # [rows, heads, ...] -> [1, heads, rows, ...] over the context's keys
+                    offset = chunk.context_len - chunk.query_len
+                    distance = (torch.arange(offset, chunk.context_len, device=q.device)[:, None]
+                                - torch.arange(chunk.context_len, device=q.device)[None, :])
+                    bias, row_sinks, selected = terms.of_rows(lambda t: t[rows], distance)
+                    if selected is not None:
+                        mask = mask & selected
+                    sinks_ = sinks_ if row_sinks is None else row_sinks.transpose(0, 1).unsqueeze(0)
+                    bias = None if bias is None else bias.transpose(0, 1).unsqueeze(0)
+                out = attention(q, k, v, mask, scaling, softcap, sinks=sinks_, bias=bias)
             output[rows] = out[0].transpose(0, 1)
 
     @staticmethod
@@ -259,7 +264,13 @@ class ScoreTerms:
 
     @property
     def none(self) -> bool:
-        return all(term is None for term in (self.sinks, self.distance_bias, self.alibi_slopes, self.key_mask))
+        return self.sinks is None and not self.per_query
+
+    @property
+    def per_query(self) -> bool:
+        """Some term differs by query token (everything but per-head sinks): worked out per call of the kernel."""
+        return (self.distance_bias is not None or self.alibi_slopes is not None or self.key_mask is not None
+                or (self.sinks is not None and self.sinks.dim() == 2))
 
     def of_rows(self, take, distance: torch.Tensor):
         """For the query rows `take` picks of a [num_tokens, ...] tensor, whose keys are `distance` [rows, keys]

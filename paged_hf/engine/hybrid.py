@@ -1,4 +1,5 @@
-"""What a hybrid model (linear-attention, SSM or convolution layers beside attention) changes in the engine.
+"""What a hybrid model (linear-attention, SSM or convolution layers beside attention) changes in the engine, and
+what a sparse-attention model's indexer keys rule out.
 
 Its recurrent layers keep one state per sequence, updated token after token: a prefix-cache hit would need the
 state as of the hit, which a block of K/V does not hold (vLLM keeps states at block boundaries for that, its
@@ -21,11 +22,7 @@ logger = logging.get_logger(__name__)
 
 def hybrid_config(config: PagedConfig, info: ModelInfo) -> PagedConfig:
     """The config the engine runs a hybrid model with (the user's own for any other model)."""
-    if any(layer.indexer_dim for layer in info.attention_layers) and (
-            config.kv_offloading_size or config.kv_cache_dir or config.kv_transfer_config is not None):
-        raise ValueError("kv_offloading_size / kv_cache_dir / kv_transfer_config: a sparse-attention model keeps "
-                         "its indexer's keys beside the K/V (worker/indexer_keys.py), which the KV tier, the disk "
-                         "cache and KV transfer do not carry")
+    _check_indexer_keys(config, info)
     if not info.is_hybrid:
         return config
     if config.speculative is not None:
@@ -39,3 +36,13 @@ def hybrid_config(config: PagedConfig, info: ModelInfo) -> PagedConfig:
                     "recurrent layers' state as of that block)")
         config = dataclasses.replace(config, enable_prefix_caching=False)
     return config
+
+
+def _check_indexer_keys(config: PagedConfig, info: ModelInfo) -> None:
+    """A sparse-attention model keeps its indexer's keys beside the K/V (worker/indexer_keys.py): what moves K/V
+    alone out of the cache is refused for it."""
+    if any(layer.indexer_dim for layer in info.attention_layers) and (
+            config.kv_offloading_size or config.kv_cache_dir or config.kv_transfer_config is not None):
+        raise ValueError("kv_offloading_size / kv_cache_dir / kv_transfer_config: a sparse-attention model keeps "
+                         "its indexer's keys beside the K/V (worker/indexer_keys.py), which the KV tier, the disk "
+                         "cache and KV transfer do not carry")

@@ -40,8 +40,8 @@ class BloomAttention(StandIn):
                                    sliding_window=None, softcap=None, alibi_slopes=self.slopes)
         output = output.reshape(*hidden_states.shape[:-1], -1)
         if attention.pretraining_tp > 1 and attention.slow_but_exact:  # its own sum over the dense's slices
-            width = attention.hidden_size // attention.pretraining_tp
-            dense = sum(F.linear(output[..., i * width:(i + 1) * width], attention.dense.weight[:, i * width:(i + 1) * width])
+            width, weight = attention.hidden_size // attention.pretraining_tp, attention.dense.weight
+            dense = sum(F.linear(output[..., i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width])
                         for i in range(attention.pretraining_tp))
         else:
             dense = attention.dense(output)

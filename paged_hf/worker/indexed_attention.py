@@ -8,7 +8,7 @@ with its history from the paged indexer keys (worker/indexer_keys.py), its posit
 context; the selections go to the torch kernel as a mask over each query token's keys (`key_mask`), and the rest
 of the attention is the module's own code over the packed row. DeepSeek-V3.2's attention takes its indexer's top-k
 positions and hands them to its attention function as `indices` (as to a sparse kernel): there only the indexer
-has a stand-in, and the paged attention function turns the indices into the mask (`selected_keys`).
+has a stand-in, and the paged cache turns the indices into the mask (`selection_mask`).
 """
 
 from __future__ import annotations
@@ -52,26 +52,27 @@ class Qwen4ExpAttention(StandIn):
 
     def _selection(self, hidden_states: torch.Tensor, cache) -> torch.Tensor:
         """[num_tokens, longest context] bool: the tokens the indexer selects for each query token of the step."""
-        metadata, attention = cache.metadata, self.original
-        device = hidden_states.device
-        width = max(metadata.context_lens)
+        attention, device = self.original, hidden_states.device
+        width = max(cache.metadata.context_lens)
         cos, sin = self.rotary(hidden_states, torch.arange(width, device=device)[None])  # positions 0 .. width - 1
         key_mask = torch.zeros(hidden_states.shape[1], width, dtype=torch.bool, device=device)
-        starts = metadata.query_start_loc
-        for i, (context_len, table) in enumerate(zip(metadata.context_lens, metadata.block_tables)):
-            rows = slice(starts[i], starts[i + 1])
-            length = starts[i + 1] - starts[i]
-            history = RequestIndexerKeys(cache, metadata.slot_mapping[rows], table, context_len)
-            selected = attention.indexer(hidden_states[:, rows], (cos[:, :context_len], sin[:, :context_len]),
-                                         _causal(length, context_len - length, device), history)
+        for rows, context_len, causal, history in step_requests(cache, device):
+            selected = attention.indexer(hidden_states[:, rows], (cos[:, :context_len], sin[:, :context_len]), causal,
+                                         history)
             key_mask[rows, :context_len] = selected[0, 0]
         return key_mask
 
 
-def _causal(length: int, past: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, length, past + length] bool: the last `length` tokens of a sequence each see themselves and before."""
-    query_positions = torch.arange(past, past + length, device=device)[:, None]
-    return (torch.arange(past + length, device=device)[None, :] <= query_positions)[None, None]
+def step_requests(cache, device: torch.device):
+    """Per request of the step: (its rows of the packed row, its context length, a causal mask [1, 1, rows,
+    context] of its tokens over its context, the cache its indexer call sees)."""
+    metadata = cache.metadata
+    starts = metadata.query_start_loc
+    for i, (context_len, table) in enumerate(zip(metadata.context_lens, metadata.block_tables)):
+        rows = slice(starts[i], starts[i + 1])
+        query_positions = torch.arange(context_len - (rows.stop - rows.start), context_len, device=device)[:, None]
+        causal = (torch.arange(context_len, device=device)[None, :] <= query_positions)[None, None]
+        yield rows, context_len, causal, RequestIndexerKeys(cache, metadata.slot_mapping[rows], table, context_len)
 
 
 class DeepseekV32Indexer(StandIn):
@@ -86,24 +87,13 @@ class DeepseekV32Indexer(StandIn):
         indexer = self.original
         if cache is None or cache is not step_cache():
             return indexer(hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=cache)
-        metadata, starts = cache.metadata, cache.metadata.query_start_loc
         device = hidden_states.device
         selected = torch.full((hidden_states.shape[1], indexer.index_topk), -1, dtype=torch.int32, device=device)
-        for i, (context_len, table) in enumerate(zip(metadata.context_lens, metadata.block_tables)):
-            rows = slice(starts[i], starts[i + 1])
-            length = starts[i + 1] - starts[i]
-            history = RequestIndexerKeys(cache, metadata.slot_mapping[rows], table, context_len)
+        for rows, _, causal, history in step_requests(cache, device):
             top = indexer(hidden_states[:, rows], q_resid[:, rows], tuple(x[:, rows] for x in position_embeddings),
-                          _causal(length, context_len - length, device)[:, 0], position_ids[:, rows], cache=history)
+                          causal[:, 0], position_ids[:, rows], cache=history)
             selected[rows, : top.shape[-1]] = top[0]
         return selected[None]
-
-
-def selected_keys(indices: torch.Tensor, width: int) -> torch.Tensor:
-    """[1, num_tokens, k] key positions per query token (-1: none) -> [num_tokens, width] bool."""
-    columns = torch.where(indices[0] >= 0, indices[0].long(), width)  # -1 lands in a column that is dropped
-    mask = torch.zeros(indices.shape[1], width + 1, dtype=torch.bool, device=indices.device)
-    return mask.scatter_(1, columns, True)[:, :width]
 
 
 class RequestIndexerKeys:

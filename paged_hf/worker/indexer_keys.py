@@ -21,10 +21,6 @@ class IndexerKeys:
         self.keys = {layer: torch.zeros(num_blocks, block_size, dim, dtype=dtype, device=device)
                      for layer, (dim, device) in dims.items()}
 
-    @property
-    def num_bytes_per_block(self) -> int:
-        return sum(keys[0].numel() * keys.element_size() for keys in self.keys.values())
-
     def write(self, layer_idx: int, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """keys [num_tokens, dim] to flat slots (block * block_size + offset)."""
         store = self.keys[layer_idx]

@@ -56,9 +56,13 @@ class Inkling2Attention(StandIn):
     their own projections (keys and values from their own inputs in the full layers, into the cache layer
     `layer_idx + cache_offset` in a later pass of the loop), the bias table and the sinks per token."""
 
+    def __init__(self, original: torch.nn.Module):
+        super().__init__(original)
+        object.__setattr__(self, "signature", inspect.signature(type(original).forward))  # read once, bound per call
+
     def forward(self, *args, **kwargs):
         attention = self.original
-        call = inspect.signature(type(attention).forward).bind(attention, *args, **kwargs).arguments
+        call = self.signature.bind(attention, *args, **kwargs).arguments
         cache, options = call.get("cache"), call.get("kwargs", {})
         if cache is None or cache is not step_cache():
             return attention(*args, **kwargs)

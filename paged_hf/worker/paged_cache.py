@@ -19,11 +19,10 @@ import functools
 import torch
 from transformers.cache_utils import Cache
 
-from paged_hf.integrations.transformers import UnservedAttention
+from paged_hf.integrations.transformers import UnservedAttention, selection_mask
 from paged_hf.kernels.quant import KVScales, as_bytes, is_quantized
 from paged_hf.profiling import span
 from paged_hf.worker.gathered_attention import GatheredAttention
-from paged_hf.worker.indexed_attention import selected_keys
 from paged_hf.worker.indexer_keys import IndexerKeys
 from paged_hf.worker.model_probe import AttentionLayer
 from paged_hf.worker.recurrent_mixers import RecurrentStep
@@ -129,7 +128,8 @@ class PagedCache(Cache):
             for cache in caches + ((scales.key, scales.value) if scales is not None else ()):
                 cache = as_bytes(cache)  # fp8 moves as bytes
                 cache.index_copy_(0, dst_index, cache.index_select(0, src_index))
-        self.indexer_keys.copy_blocks(torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long))
+        if self.indexer_keys.keys:
+            self.indexer_keys.copy_blocks(torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long))
 
     # --- the transformers.Cache protocol ----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -169,10 +169,10 @@ class PagedCache(Cache):
         """query: [1, num_heads, num_tokens, head_dim] -> [1, num_tokens, num_heads, value_head_dim]; key/value:
         what the module hands its attention function (its layer is found by them, step_books.py); distance_bias
         [num_tokens, num_heads, extent], key_mask [num_tokens, width] and alibi_slopes [num_heads]: the torch
-        kernel's (kernels/torch_kernel.py `ScoreTerms`); selected [1, num_tokens, k]: each query token's key positions (-1: none), as
-        a sparse kernel takes them, turned into the key mask here."""
+        kernel's (kernels/torch_kernel.py `ScoreTerms`); selected [1, num_tokens, k]: each query token's key
+        positions (-1: none), as a sparse kernel takes them, turned into the key mask here."""
         if selected is not None:
-            key_mask = selected_keys(selected, max(self.metadata.context_lens))
+            key_mask = selection_mask(selected[0], max(self.metadata.context_lens))
         with span("attention"):
             return self._attend(module, query, key, value, scaling, sliding_window, softcap, sinks,
                                 dict(distance_bias=distance_bias, key_mask=key_mask, alibi_slopes=alibi_slopes))
