@@ -34,7 +34,7 @@ LORA_SOURCE = CSRC / "lora_sgmv.cpp"
 LAYER_OPS_SOURCE = CSRC / "layer_ops.cpp"
 QUANT_GEMM_SOURCE = CSRC / "quant_gemm.cpp"
 #: included by the sources: part of every build's cache key
-HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h", CSRC / "quant_gemm_avx512.h")
+HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h", CSRC / "quant_gemm_avx512.h", CSRC / "quant_gemm_bf16.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 #: the cache dtypes the kernel reads, by entry-point suffix; bf16/fp16 are computed in float32
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -36,6 +36,7 @@ def library(extra_flags: tuple[str, ...] = ()):
     native.entry_point(lib, "quantize_rows", [p, i64, i64, i64, i64, p, p])
     native.entry_point(lib, "w8a16_linear", [p, i64, i64, i64, p, p, p, i64, i64, p, i64, c_int])
     native.entry_point(lib, "w4a16_linear", [p, i64, i64, i64, p, p, p, i64, p, i64, p, i64, c_int])
+    native.entry_point(lib, "w4a16_linear_bf16", [p, i64, i64, i64, p, p, p, i64, p, i64, p, i64, p, c_int])
     lib.quant_gemm_isa.restype = ctypes.c_char_p
     return lib
 
@@ -46,13 +47,19 @@ def isa(extra_flags: tuple[str, ...] = ()) -> str | None:
     return None if lib is None else lib.quant_gemm_isa().decode()
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor | None:
-    """x [..., k] as float32 rows [m, k] with unit stride along k (a view where it already is), or None."""
+def bf16_activations(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether W4A16 takes bf16 activations as they are (AVX512-BF16's vdpbf16ps) in this build."""
+    lib = library(extra_flags)
+    return lib is not None and lib.quant_gemm_bf16() == 1
+
+
+def _rows(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """x [..., k] as `dtype` rows [m, k] with unit stride along k (a view where it already is), or None."""
     if x.device.type != "cpu" or x.requires_grad:
         return None
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
+    if x2.dtype != dtype:
+        x2 = x2.to(dtype)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
@@ -105,7 +112,10 @@ def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: tor
 def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor, group_size: int,
           bias: torch.Tensor | None, extra_flags: tuple[str, ...] = ()) -> torch.Tensor | None:
     """float32 [m, n] of x [..., in]: packed [n, in / 2] uint8 (kernels.quant_linear.pack_int4's layout), scales
-    and scaled_zeros (s * z) [n, in / group_size] float32."""
+    and scaled_zeros (s * z) [n, in / group_size] float32. bf16 x runs on bf16 products where the CPU has them
+    (`bf16_activations`) and gives bf16 [m, n] (rounded as `.to(torch.bfloat16)` rounds), anything else float32."""
+    if x.dtype == torch.bfloat16 and bf16_activations(extra_flags):
+        return _w4a16_bf16(library(extra_flags), x, packed, scales, scaled_zeros, group_size, bias)
     lib, rows = library(extra_flags), _rows(x)
     if lib is None or rows is None:
         return None
@@ -117,6 +127,23 @@ def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_ze
         status = lib.w4a16_linear(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), scales.data_ptr(),
                                   out.data_ptr(), group_size, _ptr(bias), n, out.data_ptr(), n,
                                   torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def _w4a16_bf16(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    rows = _rows(x, torch.bfloat16)
+    if rows is None:
+        return None
+    m, k, n = rows.shape[0], rows.shape[1], packed.shape[0]
+    if k % 32 or group_size % 32 or k % group_size:
+        return None
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    chunked = torch.empty(m, -(-k // 128) * 128, dtype=torch.bfloat16)  # x in the kernel's order
+    with span("matmul"):
+        status = lib.w4a16_linear_bf16(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), scales.data_ptr(),
+                                       scaled_zeros.data_ptr(), group_size, _ptr(bias), n, out.data_ptr(), n,
+                                       chunked.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None
 
 

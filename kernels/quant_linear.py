@@ -42,7 +42,7 @@ class QuantizedLinear(torch.nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
-        """float32 [tokens, out] from the compiled code, or None where it cannot serve x."""
+        """[tokens, out] from the compiled code (float32, or already x's dtype), or None where it cannot serve x."""
         return None
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

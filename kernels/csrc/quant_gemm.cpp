@@ -32,6 +32,10 @@
 #if defined(__AVX512VNNI__)
 #define PAGED_HF_VNNI 1
 #endif
+#if defined(__AVX512BF16__)
+#define PAGED_HF_BF16 1
+#include "quant_gemm_bf16.h"
+#endif
 #endif
 
 #include <algorithm>
@@ -444,6 +448,33 @@ int w4a16_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const u
     if (mr > 2) by_size<W4A16Tile>(mr - 2, nr, args, m0 + 2, n0);
   });
   return 0;
+}
+
+// w4a16 of bf16 x into bf16 out (their bits) with AVX512-BF16 (quant_gemm_bf16.h): the zero points' part from sz
+// [n, k / group] = s * z, in the call; xc_scratch: m * (k rounded up to 128) bf16.
+// 2: this build has no AVX512-BF16 (the caller runs w4a16_linear on x in float32)
+int w4a16_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint8_t *packed,
+                      const float *s, const float *sz, int64_t group, const float *bias, int64_t n, uint16_t *out,
+                      int64_t out_stride, uint16_t *xc_scratch, int threads) {
+#if PAGED_HF_BF16
+  if (k % 32 || group % 32 || k % group) return 1;
+  bf16w4::linear(x, x_stride, m, k, packed, s, group, sz, bias, n, out, out_stride, xc_scratch,
+                 threads_for(m * n * k, threads));
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)s, (void)sz, (void)group, (void)bias, (void)n;
+  (void)out, (void)out_stride, (void)xc_scratch, (void)threads;
+  return 2;
+#endif
+}
+
+// 1 where w4a16_linear_bf16 runs (the build targets AVX512-BF16)
+int quant_gemm_bf16(void) {
+#if PAGED_HF_BF16
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // which instructions this build computes with (kernels/quant_gemm.py reports it)

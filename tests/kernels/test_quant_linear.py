@@ -29,6 +29,8 @@ NEEDS = {"avx512": VNNI, "avx2": AVX512, "portable": frozenset({"avx2"})}
 SHAPES = [(1, 576, 1536), (2, 96, 40), (7, 64, 33), (5, 128, 7), (130, 256, 100), (4, 96, 3), (37, 640, 70),
           (300, 64, 50)]
 needs_vnni = pytest.mark.skipif(not VNNI <= cpu_flags(), reason="this CPU has no AVX512-VNNI (avx512_vnni)")
+needs_bf16 = pytest.mark.skipif(not AVX512 | {"avx512_bf16"} <= cpu_flags(),
+                                reason="this CPU has no AVX512-BF16 (avx512_bf16)")
 
 
 def _build(name: str) -> tuple[str, ...]:
@@ -113,6 +115,44 @@ def test_w4a16_matches_the_reference(build, m, k, n, group_size, zero_points):
     scale = expected.abs().max()
     assert (got - expected).abs().max() <= 1e-6 * scale * k ** 0.5
     assert (expected - dense).abs().max() <= 1e-6 * scale * k ** 0.5  # the reference is the dequantized product
+
+
+@needs_bf16
+@pytest.mark.parametrize("m, k, n, group_size", [(*s, g) for s in SHAPES for g in (32, 64, 320) if s[1] % g == 0])
+@pytest.mark.parametrize("zero_points", [True, False])
+def test_w4a16_on_bf16_activations_matches_the_reference(m, k, n, group_size, zero_points):
+    """bf16 x on vdpbf16ps (kernels/csrc/quant_gemm_bf16.h), bf16 out: the float32 reference of the same x, to the
+    sum order's error and one bf16 rounding of the output."""
+    if quant_gemm.library() is None:
+        pytest.skip("the compiled kernels are unavailable here (no C++ compiler)")
+    assert quant_gemm.bf16_activations() and not quant_gemm.bf16_activations(quant_gemm.AVX2_FLAGS)
+    torch.manual_seed(m + k + n + group_size)
+    values, scales = torch.randint(0, 16, (n, k)), torch.rand(n, k // group_size) / 10
+    zeros = torch.randint(0, 16, (n, k // group_size)) if zero_points else None
+    linear = Int4Linear(values, scales, zeros, group_size, torch.randn(n), torch.float32)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    x[0, :3] = torch.tensor([1e4, -1e4, 1e-3])  # a row of mixed magnitudes
+    got = quant_gemm.w4a16(x, linear.qweight, linear.scales, linear.scaled_zeros(), group_size, linear.bias32())
+    expected = linear.reference(x.float())
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    error = (got.float() - expected).abs()
+    assert (error <= expected.abs() * 2 ** -8 + 1e-6 * expected.abs().max() * k ** 0.5).all()
+
+
+@needs_bf16
+def test_w4a16_on_bf16_activations_gives_a_row_the_same_outputs_in_any_batch():
+    torch.manual_seed(6)
+    m, k, n, group = 40, 640, 70, 64
+    int4 = Int4Linear(torch.randint(0, 16, (n, k)), torch.rand(n, k // group), torch.randint(0, 16, (n, k // group)),
+                      group, torch.randn(n), torch.bfloat16)
+
+    def run(rows):
+        return quant_gemm.w4a16(rows, int4.qweight, int4.scales, int4.scaled_zeros(), group, int4.bias32())
+
+    x = torch.randn(m, k).to(torch.bfloat16)
+    whole = run(x)
+    assert torch.equal(torch.cat([run(x[i:i + 1]) for i in range(m)]), whole)
+    assert torch.equal(torch.cat([run(x[i:i + 5]) for i in range(0, m, 5)]), whole)
 
 
 @needs_vnni
