@@ -7,8 +7,9 @@
   without zero points z = 8), computed as `sum_g s_g * (x_g @ u_g.T) - sum_g s_g * z_g * sum(x_g)`: the weights'
   integers are multiplied as they are, the scale applied once per group.
 
-Both compute in float32 whatever the model's dtype (a bf16 or float64 input is converted, the output converted
-back), add the bias in float32, and keep the checkpoint's integers as they are: the weights are never expanded to
+Both sum in float32 whatever the model's dtype (a bf16 or float64 input is converted, the output converted back;
+W4A16's kernel multiplies bf16 inputs as they are where the CPU has AVX512-BF16: their products are exact in
+float32), add the bias in float32, and keep the checkpoint's integers as they are: the weights are never expanded to
 a dense float matrix for a step. On CPU the compiled kernels (`kernels.quant_gemm`) run them; elsewhere, or
 where the kernel cannot take a shape, `reference()` does, which is also what the kernels are tested against
 (W8A8: equal bit for bit; the float paths: equal up to the order of the sums).
@@ -25,12 +26,19 @@ class QuantizedLinear(torch.nn.Module):
     """What the quantized linears share: in_features, out_features, the model's dtype and an optional bias."""
 
     scheme = "quantized"
+    #: switches flipped at run time (tests, the engine probe); a stack of linears follows its first one's
+    modes = ("use_kernel",)
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).clone())
         self.use_kernel = True  # False: always the torch reference (tests, debugging)
+
+    def take_modes(self, other: QuantizedLinear) -> None:
+        """Switch `modes` as `other` has them now."""
+        for name in self.modes:
+            setattr(self, name, getattr(other, name))
 
     def bias32(self) -> torch.Tensor | None:
         return None if self.bias is None else self.bias.float()
@@ -54,6 +62,8 @@ class QuantizedLinear(torch.nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
+    modes = ("use_kernel", "act_quant")
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  act_quant: bool, input_scale: torch.Tensor | None = None):
         """qweight [out, in] int8, scale [out] (any float dtype: kept as float32, exactly). `input_scale` [in]
@@ -200,6 +210,48 @@ def dequantize_int4(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Ten
     k = groups * group_size
     u = unpack_int4(packed, k).float().view(n, groups, group_size)
     return ((u - zeros[:, :, None]) * scales[:, :, None]).view(n, k)
+
+
+def stack_linears(linears: list[torch.nn.Module]) -> QuantizedLinear | None:
+    """One quantized linear computing `linears` (reading the same input) side by side, their outputs concatenated:
+    each output channel's arithmetic is its own linear's, so the outputs are bit for bit the separate calls'. None
+    where they cannot share a call (not all quantized the same way, other sizes, group sizes or input scales). The
+    stack holds copies of the weights: the linears stay as they are. Its `modes` are the first linear's when made:
+    `take_modes` switches them as the linears' are switched later."""
+    if not stackable(linears):
+        return None
+    first = linears[0]
+    stack = type(first).__new__(type(first))
+    bias = None if first.bias is None else torch.cat([linear.bias for linear in linears])
+    QuantizedLinear.__init__(stack, first.in_features, sum(linear.out_features for linear in linears), bias,
+                             first.dtype)
+    names = ("qweight", "scales", "zeros") if isinstance(first, Int4Linear) else ("qweight", "weight_scale")
+    for name in names:
+        stack.register_buffer(name, torch.cat([getattr(linear, name) for linear in linears]))
+    if isinstance(first, Int4Linear):
+        stack.group_size, stack.has_zero_points = first.group_size, first.has_zero_points
+    else:
+        stack.register_buffer("input_scale", first.input_scale)
+        stack.scheme = first.scheme
+    stack.take_modes(first)
+    return stack
+
+
+def stackable(linears: list[torch.nn.Module]) -> bool:
+    """Whether `stack_linears` can put these linears in one call."""
+    first = linears[0]
+    if type(first) not in (Int4Linear, Int8Linear) or any(type(linear) is not type(first) for linear in linears):
+        return False
+    if any(linear.in_features != first.in_features or linear.dtype != first.dtype
+           or (linear.bias is None) != (first.bias is None) or linear.use_kernel != first.use_kernel
+           or linear.qweight.device != first.qweight.device for linear in linears):
+        return False
+    if isinstance(first, Int4Linear):
+        return all(linear.group_size == first.group_size for linear in linears)
+    scales = [linear.input_scale for linear in linears]
+    return all(linear.act_quant == first.act_quant for linear in linears) and (
+        all(scale is None for scale in scales)
+        or all(scale is not None and torch.equal(scale, scales[0]) for scale in scales))
 
 
 def linear_dtype(module: torch.nn.Module) -> torch.dtype:

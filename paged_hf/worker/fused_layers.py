@@ -3,7 +3,8 @@
 On a small model a decode step is mostly fixed per-layer costs: ~7 linears and ~25 small torch ops a layer, each
 with its dispatch overhead. During a step:
 - q/k/v, and gate/up, the Linears of one module that read the same input, run as one matmul on their weights
-  concatenated (packed for oneDNN where it can), and each projection's stand-in returns its slice of the output;
+  concatenated (packed for oneDNN where it can; quantized linears as one stacked quantized linear, one kernel
+  call), and each projection's stand-in returns its slice of the output;
 - an MLP whose forward is LlamaMLP's (`down(act(gate(x)) * up(x))`, SiLU) runs SiLU-and-multiply as one compiled
   op on that fused output;
 - an RMSNorm whose forward is LlamaRMSNorm's runs as one compiled op (eight torch ops and two casts in bf16;
@@ -34,6 +35,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecode
 from paged_hf.integrations.lora import updates_over
 from paged_hf.integrations.transformers import check_step_call, paged_attention_forward, step_cache
 from paged_hf.kernels import layer_ops
+from paged_hf.kernels.quant_linear import QuantizedLinear, linear_dtype, stack_linears, stackable
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn, packable_dtypes, weight_version
 
@@ -44,13 +46,16 @@ _BATCH_HINT = 64  # as packed_linears: the batch size oneDNN lays the weights ou
 
 
 class ProjectionGroup:
-    """Linears reading the same input, as one matmul on their concatenated weights."""
+    """Linears reading the same input, as one matmul on their concatenated weights (quantized linears: one
+    stacked quantized linear)."""
 
-    def __init__(self, linears: list[torch.nn.Linear], pack: bool):
+    def __init__(self, linears: list[torch.nn.Module], pack: bool):
         """`pack`: lay the concatenated weight out for oneDNN where it can (as `pack_linear_weights` does)."""
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
-        self.packable = pack and linears[0].weight.dtype in packable_dtypes()
+        self.dtype = linear_dtype(linears[0])
+        self.quantized = isinstance(linears[0], QuantizedLinear)
+        self.packable = pack and not self.quantized and self.dtype in packable_dtypes()
         self._built_from: list | None = None
         self._input: torch.Tensor | None = None  # the input whose outputs wait for the other projections
         self._outputs: tuple[torch.Tensor, ...] = ()
@@ -58,15 +63,22 @@ class ProjectionGroup:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The fused projection of x: [..., sum of the out_features]."""
-        versions = [(linear.weight, weight_version(linear.weight)) for linear in self.linears]
+        weights = [linear.qweight if self.quantized else linear.weight for linear in self.linears]
+        versions = [(weight, weight_version(weight)) for weight in weights]
         if self._built_from is None or any(a is not b or u != v for (a, u), (b, v) in zip(versions, self._built_from)):
             self._build()
             self._built_from = versions
+        if self.quantized:  # switched as the linears are now (the engine probe computes W8A8 as W8A16)
+            self.stack.take_modes(self.linears[0])
+            return self.stack(x)
         if self.packable:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def _build(self) -> None:
+        if self.quantized:
+            self.stack = stack_linears(self.linears)
+            return
         weight = torch.cat([linear.weight.detach() for linear in self.linears])
         biases = [linear.bias for linear in self.linears]
         self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])
@@ -97,7 +109,7 @@ class ProjectionSlice(StandIn):
         self.index = index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.base.weight.dtype:  # what F.linear would refuse, refused the same way
+        if x.dtype != self.group.dtype:  # its own call: F.linear refuses such an x, a quantized linear converts it
             return self.base(x)
         return self.group.output(x, self.index)
 
@@ -116,7 +128,7 @@ class _AroundGroup(StandIn):
         """The group's one matmul of x [..., sum of the out_features], with the step's LoRA updates added where
         wrappers are over the stand-ins; None where the installed modules must compute themselves (an input
         F.linear refuses, LoRA wrappers that record or are not grouped yet)."""
-        if x.dtype != self.group.linears[0].weight.dtype:
+        if x.dtype != self.group.dtype:
             return None
         installed = tuple(self.owner._modules[name] for name in self.names)
         if installed == self.slices:
@@ -264,10 +276,13 @@ class FusedLayers(ModuleSwaps):
 
     def _add_group(self, parent: torch.nn.Module, names: tuple[str, ...]) -> None:
         linears = [parent._modules.get(name) for name in names]
-        if not all(_plain_linear(linear) for linear in linears):
+        if all(_quantized_on_cpu(linear) for linear in linears):
+            if not stackable(linears) or linears[0].dtype == torch.float64:  # see _quantized_on_cpu
+                return
+        elif not all(_plain_linear(linear) for linear in linears):
             return
         first = linears[0]
-        if any(linear.in_features != first.in_features or linear.weight.dtype != first.weight.dtype
+        if any(linear.in_features != first.in_features or linear_dtype(linear) != linear_dtype(first)
                or (linear.bias is None) != (first.bias is None) for linear in linears):
             return
         group = ProjectionGroup(linears, self.pack)
@@ -346,6 +361,14 @@ def _not_float64(norm: torch.nn.Module) -> bool:
 
 def _on_cpu(module: torch.nn.Module) -> bool:
     return all(p.device.type == "cpu" for p in module.parameters(recurse=False))
+
+
+def _quantized_on_cpu(module: torch.nn.Module | None) -> bool:
+    """One of paged_hf's quantized linears (kernels.quant_linear) in CPU memory, with no hooks. A float64
+    model keeps them one by one, HF's ops around them: they compute in float32, where a stack's zero-point matmul
+    (its column count) or a compiled op's last float64 bit shows at 1e-7 of the logits, not float64's 1e-16."""
+    return (isinstance(module, QuantizedLinear) and not hasattr(module, "_hf_hook") and not module._forward_hooks
+            and not module._forward_pre_hooks and module.qweight.device.type == "cpu")
 
 
 def _plain_linear(module: torch.nn.Module | None) -> bool:

@@ -14,6 +14,7 @@ import paged_hf
 from paged_hf.kernels.quant_linear import Int4Linear, Int8Linear, QuantizedLinear
 from paged_hf.loader.quant_formats import UnsupportedQuantization
 from paged_hf.loader.quantized import describe_linears, load_quantized_model, quantize_model, read_tensors
+from paged_hf.worker.fused_layers import FusedDecoderLayer, FusedLayers
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 from tests.loader.quant_folders import tiny_llama, write_compressed_tensors, write_gptq_awq
 
@@ -106,6 +107,28 @@ def test_engine_equals_hf_with_the_reference_linears(folders, kind):
     outputs = generator.generate(prompts, paged_hf.SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
                                  use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert_no_leak(generator)
+
+
+@pytest.mark.parametrize("kind", ["ct_w8a8", "ct_w4a16_g32", "gptq_v2_asym_g64"])
+def test_float32_engine_runs_each_projection_group_in_one_call_and_equals_hf(folders, kind):
+    """In float32, q/k/v and gate/up of quantized linears are one stacked call in a step (and the decoder layer the
+    fused one around them), the engine equal to HF's generate on the linears one by one. The engine probe computes
+    W8A8 as W8A16: a stack built then must follow the linears back to int8 activations."""
+    model = load_quantized_model(folders[kind], torch.float32)
+    model.generation_config.eos_token_id = None
+    prompts = random_prompts([5, 17, 40, 3], seed=2)
+    expected = [hf_greedy(model, prompt, 12) for prompt in prompts]
+    fused = FusedLayers(model)
+    assert len(fused.groups) == 2 * model.config.num_hidden_layers and all(g.quantized for g in fused.groups)
+    assert sum(isinstance(stand_in, FusedDecoderLayer) for *_, stand_in in fused.sites) == 2
+    generator = paged_hf.wrap(model, num_blocks=64, block_size=8, max_num_batched_tokens=24).generator
+    outputs = generator.generate(prompts, paged_hf.SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
+                                 use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    groups = generator.runner.fused_layers.groups
+    assert len(groups) == 4 and all(getattr(group.stack, mode) == getattr(group.linears[0], mode)
+                                    for group in groups for mode in group.stack.modes)
     assert_no_leak(generator)
 
 
