@@ -136,19 +136,23 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> int:
         raise ValueError("quantization='int8' is not supported on a tensor-parallel model")
     linears = {name: module for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module is not output and module.weight.device.type != "meta"}
-    maxima = input_maxima(model, linears) if quantization == "int8" and linears else {}
+    maxima, groups = input_maxima(model, linears) if quantization == "int8" and linears else ({}, [])
+    smoothing = {}  # linears reading one input share one scale
+    for group in groups:
+        shared = smoothing_scale(maxima[group[0]], [linears[name].weight for name in group])
+        smoothing.update(dict.fromkeys(group, shared))
     for name, module in linears.items():
-        _swap(model, name, _quantized(module, quantization, maxima.get(name)).to(module.weight.device))
+        _swap(model, name, _quantized(module, quantization, smoothing.get(name)).to(module.weight.device))
     count = len(linears)
     if count == 0 and not any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError(f"quantization={quantization!r}: the model has no plain nn.Linear layers to quantize")
     return count
 
 
-def _quantized(linear: torch.nn.Linear, quantization: str, input_max: torch.Tensor | None = None) -> QuantizedLinear:
-    """`input_max`: max |input| per channel (W8A8): the weight is smoothed by it (loader/smoothing.py)."""
+def _quantized(linear: torch.nn.Linear, quantization: str, smooth: torch.Tensor | None = None) -> QuantizedLinear:
+    """`smooth`: SmoothQuant's s [in] (W8A8, loader/smoothing.py): the weight is quantized as W * s, the input
+    multiplied by 1 / s."""
     if quantization == "int8" or linear.in_features % W4A16_GROUP:
-        smooth = None if input_max is None else smoothing_scale(input_max, linear.weight)
         weight = linear.weight if smooth is None else linear.weight.float() * smooth.to(linear.weight.device)
         q, scale = quantize_int8_per_channel(weight)
         return Int8Linear(q, scale, linear.bias, linear.weight.dtype, act_quant=quantization == "int8",

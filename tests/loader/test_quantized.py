@@ -132,6 +132,25 @@ def test_float32_engine_runs_each_projection_group_in_one_call_and_equals_hf(fol
     assert_no_leak(generator)
 
 
+def test_at_load_int8_smooths_the_linears_of_one_input_alike_and_runs_them_as_one_call():
+    """SmoothQuant's scale is shared by the linears reading one input (from the largest of their weights'
+    columns), so q/k/v and gate/up stay one call; the engine (float32) still equals HF's generate."""
+    model = tiny_llama(seed=3)
+    model.generation_config.eos_token_id = None
+    assert quantize_model(model, "int8") == 14
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    q, k, v, o = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+    assert torch.equal(q.input_scale, k.input_scale) and torch.equal(q.input_scale, v.input_scale)
+    assert torch.equal(mlp.gate_proj.input_scale, mlp.up_proj.input_scale)
+    assert not torch.equal(q.input_scale, o.input_scale) and not torch.equal(q.input_scale, mlp.up_proj.input_scale)
+    assert len(FusedLayers(model).groups) == 4
+    prompts = random_prompts([9, 30], seed=4)
+    expected = [hf_greedy(model, prompt, 10) for prompt in prompts]
+    generator = paged_hf.wrap(model, num_blocks=32, block_size=8).generator
+    outputs = generator.generate(prompts, paged_hf.SamplingParams(max_new_tokens=10, temperature=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 @pytest.mark.parametrize("quantization, module_class", [("int8", Int8Linear), ("w4a16", Int4Linear)])
 def test_quantization_quantizes_a_float_model_at_wrap(quantization, module_class):
     model = tiny_llama(seed=3, dtype=torch.float64)
