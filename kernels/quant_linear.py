@@ -215,19 +215,22 @@ def dequantize_int4(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Ten
 def stack_linears(linears: list[torch.nn.Module]) -> QuantizedLinear | None:
     """One quantized linear computing `linears` (reading the same input) side by side, their outputs concatenated:
     each output channel's arithmetic is its own linear's, so the outputs are bit for bit the separate calls'. None
-    where they cannot share a call (not all quantized the same way, other sizes, group sizes or input scales). The
-    stack holds copies of the weights: the linears stay as they are. Its `modes` are the first linear's when made:
-    `take_modes` switches them as the linears' are switched later."""
+    where they cannot share a call (not all quantized the same way, other sizes, group sizes or input scales).
+    The weights are not held twice: each linear's buffers become row slices of the stack's (the same values,
+    contiguous, what the linear computes unchanged). Its `modes` are the first linear's when made: `take_modes`
+    switches them as the linears' are switched later."""
     if not stackable(linears):
         return None
     first = linears[0]
     stack = type(first).__new__(type(first))
-    bias = None if first.bias is None else torch.cat([linear.bias for linear in linears])
-    QuantizedLinear.__init__(stack, first.in_features, sum(linear.out_features for linear in linears), bias,
+    QuantizedLinear.__init__(stack, first.in_features, sum(linear.out_features for linear in linears), None,
                              first.dtype)
     names = ("qweight", "scales", "zeros") if isinstance(first, Int4Linear) else ("qweight", "weight_scale")
-    for name in names:
-        stack.register_buffer(name, torch.cat([getattr(linear, name) for linear in linears]))
+    with torch.inference_mode(False):  # plain tensors, whatever mode the step runs in: they become the linears'
+        for name in (*names, *(() if first.bias is None else ("bias",))):
+            stack.register_buffer(name, torch.cat([getattr(linear, name) for linear in linears]))
+            for linear, rows in zip(linears, getattr(stack, name).split([lin.out_features for lin in linears])):
+                linear._buffers[name] = rows
     if isinstance(first, Int4Linear):
         stack.group_size, stack.has_zero_points = first.group_size, first.has_zero_points
     else:

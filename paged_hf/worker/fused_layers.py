@@ -63,17 +63,20 @@ class ProjectionGroup:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The fused projection of x: [..., sum of the out_features]."""
-        weights = [linear.qweight if self.quantized else linear.weight for linear in self.linears]
-        versions = [(weight, weight_version(weight)) for weight in weights]
-        if self._built_from is None or any(a is not b or u != v for (a, u), (b, v) in zip(versions, self._built_from)):
+        if self._built_from is None or any(a is not b or u != v for (a, u), (b, v) in zip(self._versions(),
+                                                                                          self._built_from)):
             self._build()
-            self._built_from = versions
+            self._built_from = self._versions()  # after: a stack of quantized linears re-points their weights
         if self.quantized:  # switched as the linears are now (the engine probe computes W8A8 as W8A16)
             self.stack.take_modes(self.linears[0])
             return self.stack(x)
         if self.packable:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def _versions(self) -> list[tuple[torch.Tensor, int | None]]:
+        weights = [linear.qweight if self.quantized else linear.weight for linear in self.linears]
+        return [(weight, weight_version(weight)) for weight in weights]
 
     def _build(self) -> None:
         if self.quantized:

@@ -129,6 +129,10 @@ def test_float32_engine_runs_each_projection_group_in_one_call_and_equals_hf(fol
     groups = generator.runner.fused_layers.groups
     assert len(groups) == 4 and all(getattr(group.stack, mode) == getattr(group.linears[0], mode)
                                     for group in groups for mode in group.stack.modes)
+    for group in groups:  # the weights are held once: each linear's are rows of its stack's
+        storage = group.stack.qweight.untyped_storage().data_ptr()
+        assert all(linear.qweight.untyped_storage().data_ptr() == storage for linear in group.linears)
+    assert [hf_greedy(model, prompt, 12) for prompt in prompts] == expected  # the model outside a step: unchanged
     assert_no_leak(generator)
 
 
