@@ -47,6 +47,7 @@ def isa(extra_flags: tuple[str, ...] = ()) -> str | None:
     return None if lib is None else lib.quant_gemm_isa().decode()
 
 
+@functools.lru_cache(maxsize=None)
 def bf16_activations(extra_flags: tuple[str, ...] = ()) -> bool:
     """Whether W4A16 takes bf16 activations as they are (AVX512-BF16's vdpbf16ps) in this build."""
     lib = library(extra_flags)
