@@ -36,19 +36,22 @@ def _with_adapter_hooks(model, folder):
 
 
 @pytest.mark.parametrize("base", ["int8", "gptq"])
-def test_lora_on_quantized_linears_equals_the_reference(tmp_path, base):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lora_on_quantized_linears_equals_the_reference(tmp_path, base, dtype):
+    """float64: the base linears one by one, HF on their torch references. float32: q/k/v and gate/up run as one
+    stacked call in the engine with the adapters' updates on top (HF on the same kernels, one linear at a time)."""
     if base == "int8":
-        model = tiny_llama(seed=5, dtype=torch.float64)
+        model = tiny_llama(seed=5, dtype=dtype)
         quantize_model(model, "int8")
     else:
-        model = load_quantized_model(write_gptq_awq(tiny_llama(seed=5), tmp_path / "gptq", "gptq", 32), torch.float64)
+        model = load_quantized_model(write_gptq_awq(tiny_llama(seed=5), tmp_path / "gptq", "gptq", 32), dtype)
     model.generation_config.eos_token_id = None
     adapter = tmp_path / "adapter"
     save_random_adapter(model, adapter, seed=1, std=0.5, r=4, lora_alpha=8, target_modules="all-linear")
     prompts = random_prompts([7, 21, 12], seed=6)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module.use_kernel = False
+            module.use_kernel = dtype != torch.float64
     base_tokens = [hf_greedy(model, p, 10) for p in prompts]
     handles = _with_adapter_hooks(model, adapter)
     adapter_tokens = [hf_greedy(model, p, 10) for p in prompts]
@@ -62,4 +65,6 @@ def test_lora_on_quantized_linears_equals_the_reference(tmp_path, base):
     params = paged_hf.SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     outputs = generator.generate(prompts + prompts, params, adapters=["a"] * 3 + [None] * 3, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == adapter_tokens + base_tokens
+    groups = generator.runner.fused_layers.groups  # float32: the stacks ran (built at the first step)
+    assert len(groups) == (4 if dtype == torch.float32 else 0) and all(group.stack is not None for group in groups)
     assert_no_leak(generator)
