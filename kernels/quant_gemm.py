@@ -115,36 +115,26 @@ def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_ze
     """float32 [m, n] of x [..., in]: packed [n, in / 2] uint8 (kernels.quant_linear.pack_int4's layout), scales
     and scaled_zeros (s * z) [n, in / group_size] float32. bf16 x runs on bf16 products where the CPU has them
     (`bf16_activations`) and gives bf16 [m, n] (rounded as `.to(torch.bfloat16)` rounds), anything else float32."""
-    if x.dtype == torch.bfloat16 and bf16_activations(extra_flags):
-        return _w4a16_bf16(library(extra_flags), x, packed, scales, scaled_zeros, group_size, bias)
-    lib, rows = library(extra_flags), _rows(x)
+    on_bf16 = x.dtype == torch.bfloat16 and bf16_activations(extra_flags)
+    lib, rows = library(extra_flags), _rows(x, torch.bfloat16 if on_bf16 else torch.float32)
     if lib is None or rows is None:
         return None
     m, k, n = rows.shape[0], rows.shape[1], packed.shape[0]
     if k % 32 or group_size % 32 or k % group_size:
         return None
+    if on_bf16:  # the zero points' part is the kernel's own
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        chunked = torch.empty(m, -(-k // 128) * 128, dtype=torch.bfloat16)  # x in the kernel's order
+        with span("matmul"):
+            status = lib.w4a16_linear_bf16(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(),
+                                           scales.data_ptr(), scaled_zeros.data_ptr(), group_size, _ptr(bias), n,
+                                           out.data_ptr(), n, chunked.data_ptr(), torch.get_num_threads())
+        return out if status == 0 else None
     out = zero_point_part(rows, scaled_zeros, group_size)  # [m, n]; the kernel writes the outputs over it
     with span("matmul"):
         status = lib.w4a16_linear(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), scales.data_ptr(),
                                   out.data_ptr(), group_size, _ptr(bias), n, out.data_ptr(), n,
                                   torch.get_num_threads())
-    return out if status == 0 else None
-
-
-def _w4a16_bf16(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None) -> torch.Tensor | None:
-    rows = _rows(x, torch.bfloat16)
-    if rows is None:
-        return None
-    m, k, n = rows.shape[0], rows.shape[1], packed.shape[0]
-    if k % 32 or group_size % 32 or k % group_size:
-        return None
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    chunked = torch.empty(m, -(-k // 128) * 128, dtype=torch.bfloat16)  # x in the kernel's order
-    with span("matmul"):
-        status = lib.w4a16_linear_bf16(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), scales.data_ptr(),
-                                       scaled_zeros.data_ptr(), group_size, _ptr(bias), n, out.data_ptr(), n,
-                                       chunked.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None
 
 

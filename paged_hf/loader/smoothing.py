@@ -7,8 +7,9 @@ x / s and W s quantize well when s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha) (
 Here s stays inside each quantized linear (`Int8Linear.input_scale` = 1 / s), not folded into the norm before
 it, so every linear, of any architecture, still computes its own function: LoRA adapters and fused layers see the
 model they were made for. Linears that read one input (q/k/v, gate/up) share one s, from the largest of their
-weights' columns, as SmoothQuant's does for the linears after one norm: they can then run as one call. max|x_j| comes from one forward over random token ids (seeded): the large channels of
-these models are large whatever the text, and no corpus ships with the package.
+weights' columns, as SmoothQuant's does for the linears after one norm: they can then run as one call. max|x_j|
+comes from one forward over random token ids (seeded): the large channels of these models are large whatever
+the text, and no corpus ships with the package.
 
 On the default model (float32, eval-ppl over 2,048 tokens): W8A8 perplexity 12.81 -> 12.62 against float32's 12.41
 (plain HF forward; docs/quantization.md).
