@@ -1,8 +1,9 @@
 """The machine's limit for a workload: how fast could any engine possibly run it here?
 
 Why: a tok/s number alone does not say whether an engine is good or the machine is slow. So we measure what
-this machine does at the model's own shapes, in the dtype the bench runs (matmul FLOP/s with 256-row inputs, which is what a batched
-step looks like, and memory bandwidth as a large tensor copy) and turn the workload into a minimum time:
+this machine does at the model's own shapes, in the dtype the bench runs (matmul FLOP/s with 256-row inputs, which
+is what a batched step looks like, and memory bandwidth as a streaming read of a large tensor) and turn the
+workload into a minimum time:
 
 - compute: every prompt and generated token goes through every linear layer (2 x in x out FLOPs per token),
   plus attention (QK^T and PV: 4 x heads x head_dim x context FLOPs per token and layer), plus the lm_head for
@@ -114,6 +115,30 @@ def copy_bandwidth(num_bytes: int = 256 << 20, device="cpu", min_seconds: float 
     return 2.0 * num_bytes * iterations / elapsed
 
 
+def read_bandwidth(num_bytes: int = 256 << 20, device="cpu", min_seconds: float = 0.5) -> float:
+    """Measured bytes/s of a streaming read (a large tensor's sum: one pass over memory, nothing written back):
+    the rate a decode step's weight reads can approach, which a copy (half of its bytes written) does not show."""
+    src = torch.ones(num_bytes // 4, device=device)
+    elapsed, iterations = _time_op(lambda: src.sum(), device, min_seconds)
+    return num_bytes * iterations / elapsed
+
+
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step of one sequence reads: every parameter and buffer storage once (stacked
+    or tied tensors share one), quantized ones at their stored size; the input embedding's table only where the
+    lm_head shares it (a step reads one row of it per token)."""
+    embedding = model.get_input_embeddings().weight.untyped_storage()
+    output = model.get_output_embeddings()
+    skip = None if output is not None and output.weight.untyped_storage().data_ptr() == embedding.data_ptr() else \
+        embedding.data_ptr()
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() != skip:
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def measure(shape: ModelShape, device="cpu", rows: int = 256, min_seconds: float = 0.5, dtype: str = "float32") -> dict:
     """The machine's rates at the model's shapes, in `dtype`."""
     hidden, inter = shape.hidden_size, shape.intermediate_size
@@ -126,6 +151,7 @@ def measure(shape: ModelShape, device="cpu", rows: int = 256, min_seconds: float
         "matmul_flops_lm_head": matmul_flops(rows, *shape.lm_head_shape, device, min_seconds, dtype),
         "matmul_flops_one_row": matmul_flops(1, hidden, inter, device, min_seconds, dtype),
         "copy_bandwidth_bytes_per_s": copy_bandwidth(device=device, min_seconds=min_seconds),
+        "read_bandwidth_bytes_per_s": read_bandwidth(device=device, min_seconds=min_seconds),
     }
 
 
@@ -172,7 +198,7 @@ def limit(shape: ModelShape, workload: Workload, rates: dict) -> dict:
     flops = workload_flops(shape, workload)
     compute_s = _compute_seconds(flops, rates)
     min_steps = max((r.max_new_tokens for r in workload.requests), default=0)
-    bandwidth_s = min_steps * shape.weight_bytes / rates["copy_bandwidth_bytes_per_s"]
+    bandwidth_s = min_steps * shape.weight_bytes / rates["read_bandwidth_bytes_per_s"]
     min_time = max(compute_s, bandwidth_s)
     prefix_once_s = max(_compute_seconds(workload_flops(shape, workload, prefix_once=True), rates), bandwidth_s)
     return {

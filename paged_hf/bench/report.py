@@ -184,13 +184,32 @@ def _footer_lines(report: dict) -> list[str]:
         lines.append(
             f"machine: matmul {rates['matmul_flops_mlp'] / 1e9:.0f} GFLOP/s ({rates['matmul_rows']} rows), lm_head "
             f"{rates['matmul_flops_lm_head'] / 1e9:.0f}, one row {rates['matmul_flops_one_row'] / 1e9:.1f}; copy "
-            f"{rates['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; {rates['num_threads']} threads")
+            f"{rates['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write), read "
+            f"{rates['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; {rates['num_threads']} threads")
         line = (f"limit: {limit['total_flops'] / 1e12:.2f} TFLOP -> at least {limit['min_time_s']:.1f} s "
                 f"({limit['max_useful_tokens_per_s']:.0f} useful tok/s)")
         if "paged_hf_fraction_of_limit" in report:
             line += f"; paged_hf reaches {report['paged_hf_fraction_of_limit']:.0%} of it"
         lines.append(line)
+        moved = weights_moved_line(report)
+        if moved:
+            lines.append(moved)
     return lines
+
+
+def weights_moved_line(report: dict) -> str | None:
+    """One request: each step reads every weight once, so a system's tok/s times its weights' bytes is the memory
+    bandwidth its decode moves (prefill counted in the wall: a lower bound); set against the measured read."""
+    read = report["machine"]["rates"].get("read_bandwidth_bytes_per_s")
+    if report["workload"]["num_requests"] != 1 or not read:
+        return None
+    moved = {n: (m["extra"]["step_weight_bytes"], m["tokens_per_s"]) for n, m in report["systems"].items()
+             if m.get("tokens_per_s") and "step_weight_bytes" in (m.get("extra") or {})}
+    if not moved:
+        return None
+    return "weights read a token: " + "; ".join(
+        f"{n} {size / 1e9:.2f} GB x {tok_s:.1f} tok/s = {size * tok_s / 1e9:.1f} GB/s ({size * tok_s / read:.0%} of "
+        f"read)" for n, (size, tok_s) in moved.items())
 
 
 def rounds_line(report: dict) -> str | None:

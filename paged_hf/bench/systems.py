@@ -28,7 +28,7 @@ from transformers import StoppingCriteriaList
 import paged_hf
 from paged_hf import BeamSearchParams, SamplingParams
 from paged_hf.bench.documents import DOCUMENT_SYSTEMS, KV_HOST_GIB, KV_HOST_SYSTEM, generate_in_waves
-from paged_hf.bench.machine import peak_rss_bytes
+from paged_hf.bench.machine import peak_rss_bytes, step_weight_bytes
 from paged_hf.bench.pipeline import PIPELINE_SYSTEMS, is_pipeline_system, run_pipeline
 from paged_hf.bench.system_run import SystemRun, time_per_output_token, warmup_ids
 from paged_hf.bench.workloads import Workload
@@ -113,6 +113,7 @@ def run_paged_hf(model, tokenizer, workload: Workload, engine_config: dict, enab
         extra["spec_decode"] = spec_decode_delta(before, after)
     extra.update(num_blocks=after["num_blocks"], max_num_running=after.get("max_num_running"))
     extra["kv_cache_dtype"] = config.get("kv_cache_dtype", "auto")
+    extra["step_weight_bytes"] = step_weight_bytes(model)  # quantized at load: the bytes as served
     extra["engine_config"] = config
     if "kv_tier_bytes_written" in after:  # the KV tier: what was written through, read back, dropped
         extra["kv_tier"] = {key: after[key] for key in after if key.startswith("kv_tier_")}

@@ -18,6 +18,7 @@ from conftest import tiny_model_for
 
 from paged_hf.bench import machine, median_run, parse_systems, sized_engine_config, vllm_system
 from paged_hf.bench.adapters import random_adapters
+from paged_hf.bench import report as report_module
 from paged_hf.bench.report import build_report, format_table, useful_tokens
 from paged_hf.bench.systems import SystemRun, run_system, skip_reason
 from paged_hf.bench.workloads import LORA_ADAPTERS, BenchRequest, Workload, build_workload
@@ -157,7 +158,7 @@ def test_workload_flops_count_every_token_once_and_shared_prefixes_once_when_ask
     shared = machine.workload_flops(tiny_shape(), workload, prefix_once=True)
     assert shared["num_tokens"] == 5  # request 1 shares [1, 2]: only its last prompt token is computed
     assert shared["attention"] == 4 * 2 * 2 * 2 * (10 + 6 - 3)
-    rates = {"matmul_flops_mlp": 1e3, "matmul_flops_lm_head": 1e2, "copy_bandwidth_bytes_per_s": 400.0}
+    rates = {"matmul_flops_mlp": 1e3, "matmul_flops_lm_head": 1e2, "read_bandwidth_bytes_per_s": 400.0}
     result = machine.limit(tiny_shape(), workload, rates)
     assert result["compute_s"] == pytest.approx((flops["linear"] + flops["attention"]) / 1e3 + flops["lm_head"] / 1e2)
     assert result["bandwidth_s"] == pytest.approx(2 * 400 / 400.0)  # two sequential steps, all weights each
@@ -168,7 +169,47 @@ def test_machine_measures_positive_rates():
     shape = machine.ModelShape(2, 32, 2, 16, [(32, 64)], (32, 128), 10_000, 40_000)
     for dtype in ("float32", "bfloat16"):  # the limit is measured in the dtype the systems run
         rates = machine.measure(shape, rows=16, min_seconds=0.01, dtype=dtype)
-        assert rates["dtype"] == dtype and all(rates[k] > 0 for k in rates if k.startswith(("matmul_flops", "copy_")))
+        assert rates["dtype"] == dtype and all(rates[k] > 0 for k in rates if k.startswith(("matmul_flops", "copy_", "read_")))
+
+
+def test_step_weight_bytes_counts_each_storage_once_at_its_served_size():
+    import paged_hf  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    def model(tied: bool):
+        config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+    untied, tied = model(False), model(True)
+    table = 300 * 128 * 2
+    rotary = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in untied.buffers()}
+    all_bytes = sum(p.numel() * 2 for p in untied.parameters()) + sum(rotary.values())
+    assert machine.step_weight_bytes(untied) == all_bytes - table  # a step reads a row of the input table
+    assert machine.step_weight_bytes(tied) == all_bytes - table  # tied: the table counted once, as the lm_head
+    quantized = paged_hf.wrap(model(True), quantization="int8")
+    quantized.generator.generate([[1, 2, 3]], paged_hf.SamplingParams(max_new_tokens=2, temperature=0),
+                                 use_tqdm=False)  # a step: q/k/v and gate/up stacked, sharing their linears' bytes
+    linears = all_bytes - 2 * table - sum(p.numel() * 2 for n, p in untied.named_parameters() if "norm" in n)
+    int8_linears = machine.step_weight_bytes(quantized) - table - (all_bytes - 2 * table - linears)
+    assert 0.5 * linears < int8_linears < 0.53 * linears  # int8 weights + a float32 scale per output channel
+
+
+def test_report_sets_one_request_decode_against_the_read_bandwidth():
+    workload = Workload("decode", "", 0, [BenchRequest([5, 6], 4)])
+    runs = {"paged_hf": SystemRun("paged_hf", 2.0, [[1, 2, 3, 4]], [0.1], [0.01], 10**9,
+                                  extra={"step_weight_bytes": 3e9}),
+            "paged_hf_int8": SystemRun("paged_hf_int8", 1.0, [[1, 2, 3, 4]], [0.1], [0.01], 10**9,
+                                       extra={"step_weight_bytes": 2e9})}
+    limit = {"rates": {"read_bandwidth_bytes_per_s": 16e9}, "min_time_s": 1.0, "min_time_prefix_once_s": 1.0}
+    line = report_module.weights_moved_line(build_report(workload, runs, limit, {}))
+    assert line == ("weights read a token: paged_hf 3.00 GB x 2.0 tok/s = 6.0 GB/s (38% of read); paged_hf_int8 "
+                    "2.00 GB x 4.0 tok/s = 8.0 GB/s (50% of read)")
+    two = Workload("decode", "", 0, [BenchRequest([5, 6], 4)] * 2)  # batched steps read the weights for several
+    runs = {n: SystemRun(n, r.wall_s, r.outputs * 2, r.ttft_s * 2, r.tpot_s * 2, extra=r.extra)
+            for n, r in runs.items()}
+    assert report_module.weights_moved_line(build_report(two, runs, limit, {})) is None
 
 
 def test_median_run_is_the_middle_wall_time_and_keeps_every_round():
