@@ -98,7 +98,7 @@ def test_w8a16_matches_the_reference(build, m, k, n):
 
 
 @pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("m, k, n, group_size", [(*s, g) for s in SHAPES for g in (32, 64, 320) if s[1] % g == 0])
+@pytest.mark.parametrize("m, k, n, group_size", [(*s, g) for s in SHAPES for g in (32, 64, 128, 320) if s[1] % g == 0])
 @pytest.mark.parametrize("zero_points", [True, False])
 def test_w4a16_matches_the_reference(build, m, k, n, group_size, zero_points):
     flags = _build(build)
@@ -118,7 +118,7 @@ def test_w4a16_matches_the_reference(build, m, k, n, group_size, zero_points):
 
 
 @needs_bf16
-@pytest.mark.parametrize("m, k, n, group_size", [(*s, g) for s in SHAPES for g in (32, 64, 320) if s[1] % g == 0])
+@pytest.mark.parametrize("m, k, n, group_size", [(*s, g) for s in SHAPES for g in (32, 64, 128, 320) if s[1] % g == 0])
 @pytest.mark.parametrize("zero_points", [True, False])
 def test_w4a16_on_bf16_activations_matches_the_reference(m, k, n, group_size, zero_points):
     """bf16 x on vdpbf16ps (kernels/csrc/quant_gemm_bf16.h), bf16 out: the float32 reference of the same x, to the
