@@ -33,6 +33,7 @@ def library(extra_flags: tuple[str, ...] = ()):
         return None
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     native.entry_point(lib, "w8a8_linear", [p, i64, i64, i64, p, p, p, i64, i64, p, i64, p, p, c_int])
+    native.entry_point(lib, "w8a8_linear_bf16", [p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, p, p, p, c_int])
     native.entry_point(lib, "quantize_rows", [p, i64, i64, i64, i64, p, p])
     native.entry_point(lib, "w8a16_linear", [p, i64, i64, i64, p, p, p, i64, i64, p, i64, c_int])
     native.entry_point(lib, "w4a16_linear", [p, i64, i64, i64, p, p, p, i64, p, i64, p, i64, c_int])
@@ -69,19 +70,29 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-         in_features: int, extra_flags: tuple[str, ...] = ()) -> torch.Tensor | None:
+         in_features: int, extra_flags: tuple[str, ...] = (), input_scale: torch.Tensor | None = None,
+         ) -> torch.Tensor | None:
     """float32 [m, n] of x [..., in]: qweight [n, kp] int8 (kp: in_features padded to 16), scale [n] float32,
-    bias [n] float32 or None."""
-    lib, rows = library(extra_flags), _rows(x)
-    if lib is None or rows is None or qweight.shape[1] % 16:
+    bias [n] float32 or None. bf16 x gives bf16 [m, n] (rounded as `.to(torch.bfloat16)` rounds), in one call with
+    x times `input_scale` [in] float32 (SmoothQuant; rounded to bf16 as the reference rounds it) where given;
+    float32 x takes no input_scale (the caller's `layer_ops.scale_rows`)."""
+    on_bf16 = x.dtype == torch.bfloat16
+    lib, rows = library(extra_flags), _rows(x, torch.bfloat16 if on_bf16 else torch.float32)
+    if lib is None or rows is None or qweight.shape[1] % 16 or (input_scale is not None and not on_bf16):
         return None
     m, (n, kp) = rows.shape[0], qweight.shape
-    out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=rows.dtype)
     qx, sx = torch.empty(m, kp, dtype=torch.int16), torch.empty(m, dtype=torch.float32)
     with span("matmul"):
-        status = lib.w8a8_linear(rows.data_ptr(), rows.stride(0), m, in_features, qweight.data_ptr(),
-                                 scale.data_ptr(), _ptr(bias), n, kp, out.data_ptr(), n, qx.data_ptr(), sx.data_ptr(),
-                                 torch.get_num_threads())
+        if on_bf16:
+            widened = torch.empty(m, in_features, dtype=torch.float32)
+            status = lib.w8a8_linear_bf16(rows.data_ptr(), rows.stride(0), m, in_features, _ptr(input_scale),
+                                          qweight.data_ptr(), scale.data_ptr(), _ptr(bias), n, kp, out.data_ptr(), n,
+                                          widened.data_ptr(), qx.data_ptr(), sx.data_ptr(), torch.get_num_threads())
+        else:
+            status = lib.w8a8_linear(rows.data_ptr(), rows.stride(0), m, in_features, qweight.data_ptr(),
+                                     scale.data_ptr(), _ptr(bias), n, kp, out.data_ptr(), n, qx.data_ptr(),
+                                     sx.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None
 
 

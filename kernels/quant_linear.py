@@ -85,6 +85,9 @@ class Int8Linear(QuantizedLinear):
         return x if self.input_scale is None else (x.float() * self.input_scale).to(x.dtype)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.act_quant and x.dtype == torch.bfloat16:  # the smoothing, the widening and bf16 out in one call
+            return quant_gemm.w8a8(x, self.qweight, self.weight_scale, self.bias32(), self.in_features,
+                                   input_scale=self.input_scale)
         run = quant_gemm.w8a8 if self.act_quant else quant_gemm.w8a16
         scaled = None if self.input_scale is None else layer_ops.scale_rows(x, self.input_scale)  # one pass
         return run(self._scaled(x) if scaled is None else scaled, self.qweight, self.weight_scale, self.bias32(),

@@ -38,6 +38,8 @@
 #endif
 #endif
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -273,12 +275,16 @@ struct W8A8Args {
   const int8_t *qw; const float *sw; const float *bias;
   float *out; int64_t out_stride;
   const uint8_t *xu8 = nullptr;  // 1-2 rows on VNNI (W8A8FewTile): q_x + 128 as u8, [m, kp]
+  uint16_t *out_bf16 = nullptr;  // set: the outputs rounded to bf16 there instead (out unused)
 
   // output (i, j) from its exact integer sum: the one epilogue of every w8a8 path
   void store(int32_t acc, int64_t i, int64_t j) const {
     float y = rounded(rounded(float(acc) * sx[i]) * sw[j]);
     if (bias) y += bias[j];
-    out[i * out_stride + j] = y;
+    if (out_bf16)
+      out_bf16[i * out_stride + j] = paged_hf::float_to_bf16(y);
+    else
+      out[i * out_stride + j] = y;
   }
 };
 
@@ -372,27 +378,40 @@ template <int MR, int NR> struct W4A16Tile {
   }
 };
 
-}  // namespace
+// bf16 rows x [m, k] as float32 rows [m, k]; times input_scale [k] where given, the product rounded to bf16 as
+// the reference's `(x.float() * s).to(bfloat16)` rounds it (a SmoothQuant linear's input)
+void widen_rows(const uint16_t *x, int64_t x_stride, const float *input_scale, int64_t m, int64_t k, float *out,
+                int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
+  for (int64_t i = 0; i < m; ++i) {
+    const uint16_t *row = x + i * x_stride;
+    float *to = out + i * k;
+    for (int64_t j = 0; j < k; ++j) {
+      const float v = paged_hf::bf16_to_float(row[j]);
+      to[j] = input_scale ? paged_hf::bf16_to_float(paged_hf::float_to_bf16(v * input_scale[j])) : v;
+    }
+  }
+}
 
-extern "C" {
-
-// out [m, n] = the w8a8 linear of x [m, k]; qx_scratch [m, kp] int16 and sx_scratch [m] float: caller's memory
-int w8a8_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *qw, const float *sw,
-                const float *bias, int64_t n, int64_t kp, float *out, int64_t out_stride, int16_t *qx_scratch,
-                float *sx_scratch, int threads) {
+// the w8a8 linear of float32 x into float32 out, or rounded to bf16 into out_bf16 where that is set
+int w8a8(const float *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *bias,
+         int64_t n, int64_t kp, float *out, uint16_t *out_bf16, int64_t out_stride, int16_t *qx_scratch,
+         float *sx_scratch, int threads) {
   if (kp % 16 || kp < k) return 1;
   const int used = threads_for(m * n * kp, threads);
 #if PAGED_HF_VNNI
   if (m >= kVnniFromRows) {  // q_x (int8, m * kp bytes) in the scratch, each row's sum of q_x after it
     auto *words = reinterpret_cast<int32_t *>(qx_scratch);
-    avx512::w8a8_panels(x, x_stride, k, {words, words + m * kp / 4, sx_scratch, kp, sw, bias, out, out_stride}, m, qw,
-                        n, used);
+    avx512::w8a8_panels(x, x_stride, k,
+                        {words, words + m * kp / 4, sx_scratch, kp, sw, bias, out, out_bf16, out_stride}, m, qw, n,
+                        used);
     return 0;
   }
 #endif
 #pragma omp parallel for num_threads(used) schedule(static) if (m > 1)
   for (int64_t i = 0; i < m; ++i) quantize_row(x + i * x_stride, k, kp, qx_scratch + i * kp, sx_scratch + i);
   W8A8Args args{qx_scratch, kp, sx_scratch, qw, sw, bias, out, out_stride};
+  args.out_bf16 = out_bf16;
 #if PAGED_HF_VNNI
   {  // 1-2 rows: q_x + 128 as u8, then vpdpbusd tiles
     std::vector<uint8_t> xu8(m * kp);
@@ -408,6 +427,26 @@ int w8a8_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const in
     by_size<W8A8Tile>(mr, nr, args, m0, n0);
   });
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [m, n] = the w8a8 linear of x [m, k]; qx_scratch [m, kp] int16 and sx_scratch [m] float: caller's memory
+int w8a8_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *qw, const float *sw,
+                const float *bias, int64_t n, int64_t kp, float *out, int64_t out_stride, int16_t *qx_scratch,
+                float *sx_scratch, int threads) {
+  return w8a8(x, x_stride, m, k, qw, sw, bias, n, kp, out, nullptr, out_stride, qx_scratch, sx_scratch, threads);
+}
+
+// the same on bf16 x, times input_scale [k] first where given (nullptr: none), out [m, n] bf16: one call where a
+// bf16 model's linear took three passes (the smoothing, the widening, the output's rounding); x32_scratch [m, k]
+int w8a8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const float *input_scale,
+                     const int8_t *qw, const float *sw, const float *bias, int64_t n, int64_t kp, uint16_t *out,
+                     int64_t out_stride, float *x32_scratch, int16_t *qx_scratch, float *sx_scratch, int threads) {
+  widen_rows(x, x_stride, input_scale, m, k, x32_scratch, threads_for(m * k * 64, threads));
+  return w8a8(x32_scratch, k, m, k, qw, sw, bias, n, kp, nullptr, out, out_stride, qx_scratch, sx_scratch, threads);
 }
 
 // the per-token quantization alone (tests: its q and scales against the reference)

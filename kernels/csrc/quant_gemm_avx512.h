@@ -149,8 +149,21 @@ inline void quantize_interleaved(const float *x, int64_t x_stride, int64_t m0, i
 
 struct VnniArgs {
   const int32_t *qx; const int32_t *qx_sums; const float *sx; int64_t kp;
-  const float *sw, *bias; float *out; int64_t out_stride;
+  const float *sw, *bias; float *out; uint16_t *out_bf16; int64_t out_stride;  // out_bf16 set: out unused
 };
+
+// y's lanes rounded to bf16 (to nearest even, NaN kept: paged_hf::float_to_bf16 lane by lane, subnormals too, so
+// a row's outputs are the same on every path), the first `live` stored at p
+inline void store_bf16(uint16_t *p, __m512 y, int64_t live) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i half = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, half), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  _mm512_mask_cvtepi32_storeu_epi16(p, lanes(live), _mm512_mask_mov_epi32(rounded, nan, quiet));
+}
 
 template <int MR> struct VnniTile {
   static void run(const VnniArgs &a, const uint32_t *panel, int64_t m0, int64_t n0, int nr) {
@@ -179,7 +192,10 @@ template <int MR> struct VnniTile {
         const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(__m512i(acc[i][v]), shift));
         __m512 y = kept(_mm512_mul_ps(kept(_mm512_mul_ps(f, sx)), _mm512_maskz_loadu_ps(mask, a.sw + n)));
         if (a.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, a.bias + n));
-        _mm512_mask_storeu_ps(a.out + (m0 + i) * a.out_stride + n, mask, y);
+        if (a.out_bf16)
+          store_bf16(a.out_bf16 + (m0 + i) * a.out_stride + n, y, nr - 16 * v);
+        else
+          _mm512_mask_storeu_ps(a.out + (m0 + i) * a.out_stride + n, mask, y);
       }
     }
   }

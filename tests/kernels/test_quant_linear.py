@@ -86,6 +86,28 @@ def test_w8a8_equals_the_reference_bit_for_bit(build, m, k, n, bias):
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("m, k, n", SHAPES)
+@pytest.mark.parametrize("smoothed", [True, False])
+def test_w8a8_on_bf16_equals_the_reference_rounded_to_bf16(build, m, k, n, smoothed):
+    """bf16 x in one call (the smoothing's product rounded to bf16, the outputs rounded to bf16 in the epilogue):
+    the reference's float32 outputs `.to(bfloat16)`, bit for bit, on every path (1-2 rows, panels, AVX2 loops)."""
+    flags = _build(build)
+    torch.manual_seed(m + k + n)
+    q, scale = quantize_int8_per_channel(torch.randn(n, k))
+    input_scale = torch.rand(k) * 4 + 0.1 if smoothed else None
+    bias = torch.randn(n)
+    bias[1] = float("nan")  # a NaN channel: NaN out (quiet; its sign and payload are the CPU's, not torch's)
+    linear = Int8Linear(q, scale, bias, torch.bfloat16, act_quant=True, input_scale=input_scale)
+    x = (torch.randn(m, k) * 4).to(torch.bfloat16)
+    got = quant_gemm.w8a8(x, linear.qweight, linear.weight_scale, linear.bias32(), k, flags,
+                          input_scale=linear.input_scale)
+    expected = linear.reference(x)
+    assert got.dtype == expected.dtype == torch.bfloat16 and got[:, 1].isnan().all() and expected[:, 1].isnan().all()
+    got[:, 1] = expected[:, 1] = 0
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("m, k, n", SHAPES)
 def test_w8a16_matches_the_reference(build, m, k, n):
     flags = _build(build)
     torch.manual_seed(m + k + n)
