@@ -1,5 +1,5 @@
 // The AVX-512 paths of quant_gemm.cpp (included there when the build targets AVX512F + AVX512BW): w8a16 and w4a16
-// for any number of rows, w8a8 (AVX512-VNNI) from 3 rows; 1-2 rows of w8a8 run quant_gemm.cpp's W8A8FewTile
+// for any number of rows, w8a8 (AVX512-VNNI) from 3 rows; 1-2 rows of w8a8 run quant_gemm.cpp's W8A8FewRows
 // (vpdpbusd straight from the weight rows, no panel to lay out).
 //
 // Why panels: the AVX2 loops take the dot product of one weight row with one activation row along k, so each

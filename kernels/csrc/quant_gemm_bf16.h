@@ -33,6 +33,9 @@ constexpr int64_t kChunk = 128;           // k per chunk: 64 bytes of a channel'
 constexpr int kChannels = 4;              // channels per tile: the conversion of a chunk serves the tile's rows
 constexpr int kRows = 4;                  // rows per tile
 constexpr int64_t kBlockBytes = 128 << 10;  // the rows' x a row block keeps in L2 while every channel passes
+// bytes prefetched ahead in a thread's stream of 1-2 rows (one channel at a time: 1.3x the 4 channels side by side
+// at k = 2048 on Zen 4, the same at 8192, paired runs)
+constexpr int64_t kFewAhead = 4096;
 
 struct Args {
   const uint16_t *xc; int64_t kc;          // x in chunk order [m, kc], kc = k rounded up to kChunk
@@ -43,6 +46,7 @@ struct Args {
   const int64_t *first_group;              // per chunk
   const float *sz, *bias; uint16_t *out; int64_t out_stride;  // sz [n, num_groups]: s * z
   bool chunk_in_one_group;                 // groups a multiple of kChunk: every lane of a chunk has one scale
+  int64_t ahead;                           // bytes prefetched ahead of a channel's chunk
 };
 
 // bf16(u) for u = 0..15, its low and its high bytes, as vpshufb tables (the same 16 bytes in each 128-bit lane)
@@ -94,8 +98,9 @@ inline void chunk_order(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
 // a channel's chunk at k0 as four bf16 vectors, in x's chunk order
 inline void weights(const Args &a, int64_t channel, int64_t k0, const Tables &t, __m512i w[4]) {
   const uint8_t *at = a.packed + channel * (a.k / 2) + k0 / 2;
-  // the same bytes of the channels one tile on: the rows of a tile are read side by side
-  _mm_prefetch(reinterpret_cast<const char *>(at + 2 * kChannels * a.k), _MM_HINT_T0);
+  // ahead in the thread's stream: a few channels on (1-2 rows), or the same bytes of the channels two tiles on
+  // (the channels of a tile are read side by side, which the hardware prefetchers follow poorly)
+  _mm_prefetch(reinterpret_cast<const char *>(at + a.ahead), _MM_HINT_T0);
   const int64_t bytes = std::min<int64_t>(64, (a.k - k0) / 2);
   const __m512i packed = bytes == 64 ? _mm512_loadu_si512(at)
                                      : _mm512_maskz_loadu_epi8((__mmask64(1) << bytes) - 1, at);
@@ -203,15 +208,19 @@ inline void linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, co
     lane_groups[c] = _mm512_load_si512(index);
   }
   const Args a{xc,  kc,   xsums.data(), packed, k, s, k / group, lane_groups.data(), first_group.data(),
-               sz,  bias, out,          out_stride, group % kChunk == 0};
+               sz,  bias, out,          out_stride, group % kChunk == 0,
+               m <= 2 ? kFewAhead : 2 * kChannels * k};
+  // 1-2 rows: one channel a tile, so each thread reads one stream straight through its channels (no conversion to
+  // share among rows); more rows: kChannels channels side by side, each chunk's x loads serving all of them
+  const int64_t channels = m <= 2 ? 1 : kChannels;
   const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (kc * 2) / kRows * kRows);
-  const int64_t tiles = (n + kChannels - 1) / kChannels;
+  const int64_t tiles = (n + channels - 1) / channels;
   for (int64_t b0 = 0; b0 < m; b0 += block) {
     const int64_t rows = std::min(block, m - b0);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t tile_index = 0; tile_index < tiles; ++tile_index) {
-      const int64_t n0 = tile_index * kChannels;
-      const int nc = int(std::min<int64_t>(kChannels, n - n0));
+      const int64_t n0 = tile_index * channels;
+      const int nc = int(std::min<int64_t>(channels, n - n0));
       for (int64_t m0 = b0; m0 < b0 + rows; m0 += kRows)
         any_tile(a, tables, m0, int(std::min<int64_t>(kRows, b0 + rows - m0)), n0, nc);
     }
