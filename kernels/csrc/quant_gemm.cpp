@@ -391,10 +391,12 @@ void widen_rows(const uint16_t *x, int64_t x_stride, const float *input_scale, i
   for (int64_t i = 0; i < m; ++i) {
     const uint16_t *row = x + i * x_stride;
     float *to = out + i * k;
-    for (int64_t j = 0; j < k; ++j) {
-      const float v = paged_hf::bf16_to_float(row[j]);
-      to[j] = input_scale ? paged_hf::bf16_to_float(paged_hf::float_to_bf16(v * input_scale[j])) : v;
+    if (!input_scale) {
+      for (int64_t j = 0; j < k; ++j) to[j] = paged_hf::bf16_to_float(row[j]);
+      continue;
     }
+    for (int64_t j = 0; j < k; ++j)
+      to[j] = paged_hf::bf16_to_float(paged_hf::float_to_bf16(paged_hf::bf16_to_float(row[j]) * input_scale[j]));
   }
 }
 

@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -135,13 +137,6 @@ inline float zero_part(const Args &a, int64_t row, int64_t channel) {
   return _mm512_reduce_add_ps(acc);
 }
 
-inline uint16_t to_bf16(float value) {  // to nearest even, as torch's cast (NaN stays NaN)
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
-  return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 // outputs of rows m0 .. m0 + MR - 1 x channels n0 .. n0 + NC - 1
 template <int MR, int NC>
 void tile(const Args &a, const Tables &t, int64_t m0, int64_t n0) {
@@ -167,7 +162,7 @@ void tile(const Args &a, const Tables &t, int64_t m0, int64_t n0) {
       const int64_t row = m0 + i, channel = n0 + j;
       float y = _mm512_reduce_add_ps(total[i][j]) - zero_part(a, row, channel);
       if (a.bias) y += a.bias[channel];
-      a.out[row * a.out_stride + channel] = to_bf16(y);
+      a.out[row * a.out_stride + channel] = paged_hf::float_to_bf16(y);
     }
 }
 
