@@ -9,6 +9,8 @@ from paged_hf.config.speculative import SpeculativeConfig
 from paged_hf.kernels.quant import KV_CACHE_DTYPE_NAMES
 
 DEFAULT_MAX_NUM_SEQS = 64
+#: what `quantization` accepts (paged_hf/loader/quantized.py): W8A8, and 4-bit weights by round to nearest or GPTQ
+QUANTIZATION_NAMES = ("int8", "w4a16", "w4a16_gptq")
 
 
 @dataclass
@@ -79,10 +81,11 @@ class PagedConfig:
     # fitted cost; paged_hf.core.stream_pace), so a big prompt does not stall the running streams; None: the
     # whole budget (vLLM's behaviour, the most throughput)
     max_stream_gap_s: float | None = None
-    # "int8" | "w4a16": `paged_hf.wrap` quantizes the model's float linears in place before serving it, round to
-    # nearest (int8: W8A8, per output channel, per-token int8 activations; w4a16: 4-bit groups of 64 with zero
-    # points); lm_head and embeddings untouched. None: as loaded (a quantized checkpoint is served quantized
-    # either way). docs/quantization.md
+    # "int8" | "w4a16" | "w4a16_gptq": `paged_hf.wrap` quantizes the model's float linears in place before serving
+    # it (int8: W8A8, per output channel, per-token int8 activations; w4a16: 4-bit groups of 64 with zero points,
+    # round to nearest; w4a16_gptq: the same layout by GPTQ on text the model writes itself, slower to load);
+    # lm_head and embeddings untouched. None: as loaded (a quantized checkpoint is served quantized either way).
+    # docs/quantization.md
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -135,8 +138,9 @@ class PagedConfig:
         gap = self.max_stream_gap_s
         if gap is not None and (isinstance(gap, bool) or not (isinstance(gap, (int, float)) and gap > 0)):
             raise ValueError(f"max_stream_gap_s must be a number of seconds > 0 or None, got {gap!r}")
-        if self.quantization not in (None, "int8", "w4a16"):
-            raise ValueError(f"quantization must be None, 'int8' or 'w4a16', got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_NAMES:
+            raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_NAMES)}, "
+                             f"got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flashinfer"):
             raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'flashinfer', got {self.attention_backend!r}")
 

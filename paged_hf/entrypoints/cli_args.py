@@ -7,6 +7,7 @@ import argparse
 import json
 from dataclasses import asdict
 
+from paged_hf.config.engine import QUANTIZATION_NAMES
 from paged_hf.config.kv_transfer import KVTransferConfig
 from paged_hf.config.speculative import SpeculativeConfig
 from paged_hf.kernels.quant import KV_CACHE_DTYPE_NAMES
@@ -45,9 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", choices=(*KV_CACHE_DTYPE_NAMES, "fp8"),
                        help="KV cache storage: auto (the model's dtype) or int8/fp8 with per-block scales (2x the "
                        "tokens of bf16 in the same memory)")
-    group.add_argument("--quantization", choices=("int8", "w4a16"), default=None,
-                       help="quantize the model's linears at load, round to nearest (int8: W8A8 per channel; w4a16: "
-                       "4-bit groups of 64); a quantized checkpoint folder is served quantized without it")
+    group.add_argument("--quantization", choices=QUANTIZATION_NAMES, default=None,
+                       help="quantize the model's linears at load (int8: W8A8 per channel; w4a16: 4-bit groups of 64, "
+                       "round to nearest; w4a16_gptq: the same by GPTQ on text the model writes, minutes to load); a "
+                       "quantized checkpoint folder is served quantized without it")
     group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                        help="disable automatic prefix caching")
     group.add_argument("--enable-prefix-caching", action="store_true", help="(vLLM's flag; on by default)")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
+from paged_hf.config.engine import QUANTIZATION_NAMES
 from paged_hf.kernels.quant_linear import (
     Int4Linear,
     Int8Linear,
@@ -24,14 +25,14 @@ from paged_hf.kernels.quant_linear import (
     quantize_int4_groups,
     quantize_int8_per_channel,
 )
+from paged_hf.loader.gptq import gptq_quantize
 from paged_hf.loader.quant_formats import QuantizationConfig, UnsupportedQuantization, build_linear
 from paged_hf.loader.smoothing import input_maxima, smoothing_scale
 
 logger = logging.get_logger(__name__)
 
-#: what `quantization=` (PagedConfig, LLM, --quantization) accepts for a float model: "int8" (W8A8, per output
-#: channel) and "w4a16" (4-bit weights in groups of W4A16_GROUP with zero points)
-QUANTIZATION_NAMES = ("int8", "w4a16")
+#: `quantization=` (PagedConfig, LLM, --quantization, QUANTIZATION_NAMES) for a float model: "int8" (W8A8, per
+#: output channel), "w4a16" and "w4a16_gptq" (4-bit weights in groups of W4A16_GROUP with zero points)
 W4A16_GROUP = 64
 
 
@@ -124,9 +125,10 @@ def _swap(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
 
 
 def quantize_model(model: torch.nn.Module, quantization: str) -> int:
-    """Quantize the float model's linears in place, round to nearest: "int8" symmetric per output channel, W8A8 with
-    dynamic per-token activations, smoothed (SmoothQuant, loader/smoothing.py); "w4a16" 4-bit in groups of 64 with
-    zero points (min/max). The output layer
+    """Quantize the float model's linears in place: "int8" symmetric per output channel, round to nearest, W8A8
+    with dynamic per-token activations, smoothed (SmoothQuant, loader/smoothing.py); "w4a16" 4-bit in groups of 64
+    with zero points (min/max), round to nearest; "w4a16_gptq" the same grid, the values by GPTQ (loader/gptq.py).
+    A linear whose input size is not a multiple of 64 takes int8 weights (W8A16) instead. The output layer
     (lm_head) and the embeddings stay as they are. Returns how many linears were quantized. A model already
     quantized keeps its quantized modules."""
     if quantization not in QUANTIZATION_NAMES:
@@ -141,23 +143,29 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> int:
     for group in groups:
         shared = smoothing_scale(maxima[group[0]], [linears[name].weight for name in group])
         smoothing.update(dict.fromkeys(group, shared))
+    gptq = {}  # name -> (values, scales, zeros), all computed on the float model before any linear is swapped
+    if quantization == "w4a16_gptq" and linears:
+        gptq = gptq_quantize(model, {name: module for name, module in linears.items()
+                                     if module.in_features % W4A16_GROUP == 0}, W4A16_GROUP)
     for name, module in linears.items():
-        _swap(model, name, _quantized(module, quantization, smoothing.get(name)).to(module.weight.device))
+        swapped = _quantized(module, quantization, smoothing.get(name), gptq.get(name))
+        _swap(model, name, swapped.to(module.weight.device))
     count = len(linears)
     if count == 0 and not any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError(f"quantization={quantization!r}: the model has no plain nn.Linear layers to quantize")
     return count
 
 
-def _quantized(linear: torch.nn.Linear, quantization: str, smooth: torch.Tensor | None = None) -> QuantizedLinear:
+def _quantized(linear: torch.nn.Linear, quantization: str, smooth: torch.Tensor | None = None,
+               int4: tuple | None = None) -> QuantizedLinear:
     """`smooth`: SmoothQuant's s [in] (W8A8, loader/smoothing.py): the weight is quantized as W * s, the input
-    multiplied by 1 / s."""
+    multiplied by 1 / s. `int4`: the 4-bit (values, scales, zeros) already chosen (GPTQ); None: round to nearest."""
     if quantization == "int8" or linear.in_features % W4A16_GROUP:
         weight = linear.weight if smooth is None else linear.weight.float() * smooth.to(linear.weight.device)
         q, scale = quantize_int8_per_channel(weight)
         return Int8Linear(q, scale, linear.bias, linear.weight.dtype, act_quant=quantization == "int8",
                           input_scale=None if smooth is None else 1 / smooth)
-    values, scales, zeros = quantize_int4_groups(linear.weight, W4A16_GROUP)
+    values, scales, zeros = int4 if int4 is not None else quantize_int4_groups(linear.weight, W4A16_GROUP)
     return Int4Linear(values, scales, zeros, W4A16_GROUP, linear.bias, linear.weight.dtype)
 
 

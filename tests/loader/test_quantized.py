@@ -155,7 +155,8 @@ def test_at_load_int8_smooths_the_linears_of_one_input_alike_and_runs_them_as_on
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-@pytest.mark.parametrize("quantization, module_class", [("int8", Int8Linear), ("w4a16", Int4Linear)])
+@pytest.mark.parametrize("quantization, module_class", [("int8", Int8Linear), ("w4a16", Int4Linear),
+                                                      ("w4a16_gptq", Int4Linear)])
 def test_quantization_quantizes_a_float_model_at_wrap(quantization, module_class):
     model = tiny_llama(seed=3, dtype=torch.float64)
     model.generation_config.eos_token_id = None
