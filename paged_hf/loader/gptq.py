@@ -15,7 +15,7 @@ in LLM-QAT's data-free recipe. Linears that read one input (q/k/v, gate/up) shar
 
 On the default model (float32, eval-ppl): perplexity +27.6% of float32's by round to nearest, +10-11% by this
 (docs/quantization.md). The cost is at load: the calibration text's generation and one forward over it, and a
-Python loop over every linear's input columns (~1.5 min for the default model on two cores).
+Python loop over every linear's input columns (about a minute for the default model on two cores).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def gptq_int4(weight: torch.Tensor, hessian: torch.Tensor,
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     group_of = order // group_size
     column_scales, column_zeros = scales[:, group_of], zeros[:, group_of]  # [out, in], in the permuted order
-    values = torch.empty(n, k)
+    values = torch.empty(n, k, device=w.device)
     for begin in range(0, k, BLOCK):
         end = min(begin + BLOCK, k)
         block = w[:, begin:end].clone()
