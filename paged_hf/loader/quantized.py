@@ -31,8 +31,8 @@ from paged_hf.loader.smoothing import input_maxima, smoothing_scale
 
 logger = logging.get_logger(__name__)
 
-#: `quantization=` (PagedConfig, LLM, --quantization, QUANTIZATION_NAMES) for a float model: "int8" (W8A8, per
-#: output channel), "w4a16" and "w4a16_gptq" (4-bit weights in groups of W4A16_GROUP with zero points)
+#: the group size of `quantization="w4a16"` and `"w4a16_gptq"` (4-bit weights with zero points; the names a float
+#: model's `quantization=` accepts are config.engine.QUANTIZATION_NAMES)
 W4A16_GROUP = 64
 
 
