@@ -78,6 +78,11 @@ class CpuKernel(TorchKernel):
         self._functions = {
             head_dim: getattr(native.load_paged_decode(head_dim), f"paged_decode_{suffix}") for head_dim in set(head_dims)
         }
+        # a bf16 model's query and output rows as they are (the cast and copy around the call done inside it)
+        self._bf16_row_functions = {} if dtype != torch.bfloat16 or suffix not in native.BF16_ROWS_CACHES else {
+            head_dim: getattr(native.load_paged_decode(head_dim), f"paged_decode_{suffix}_bf16_rows")
+            for head_dim in set(head_dims)
+        }
         self._prefill_functions = {}  # head_dim -> the compiled bf16 prefill kernel, where it serves the model
         self.prefill_isa = None  # the instructions it computes with
         wanted = prefill_isa.removesuffix("_emulated") if prefill_isa else None
@@ -141,18 +146,21 @@ class CpuKernel(TorchKernel):
         # [num_rows, num_heads, head_dim], contiguous, in the compute dtype (float32 for a bf16/fp16/int8/fp8 cache);
         # a step of decodes only reads the query and writes the output in place
         whole = decodes.in_order and decodes.rows.numel() == query.shape[0]
+        scale_pointers = (None, None) if scales is None else (scales.key.data_ptr(), scales.value.data_ptr())
+        arguments = (key_cache.data_ptr(), value_cache.data_ptr(), *scale_pointers, decodes.block_tables.data_ptr(),
+                     decodes.context_lens.data_ptr(), decodes.seq_starts.data_ptr())
+        sizes = (decodes.block_tables.shape[0], decodes.block_tables.shape[1], query.shape[1], num_kv_heads,
+                 block_size, scaling, sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+        if (whole and head_dim in self._bf16_row_functions and _bf16_rows(query) and _bf16_rows(output)
+                and output.is_contiguous()):
+            status = self._bf16_row_functions[head_dim](query.data_ptr(), query.stride(0), *arguments,
+                                                        output.data_ptr(), *sizes)
+            _check_status(status)
+            return
         q = (query if whole else query.index_select(0, decodes.rows)).to(self.compute_dtype).contiguous()
         in_place = whole and output.dtype == self.compute_dtype and output.is_contiguous()
         out = output if in_place else torch.empty_like(q)
-        scale_pointers = (None, None) if scales is None else (scales.key.data_ptr(), scales.value.data_ptr())
-        status = self._functions[head_dim](
-            q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *scale_pointers, decodes.block_tables.data_ptr(),
-            decodes.context_lens.data_ptr(), decodes.seq_starts.data_ptr(), out.data_ptr(),
-            decodes.block_tables.shape[0], decodes.block_tables.shape[1], q.shape[1], num_kv_heads, block_size,
-            scaling, sliding_window or 0, softcap or 0.0, torch.get_num_threads(),
-        )
-        if status != 0:
-            raise RuntimeError(f"paged decode kernel failed (status {status}: {'out of memory' if status == 1 else 'head_dim'})")
+        _check_status(self._functions[head_dim](q.data_ptr(), *arguments, out.data_ptr(), *sizes))
         if whole and not in_place:
             output.copy_(out)
         elif not whole:
@@ -180,6 +188,16 @@ class CpuKernel(TorchKernel):
         if status != 0:
             raise RuntimeError(f"paged prefill kernel failed (status {status}: "
                                f"{'out of memory' if status == 1 else 'too many query heads per KV head'})")
+
+
+def _bf16_rows(x: torch.Tensor) -> bool:
+    """x [rows, heads, head_dim] in bf16 with each row's heads one after the other (rows any stride apart)."""
+    return x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _check_status(status: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"paged decode kernel failed (status {status}: {'out of memory' if status == 1 else 'head_dim'})")
 
 
 def _native_decodes(queries: list[Query]) -> NativeDecodes | None:

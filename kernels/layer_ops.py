@@ -171,11 +171,18 @@ def _scatter():
 
 def _rows(x: torch.Tensor) -> Rows | None:
     """x as rows of contiguous elements an even stride apart (read in place), or None. Plain numbers, not a
-    view: checked on the strides, and this runs several times per layer."""
-    if x.device.type != "cpu" or x.dim() == 0 or x.stride(-1) != 1 or x.requires_grad:
+    view: checked on the strides, and this runs several times per layer (a contiguous x, the common case, in
+    three attribute reads)."""
+    if not x.is_cpu or x.dim() == 0 or x.requires_grad:
         return None
-    row_stride, expected = x.shape[-1], None
-    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+    cols = x.shape[-1]
+    if x.is_contiguous():
+        return Rows(x.data_ptr(), cols, x.numel() // max(cols, 1), cols)
+    strides = x.stride()
+    if strides[-1] != 1:
+        return None
+    row_stride, expected = cols, None
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(strides[:-1])):
         if size == 1:
             continue
         if expected is None:
@@ -183,7 +190,7 @@ def _rows(x: torch.Tensor) -> Rows | None:
         elif stride != expected:
             return None
         expected = stride * size
-    return Rows(x.data_ptr(), row_stride, x.numel() // max(x.shape[-1], 1), x.shape[-1])
+    return Rows(x.data_ptr(), row_stride, x.numel() // max(cols, 1), cols)
 
 
 @functools.lru_cache(maxsize=None)

@@ -44,6 +44,9 @@ COMPUTE_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64, to
 #: quantized cache dtypes, by entry-point suffix (their kv_cache_dtype names): computed in float32, with
 #: per-block scales
 QUANTIZED_DTYPES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
+#: caches (entry-point suffixes) whose decode kernel also has a `_bf16_rows` entry: a bf16 model's query and
+#: output rows taken as they are, widened and rounded inside the call
+BF16_ROWS_CACHES = ("bfloat16", *QUANTIZED_DTYPES.values())
 
 
 class NativeBuildError(RuntimeError):
@@ -71,11 +74,12 @@ def _cache_dir() -> Path:
 def load_paged_decode(head_dim: int) -> ctypes.CDLL:
     """The paged decode library for `head_dim`, built on first use. Raises NativeBuildError when it cannot be."""
     library = _load(SOURCE, head_dim)
+    argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5 + [ctypes.c_double, ctypes.c_int64, ctypes.c_double,
+                                                                ctypes.c_int]
     for dtype_name in (*DTYPES.values(), *QUANTIZED_DTYPES.values()):
-        function = getattr(library, f"paged_decode_{dtype_name}")
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5 + [
-            ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
+        entry_point(library, f"paged_decode_{dtype_name}", argtypes)
+    for dtype_name in BF16_ROWS_CACHES:  # with q's row stride after q
+        entry_point(library, f"paged_decode_{dtype_name}_bf16_rows", argtypes[:1] + [ctypes.c_int64] + argtypes[1:])
     return library
 
 

@@ -578,6 +578,43 @@ int paged_decode(const T *q, const S *k_cache, const S *v_cache, T *out, const B
   }
 }
 
+// A bf16 model's query rows read and its output rows written in bf16, for a cache whose compute type is float:
+// the query widened into float scratch and the output rounded back (to nearest even, as torch's `.to` rounds)
+// around the same kernel, instead of a torch cast before the call and a copy after it in every layer. Query row r
+// (its heads one after the other) starts at q + r * q_row_stride: a slice of the fused q/k/v rows, read in place.
+template <typename S>
+int paged_decode_bf16_rows(const uint16_t *q, int64_t q_row_stride, const S *k_cache, const S *v_cache,
+                           uint16_t *out, const Batch &batch, int num_threads) {
+  static_assert(std::is_same_v<typename Compute<S>::type, float>);
+  const int64_t rows = batch.seq_starts[batch.num_seqs], cols = batch.num_heads * PAGED_HF_HEAD_DIM;
+  const int64_t vec = cols - cols % 16;
+  float *q_float = static_cast<float *>(std::malloc(sizeof(float) * (rows * cols + 1)));
+  float *out_float = static_cast<float *>(std::malloc(sizeof(float) * (rows * cols + 1)));
+  int status = q_float && out_float ? 0 : 1;
+  for (int64_t r = 0; status == 0 && r < rows; ++r) {
+    const uint16_t *src = q + r * q_row_stride;
+    float *dst = q_float + r * cols;
+    for (int64_t i = 0; i < vec; i += 16) {
+      const paged_hf::F16x v = paged_hf::load_bf16x16(src + i);
+      std::memcpy(dst + i, &v, sizeof(v));
+    }
+    for (int64_t i = vec; i < cols; ++i) dst[i] = paged_hf::bf16_to_float(src[i]);
+  }
+  if (status == 0) status = paged_decode<S>(q_float, k_cache, v_cache, out_float, batch, num_threads);
+  if (status == 0) {
+    const int64_t n = rows * cols, n_vec = n - n % 16;
+    for (int64_t i = 0; i < n_vec; i += 16) {
+      paged_hf::F16x v;
+      std::memcpy(&v, out_float + i, sizeof(v));
+      paged_hf::store_bf16x16(out + i, v);
+    }
+    for (int64_t i = n_vec; i < n; ++i) out[i] = paged_hf::float_to_bf16(out_float[i]);
+  }
+  std::free(q_float);
+  std::free(out_float);
+  return status;
+}
+
 }  // namespace
 
 // Entry points for ctypes. Returns 0 on success, 1 when scratch memory could not be allocated, 2 when the
@@ -601,3 +638,20 @@ PAGED_HF_ENTRY(paged_decode_float16, _Float16, float)
 PAGED_HF_ENTRY(paged_decode_int8, int8_t, float)
 PAGED_HF_ENTRY(paged_decode_fp8_e4m3, fp8e4m3, float)
 PAGED_HF_ENTRY(paged_decode_fp8_e5m2, fp8e5m2, float)
+
+// The same with q and out in bf16 (a bf16 model), for the caches computed in float: q's rows q_row_stride
+// elements apart, out contiguous [rows, num_heads, head_dim].
+#define PAGED_HF_BF16_ROWS_ENTRY(NAME, S)                                                                        \
+  extern "C" int NAME(const uint16_t *q, int64_t q_row_stride, const S *k_cache, const S *v_cache,             \
+                      const float *k_scales, const float *v_scales, const int64_t *block_tables,               \
+                      const int64_t *context_lens, const int64_t *seq_starts, uint16_t *out, int64_t num_seqs, \
+                      int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,         \
+                      double scale, int64_t window, double softcap, int num_threads) {                         \
+    const Batch batch{block_tables, context_lens, seq_starts, k_scales, v_scales, num_seqs, max_blocks,        \
+                      num_heads, num_kv_heads, block_size, window, scale, softcap};                            \
+    return paged_decode_bf16_rows<S>(q, q_row_stride, k_cache, v_cache, out, batch, num_threads);             \
+  }
+PAGED_HF_BF16_ROWS_ENTRY(paged_decode_bfloat16_bf16_rows, bf16)
+PAGED_HF_BF16_ROWS_ENTRY(paged_decode_int8_bf16_rows, int8_t)
+PAGED_HF_BF16_ROWS_ENTRY(paged_decode_fp8_e4m3_bf16_rows, fp8e4m3)
+PAGED_HF_BF16_ROWS_ENTRY(paged_decode_fp8_e5m2_bf16_rows, fp8e5m2)

@@ -8,6 +8,7 @@ import torch
 from paged_hf.integrations.transformers import register
 from paged_hf.kernels import TorchKernel, cpu_kernel, select_kernel
 from paged_hf.kernels.cpu_kernel import CpuKernel
+from paged_hf.kernels.quant import KVScales
 from paged_hf.kernels.torch_kernel import Query
 from paged_hf.utils import cpu_flags
 from paged_hf.worker.step_inputs import AttentionMetadata
@@ -192,6 +193,40 @@ def test_cpu_kernel_serves_multi_token_queries(num_heads, num_kv_heads, head_dim
     check_against_dense(kernel, shapes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         block_size=16, dtype=dtype, window=window, softcap=softcap, seed=head_dim,
                         scaling=head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_bf16_decode_rows_read_in_place_give_the_float32_calls_bits(kv_dtype):
+    """A bf16 step of decodes hands the kernel q rows of the fused q/k/v output (rows further apart than their
+    heads): widened and rounded back inside the call, they give the bits of the call on a float32 copy of the
+    query (the path a query whose heads are not contiguous takes), whose kernel is checked against dense above."""
+    torch.manual_seed(1)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
+    kernel = CpuKernel(torch.bfloat16, [head_dim], kv_dtype)
+    cache_dtype = kv_dtype or torch.bfloat16
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if kv_dtype is None:
+        key_cache, value_cache, scales = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16(), None
+    else:
+        key_cache, value_cache = (torch.randint(-127, 128, shape, dtype=cache_dtype) for _ in range(2))
+        scales = KVScales(torch.rand(num_blocks, num_kv_heads) / 50, torch.rand(num_blocks, num_kv_heads) / 50)
+    context_lens = [1, 17, 300, 64, 129]
+    tables = torch.randperm(num_blocks)[:sum(-(-n // block_size) for n in context_lens)].tolist()
+    tables = [[tables.pop() for _ in range(-(-n // block_size))] for n in context_lens]
+    metadata = AttentionMetadata(block_size, list(range(len(context_lens) + 1)), context_lens, tables,
+                                 torch.zeros(len(context_lens), dtype=torch.long))
+    plan = kernel.plan(metadata, torch.device("cpu"))
+    fused = torch.randn(len(context_lens), (num_heads + 2 * num_kv_heads) * head_dim).bfloat16()
+    query = fused[:, : num_heads * head_dim].view(-1, num_heads, head_dim)  # rows (num_heads + 6) * 64 apart
+    heads_apart = query.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, heads not contiguous
+    outputs = []
+    for q in (query, heads_apart):
+        output = q.new_empty(q.shape).contiguous()
+        kernel.attend_decodes(q, output, key_cache, value_cache, plan, scaling=head_dim ** -0.5, sliding_window=None,
+                              softcap=30.0, scales=scales)
+        outputs.append(output)
+    assert torch.equal(outputs[0], outputs[1])
+    assert outputs[0].abs().sum() > 0
 
 
 def test_float32_prompt_chunks_go_to_the_tiles_only_on_an_avx512_cpu():
