@@ -127,6 +127,8 @@ class TorchKernel:
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
                         sliding_window, softcap, scales=None, sinks=None, chunk_size=None, **per_query) -> None:
         """Writes the output rows of the prefill chunks."""
+        if not plan.prefills:  # a step of decodes: nothing to set up
+            return
         num_kv_heads, head_dim = key_cache.shape[-2:]
         value_head_dim = value_cache.shape[-1]
         terms = ScoreTerms(sinks=sinks, **per_query)
