@@ -197,7 +197,8 @@ def _bf16_rows(x: torch.Tensor) -> bool:
 
 def _check_status(status: int) -> None:
     if status != 0:
-        raise RuntimeError(f"paged decode kernel failed (status {status}: {'out of memory' if status == 1 else 'head_dim'})")
+        reason = "out of memory" if status == 1 else "head_dim"
+        raise RuntimeError(f"paged decode kernel failed (status {status}: {reason})")
 
 
 def _native_decodes(queries: list[Query]) -> NativeDecodes | None:
