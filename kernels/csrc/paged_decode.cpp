@@ -147,8 +147,12 @@ struct Batch {
   int64_t first_key(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
 };
 
+// Into L2 (prefetcht1), not L1: a block's lines prefetched into L1 at once fill its few miss buffers and stall
+// the current block's arithmetic. AMD EPYC Zen 4, bf16 cache, 64 sequences x 30 layers of the default model's
+// shapes: 1.1x at 64 keys a sequence, 1.5x at 320 and 1,000, 1.36x for one sequence of 4,000 (same bits).
 inline void prefetch(const void *data, int64_t bytes) {
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char *>(data) + offset);
+  for (int64_t offset = 0; offset < bytes; offset += 64)
+    __builtin_prefetch(static_cast<const char *>(data) + offset, 0, 2);
 }
 
 // x[i] = exp(x[i] - shift) for i < n; returns their sum.
