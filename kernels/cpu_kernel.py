@@ -143,8 +143,6 @@ class CpuKernel(TorchKernel):
         assert key_cache.is_contiguous() and value_cache.is_contiguous()
         assert (scales is not None) == (key_cache.dtype in native.QUANTIZED_DTYPES)
         assert scales is not None or query.dtype == key_cache.dtype
-        # [num_rows, num_heads, head_dim], contiguous, in the compute dtype (float32 for a bf16/fp16/int8/fp8 cache);
-        # a step of decodes only reads the query and writes the output in place
         whole = decodes.in_order and decodes.rows.numel() == query.shape[0]
         scale_pointers = (None, None) if scales is None else (scales.key.data_ptr(), scales.value.data_ptr())
         arguments = (key_cache.data_ptr(), value_cache.data_ptr(), *scale_pointers, decodes.block_tables.data_ptr(),
@@ -157,6 +155,8 @@ class CpuKernel(TorchKernel):
                                                         output.data_ptr(), *sizes)
             _check_status(status)
             return
+        # [num_rows, num_heads, head_dim], contiguous, in the compute dtype (float32 for a bf16/fp16/int8/fp8 cache);
+        # a step of decodes only reads the query and writes the output in place
         q = (query if whole else query.index_select(0, decodes.rows)).to(self.compute_dtype).contiguous()
         in_place = whole and output.dtype == self.compute_dtype and output.is_contiguous()
         out = output if in_place else torch.empty_like(q)
