@@ -149,7 +149,7 @@ class CpuKernel(TorchKernel):
                      decodes.context_lens.data_ptr(), decodes.seq_starts.data_ptr())
         sizes = (decodes.block_tables.shape[0], decodes.block_tables.shape[1], query.shape[1], num_kv_heads,
                  block_size, scaling, sliding_window or 0, softcap or 0.0, torch.get_num_threads())
-        if (whole and head_dim in self._bf16_row_functions and _bf16_rows(query) and _bf16_rows(output)
+        if (whole and head_dim in self._bf16_row_functions and _bf16_rows(query) and output.dtype == torch.bfloat16
                 and output.is_contiguous()):
             status = self._bf16_row_functions[head_dim](query.data_ptr(), query.stride(0), *arguments,
                                                         output.data_ptr(), *sizes)

@@ -467,14 +467,15 @@ int apply(const int64_t *members, int64_t num_members, const int64_t *segments, 
     const int count = static_cast<int>(std::min<int64_t>(kTile, seg_starts[g + 1] - first));
     apply_tile<T, F>(s, x, mb.y, mb.a_table, mb.bt_table, seg_slots[g], first, count);
   };
-  // the first tile of a segment reads its slot's factors cold; the next tiles find them in cache
-  auto cold = [&](int64_t i) { return item[3 * i + 1] == seg_starts[item[3 * i]]; };
+  // item i, with item `next` prefetched meanwhile where it reads its factors cold (the first tile of a segment;
+  // the next tiles find them in cache)
+  auto run_ahead = [&](int64_t i, int64_t next) {
+    if (next < num_items && item[3 * next + 1] == seg_starts[item[3 * next]]) prefetch(next);
+    run(i);
+    ahead.part = 2;  // whatever was not prefetched in time is read anyway
+  };
   if (threads <= 1) {  // no parallel region at all: even an inactive one costs a runtime call
-    for (int64_t i = 0; i < num_items; ++i) {
-      if (i + 1 < num_items && cold(i + 1)) prefetch(i + 1);
-      run(i);
-      ahead.part = 2;  // whatever was not prefetched in time is read anyway
-    }
+    for (int64_t i = 0; i < num_items; ++i) run_ahead(i, i + 1);
     return 0;
   }
   // items taken one at a time as threads come free (items differ in cost: a cold decode item waits on memory),
@@ -484,9 +485,7 @@ int apply(const int64_t *members, int64_t num_members, const int64_t *segments, 
   {
     for (int64_t i = taken.fetch_add(1, std::memory_order_relaxed); i < num_items;) {
       const int64_t next = taken.fetch_add(1, std::memory_order_relaxed);
-      if (next < num_items && cold(next)) prefetch(next);
-      run(i);
-      ahead.part = 2;
+      run_ahead(i, next);
       i = next;
     }
   }
