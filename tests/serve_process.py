@@ -7,7 +7,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import time
 import httpx
 import torch
 from conftest import tiny_model
-from tiny_server import tiny_tokenizer
+from tiny_server import free_port, tiny_tokenizer
 
 MODEL = "tiny"
 
@@ -30,12 +29,6 @@ def save_tiny_model(folder, chat_template_prefix: str = "") -> str:
     tokenizer.chat_template = chat_template_prefix + tokenizer.chat_template
     tokenizer.save_pretrained(folder)
     return str(folder)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

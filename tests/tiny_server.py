@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -36,7 +37,24 @@ def tiny_tokenizer():
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A free port below the kernel's ephemeral range: a port bind(0) hands out is free again once checked, and
+    until the server binds it another process's bind(0) or outgoing connection can take it (torchrun's ranks open
+    many: a served test once failed with "address already in use")."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral_low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(max(1024, ephemeral_low - 10000), ephemeral_low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every try taken: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
