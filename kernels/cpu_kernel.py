@@ -17,6 +17,7 @@ The torch kernel remains the reference this one is tested against.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,35 @@ class NativePrefills:
 @dataclass
 class CpuPlan(TorchPlan):
     native_prefills: NativePrefills | None = None
+
+
+@dataclass
+class DecodeRows:
+    """The decode kernel's call in a step of decodes only, its per-step arguments gathered once (the fused
+    attention calls it in every layer, worker/fused_layers.py): q rows read in place at their row stride (a bf16
+    model's) or copied out of them (float32)."""
+    function: Callable
+    in_place: bool  # the bf16-rows entry point: q read at its row stride, the output written in bf16
+    dtype: torch.dtype  # of the q rows and the output
+    step: tuple  # (block_tables, context_lens, seq_starts) pointers
+    num_rows: int  # the step's tokens
+    num_seqs: int
+    max_blocks: int
+    tensors: tuple  # what the pointers point into, held for the step
+
+    def __call__(self, rows: torch.Tensor, num_heads: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+        """rows [num_tokens, >= num_heads * head_dim] (q's heads first, unit stride) -> [num_tokens, num_heads,
+        head_dim]: each token's attention over its sequence's cached keys (its own included)."""
+        num_kv_heads, head_dim = key_cache.shape[2:]
+        q_cols = num_heads * head_dim
+        query = rows if self.in_place else rows[:, :q_cols].contiguous()
+        out = torch.empty(rows.shape[0], num_heads, head_dim, dtype=self.dtype)
+        stride = (query.stride(0),) if self.in_place else ()
+        _check_status(self.function(query.data_ptr(), *stride, key_cache.data_ptr(), value_cache.data_ptr(), None,
+                                    None, *self.step, out.data_ptr(), self.num_seqs, self.max_blocks, num_heads,
+                                    num_kv_heads, key_cache.shape[1], scaling, 0, 0.0, torch.get_num_threads()))
+        return out
 
 
 class CpuKernel(TorchKernel):
@@ -165,6 +195,22 @@ class CpuKernel(TorchKernel):
             output.copy_(out)
         elif not whole:
             output.index_copy_(0, decodes.rows, out.to(output.dtype))
+
+    def decode_rows(self, plan: CpuPlan, dtype: torch.dtype, cache_dtype: torch.dtype,
+                    head_dim: int) -> DecodeRows | None:
+        """The decode kernel's call for `plan`'s step when every token of it is a decode, in order, and the cache
+        is in the model's `dtype` (bfloat16 or float32: not quantized, no float64); else None."""
+        decodes: NativeDecodes | None = plan.decodes
+        if (decodes is None or plan.prefills or not decodes.in_order or cache_dtype != dtype
+                or dtype not in (torch.bfloat16, torch.float32) or head_dim not in self._functions):
+            return None
+        in_place = head_dim in self._bf16_row_functions
+        if dtype == torch.bfloat16 and not in_place:
+            return None
+        function = (self._bf16_row_functions if in_place else self._functions)[head_dim]
+        tensors = (decodes.block_tables, decodes.context_lens, decodes.seq_starts)
+        return DecodeRows(function, in_place, dtype, tuple(t.data_ptr() for t in tensors), decodes.rows.numel(),
+                          *decodes.block_tables.shape, tensors)
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan, *, scaling, sliding_window,
                         softcap, scales=None, sinks=None, chunk_size=None) -> None:

@@ -149,6 +149,65 @@ def scatter_rows(source: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor)
     return True
 
 
+class RowOps:
+    """The compiled ops for a caller that checked its tensors once (the lean decoder layers of a step,
+    worker/lean_layers.py): every tensor here is a contiguous CPU tensor of `dtype` (bfloat16 or float32), rows of
+    its last dim, and nothing is checked again. The same entry points, so the same bits, as the checked functions
+    above; without their checks, which cost more Python than a small step's kernels take (~10-25 us a call)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.rms, self.silu, self.rotary, _, self.add_rms, _ = _entry_points(dtype)
+        self.copy_rows = _scatter()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        cols = x.shape[-1]
+        out = torch.empty(x.shape, dtype=self.dtype)
+        self.rms(x.data_ptr(), cols, out.data_ptr(), cols, weight.data_ptr(), x.numel() // cols, cols, eps,
+                 torch.get_num_threads())
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = x.shape[-1]
+        total, out = torch.empty(x.shape, dtype=self.dtype), torch.empty(x.shape, dtype=self.dtype)
+        self.add_rms(x.data_ptr(), cols, h.data_ptr(), cols, total.data_ptr(), out.data_ptr(), weight.data_ptr(),
+                     x.numel() // cols, cols, eps, torch.get_num_threads())
+        return total, out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x = [..., gate | up] (a fused gate/up output) -> [..., inter]."""
+        cols = gate_up.shape[-1]
+        inter = cols // 2
+        out = torch.empty(*gate_up.shape[:-1], inter, dtype=self.dtype)
+        pointer = gate_up.data_ptr()
+        self.silu(pointer, cols, pointer + inter * gate_up.element_size(), cols, out.data_ptr(), inter,
+                  gate_up.numel() // cols, inter, torch.get_num_threads())
+        return out
+
+    def rotate(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+        """`rotate_in_place` of the first `heads` heads of rows [tokens, cols] with cos/sin [..., head_dim], one row
+        per token."""
+        self.rotary(rows.data_ptr(), rows.shape[-1], cos.data_ptr(), sin.data_ptr(), head_dim, rows.shape[0], heads,
+                    head_dim, torch.get_num_threads())
+
+    def scatter(self, rows: torch.Tensor, start: int, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """Columns [start, start + a cache row) of each row of rows [tokens, cols] to row slots[i] of the cache
+        ([..., heads, head_dim]: a cache row is a token's heads), as `scatter_rows` writes them."""
+        size = rows.element_size()
+        row_bytes = cache.shape[-1] * cache.shape[-2] * size
+        self.copy_rows(rows.data_ptr() + start * size, rows.shape[-1] * size, cache.data_ptr(), row_bytes,
+                       slots.data_ptr(), rows.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def row_ops(dtype: torch.dtype) -> RowOps | None:
+    """RowOps for a bfloat16 or float32 model, or None (other dtypes; no compiler)."""
+    if dtype not in (torch.bfloat16, torch.float32) or _entry_points(dtype) is None or _scatter() is None:
+        return None
+    return RowOps(dtype)
+
+
 def _heads_contiguous(x: torch.Tensor) -> bool:
     """Every dim after the first laid out contiguously (a token's heads one after the other)."""
     expected = 1

@@ -26,6 +26,7 @@ The same arithmetic in another order: bf16 results are rounded where torch round
 from __future__ import annotations
 
 import inspect
+import operator
 
 import torch
 from transformers.activations import SiLUActivation
@@ -37,6 +38,7 @@ from paged_hf.integrations.transformers import check_step_call, paged_attention_
 from paged_hf.kernels import layer_ops
 from paged_hf.kernels.quant_linear import QuantizedLinear, linear_dtype, stack_linears, stackable
 from paged_hf.worker.attention_switch import attention_function
+from paged_hf.worker.lean_layers import LeanDecodes
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn, packable_dtypes, weight_version
 
 #: sibling Linears that read the same input in the transformers models that follow Llama's layout
@@ -126,6 +128,12 @@ class _AroundGroup(StandIn):
         object.__setattr__(self, "owner", owner)  # not submodules: nothing registered twice
         object.__setattr__(self, "group", group)
         self.names, self.slices = names, slices
+        self.modules_at = operator.itemgetter(*names)  # -> the modules installed at `names` (two or more)
+
+    def computes_alone(self, x: torch.Tensor) -> bool:
+        """x's projections are the group's matmul alone (no LoRA wrapper over its slices), contiguous, unquantized."""
+        return (x.dtype == self.group.dtype and not self.group.quantized
+                and self.modules_at(self.owner._modules) == self.slices)
 
     def packed_output(self, x: torch.Tensor) -> torch.Tensor | None:
         """The group's one matmul of x [..., sum of the out_features], with the step's LoRA updates added where
@@ -133,7 +141,7 @@ class _AroundGroup(StandIn):
         F.linear refuses, LoRA wrappers that record or are not grouped yet)."""
         if x.dtype != self.group.dtype:
             return None
-        installed = tuple(self.owner._modules[name] for name in self.names)
+        installed = self.modules_at(self.owner._modules)
         if installed == self.slices:
             return self.group(x)
         add_updates = updates_over(installed, self.slices)
@@ -229,10 +237,11 @@ class FusedDecoderLayer(StandIn):
     the residual add after the attention and the norm after it as one compiled op. Where a part is not its fused
     stand-in this step (a LoRA wrapper, a hook), the layer's own forward runs."""
 
-    def __init__(self, layer: torch.nn.Module, parts: dict[str, torch.nn.Module]):
+    def __init__(self, layer: torch.nn.Module, parts: dict[str, torch.nn.Module], lean: LeanDecodes):
         super().__init__(layer)
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "parts", parts)  # name -> the fused stand-in installed there in a step
+        object.__setattr__(self, "lean", lean)  # a step of decodes only, in fewer calls (worker/lean_layers.py)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
@@ -241,9 +250,12 @@ class FusedDecoderLayer(StandIn):
             return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                        cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
                                        **kwargs)
+        attention_kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)  # what the attention gets
+        lean = self.lean.run(self, hidden_states, position_embeddings, attention_mask, cache, attention_kwargs)
+        if lean is not None:
+            return lean
         hidden = parts["input_layernorm"].forward(hidden_states)
-        hidden, _ = parts["self_attn"].forward(hidden, position_embeddings, attention_mask, cache,
-                                               position_ids=position_ids, use_cache=use_cache, **kwargs)
+        hidden, _ = parts["self_attn"].forward(hidden, position_embeddings, attention_mask, cache, **attention_kwargs)
         norm = parts["post_attention_layernorm"].norm
         fused = layer_ops.add_rms_norm(hidden_states, hidden, norm.weight, norm.variance_epsilon)
         if fused is None:
@@ -259,6 +271,7 @@ class FusedLayers(ModuleSwaps):
 
     def __init__(self, model: torch.nn.Module, pack: bool = True):
         self.pack = pack
+        self.lean = LeanDecodes()
         self.sites = []
         self.groups: list[ProjectionGroup] = []
         if (getattr(model, "tp_size", None) or 1) > 1:  # weight shards (DTensors): left to torch
@@ -319,10 +332,11 @@ class FusedLayers(ModuleSwaps):
                 parts = {part: stand_ins.get((id(child), part)) for part in kinds}
                 if _same_forward(child, LlamaDecoderLayer) and all(isinstance(parts[part], kind)
                                                                    for part, kind in kinds.items()):
-                    self.sites.append((parent, name, child, FusedDecoderLayer(child, parts)))
+                    self.sites.append((parent, name, child, FusedDecoderLayer(child, parts, self.lean)))
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        self.lean.end_step()
         for group in self.groups:
             group.release()
 

@@ -58,6 +58,7 @@ class PagedCache(Cache):
         dtype when it is quantized (int8/fp8); states: a hybrid model's recurrent-state slots."""
         Cache.__init__(self, layers=NoLayerObjects())  # (not a model's own cache class's __init__)
         kv_dtype = kv_dtype or dtype
+        self.model_dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kernel = kernel
@@ -79,6 +80,7 @@ class PagedCache(Cache):
         ]
         self.metadata: AttentionMetadata | None = None
         self._plans: dict[torch.device, object] = {}
+        self._decode_rows: dict[tuple[torch.device, int], object] = {}  # the step's (device, head_dim) -> DecodeRows
         self.books = StepBooks([layer.layer_idx for layer in layers])
         self.states = states
         self.indexer_keys = IndexerKeys({layer.layer_idx: (layer.indexer_dim, dev) for layer, dev
@@ -92,6 +94,7 @@ class PagedCache(Cache):
         """Plan the step once per device; every layer on that device reuses the plan."""
         self.metadata = metadata
         self._plans = {device: self.kernel.plan(metadata, device) for device in dict.fromkeys(self.layer_devices)}
+        self._decode_rows = {}
         self.books.begin()
         self.gathered_attention.begin_step()
         if self.states is not None:
@@ -105,6 +108,7 @@ class PagedCache(Cache):
     def end_step(self) -> None:
         self.metadata = None
         self._plans = {}
+        self._decode_rows = {}
         self.recurrent_step = None
         self.books.begin()  # holds no tensor past the step
 
@@ -160,6 +164,20 @@ class PagedCache(Cache):
                                       self._plans[self.layer_devices[slot]],
                                       scales=self.scales[slot], scaling=scaling, sliding_window=None, softcap=None,
                                       sinks=None, chunk_size=self.attention_layers[slot].chunk_size)
+
+    def decode_rows(self, slot: int):
+        """For a step of decodes only on the CPU kernel, over cache slot `slot`'s unquantized CPU blocks: the decode
+        kernel's call on q rows read in place (`CpuKernel.decode_rows`), made once a step for the layers alike;
+        None otherwise (their calls go through `write_and_attend`/`attend`)."""
+        key_cache = self.key_cache[slot]
+        memo = (self.layer_devices[slot], key_cache.shape[3])
+        if memo not in self._decode_rows:
+            decode_rows = getattr(self.kernel, "decode_rows", None)
+            usable = (decode_rows is not None and self.in_step and self.scales[slot] is None
+                      and self.attention_layers[slot].chunk_size is None and self.layer_devices[slot].type == "cpu")
+            self._decode_rows[memo] = decode_rows(self._plans[memo[0]], self.model_dtype, key_cache.dtype,
+                                                  key_cache.shape[3]) if usable else None
+        return self._decode_rows[memo]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                scaling: float, sliding_window: int | None, softcap: float | None,

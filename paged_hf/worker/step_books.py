@@ -40,12 +40,24 @@ class StepBooks:
 
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> int:
         """-> the cache slot of the layer that writes."""
+        layer = self._unwritten(layer_idx)
+        self.written[layer] = (key, value)
+        self.layer_of_key[id(key)] = layer
+        return layer
+
+    def serve(self, layer_idx: int, rows: torch.Tensor) -> int:
+        """A layer written and attended in one call, from its fused q/k/v `rows` (`PagedCache.attend_rows`) -> its
+        cache slot. Another attention call of the layer then attends K/V that are not what it wrote."""
+        layer = self._unwritten(layer_idx)
+        self.written[layer] = (rows, rows)
+        self.attended[layer] += 1
+        return layer
+
+    def _unwritten(self, layer_idx: int) -> int:
         layer = self.slot_of_layer.get(layer_idx)
         if layer is None or self.written[layer] is not None:
             raise UnservedAttention(f"cache layer {layer_idx} is written twice or was not seen when the model was "
                                     f"probed (layers {self.layer_indices})")
-        self.written[layer] = (key, value)
-        self.layer_of_key[id(key)] = layer
         return layer
 
     def resolve(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[int, Transform | None]:

@@ -1,0 +1,145 @@
+"""The fused decoder layers of a paged CPU step of decodes only, each in a dozen calls, the step's checks made once.
+
+Why: on a small model the time a decode step spends outside its matmul and attention kernels is Python, and
+inside a step every Python operation costs several times what it costs in a loop of its own (the kernels between
+them evict the interpreter's data). Through the stand-ins (`fused_layers`) a layer makes some forty calls, each
+checking again what cannot change within a step: the cache's plan, the rotary tables, the layout of the tensors
+it made itself (~300 us of a layer on the default model). Here the step's first layer checks those once
+(`LeanStep.of`); each layer then checks what is its own (its modules, weights and input) and calls RMSNorm, the
+q/k/v matmul, rotary and the K/V writes, decode attention reading q in place, o_proj, the residual add and
+RMSNorm, the gate/up matmul, SiLU-and-multiply, down_proj and the residual add: the stand-ins' kernels with the
+same arguments in the same order, so the same bits (tests/worker/test_lean_layers.py).
+A step with a prompt chunk, a quantized cache or projection, LoRA wrappers over q/k/v or gate/up, or anything
+else checked here goes the stand-ins' way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_hf.integrations.transformers import check_step_call, paged_attention_forward, step_cache
+from paged_hf.kernels import layer_ops
+from paged_hf.profiling import span
+from paged_hf.worker.attention_switch import attention_function
+from paged_hf.worker.packed_linears import PackedLinear
+
+
+class LeanDecodes:
+    """Shared by a model's fused decoder layers: the step's `LeanStep`, made at its first layer."""
+
+    def __init__(self):
+        self.enabled = True  # (tests turn it off to compare with the stand-ins' path)
+        self.layers_served = 0  # a count, for tests and benchmarks
+        self._made_for: tuple | None = None  # (the cache's step metadata, the rotary tables) it was made for
+        self._step: LeanStep | None = None
+
+    def run(self, layer, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache,
+            kwargs: dict) -> torch.Tensor | None:
+        """The output of `layer` (a FusedDecoderLayer whose parts are installed), or None: not served here."""
+        if not self.enabled or cache is None or not isinstance(position_embeddings, tuple):
+            return None
+        made_for = self._made_for
+        if made_for is None or made_for[0] is not getattr(cache, "metadata", None) or made_for[1] is not position_embeddings:
+            self._made_for = (getattr(cache, "metadata", None), position_embeddings)
+            self._step = LeanStep.of(cache, hidden_states, position_embeddings)
+        output = None if self._step is None else self._step.run(layer, hidden_states, attention_mask, kwargs)
+        self.layers_served += output is not None
+        return output
+
+    def end_step(self) -> None:
+        self._made_for = self._step = None  # holds no tensor past the step
+
+
+class LeanStep:
+    """What every layer of the step shares, checked once: the cache, the rows' shape and dtype, the rotary
+    tables and the slots the step's K/V go to."""
+
+    def __init__(self, cache, ops: layer_ops.RowOps, shape: torch.Size, cos: torch.Tensor, sin: torch.Tensor):
+        self.cache, self.ops, self.shape, self.cos, self.sin = cache, ops, shape, cos, sin
+        self.slots = cache.metadata.slot_mapping
+        self.fitting: dict = {}  # layer -> _fits
+        self.paged_configs: dict[int, bool] = {}  # id of a config -> _calls_paged
+
+    @classmethod
+    def of(cls, cache, hidden_states: torch.Tensor, position_embeddings: tuple) -> LeanStep | None:
+        """For a paged step on this thread whose hidden states are [1, tokens, hidden] contiguous CPU rows of a
+        bfloat16/float32 model, with rotary tables [1, tokens, head_dim] alike; else None."""
+        if step_cache() is not cache or not cache.in_step or len(position_embeddings) != 2:
+            return None
+        ops = layer_ops.row_ops(hidden_states.dtype)
+        slots = cache.metadata.slot_mapping
+        if (ops is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or slots.dtype != torch.int64
+                or not slots.is_contiguous() or slots.device.type != "cpu" or slots.numel() != hidden_states.shape[1]
+                or not _rows(hidden_states, ops.dtype)):
+            return None
+        cos, sin = position_embeddings
+        if not all(_rows(t, ops.dtype) and t.shape == cos.shape and t.shape[:2] == hidden_states.shape[:2]
+                   for t in (cos, sin)):
+            return None
+        return cls(cache, ops, hidden_states.shape, cos, sin)
+
+    def run(self, layer, x: torch.Tensor, attention_mask, kwargs: dict) -> torch.Tensor | None:
+        parts = layer.parts
+        attention, mlp = parts["self_attn"], parts["mlp"]
+        module, norms = attention.owner, (parts["input_layernorm"].norm, parts["post_attention_layernorm"].norm)
+        cache, ops = self.cache, self.ops
+        slot = cache.books.slot_of_layer.get(getattr(module, "layer_idx", None))
+        decode = None if slot is None else cache.decode_rows(slot)
+        if (decode is None or x.shape != self.shape or not _rows(x, ops.dtype) or not attention.computes_alone(x)
+                or not mlp.computes_alone(x) or not _rows(norms[0].weight, ops.dtype)
+                or not _rows(norms[1].weight, ops.dtype) or not self._fits(layer, module, slot)
+                or not self._calls_paged(module)):
+            return None
+        check_step_call(module, attention_mask, module.attention_dropout, kwargs)
+        with span("elementwise"):
+            hidden = ops.rms_norm(x, norms[0].weight, norms[0].variance_epsilon)
+        rows = attention.group(hidden).view(x.shape[1], -1)  # [tokens, q | k | v]
+        attended = self._attend(module, rows, attention.group.sizes, slot, decode)
+        projected = _call(module._modules["o_proj"], attended.view(*x.shape[:-1], -1))
+        with span("elementwise"):
+            residual, hidden = ops.add_rms_norm(x, projected.contiguous(), norms[1].weight, norms[1].variance_epsilon)
+            activated = ops.silu_and_mul(mlp.group(hidden))
+        return residual + _call(mlp.owner._modules["down_proj"], activated)
+
+    def _fits(self, layer, module, slot: int) -> bool:
+        """q/k/v of whole heads, K and V as wide as the cache's rows, the rotary tables of this head_dim, gate and
+        up alike (made once a step for each layer)."""
+        fits = self.fitting.get(layer)
+        if fits is None:
+            q_size, k_size, v_size = layer.parts["self_attn"].group.sizes
+            key_cache, value_cache, head_dim = self.cache.key_cache[slot], self.cache.value_cache[slot], module.head_dim
+            gate_size, up_size = layer.parts["mlp"].group.sizes
+            fits = self.fitting[layer] = (
+                key_cache.shape[3] == value_cache.shape[3] == self.cos.shape[-1] == head_dim
+                and key_cache.shape[2] == value_cache.shape[2] and q_size % head_dim == 0
+                and k_size == v_size == key_cache.shape[2] * head_dim and gate_size == up_size)
+        return fits
+
+    def _calls_paged(self, module) -> bool:
+        """Its forward would call the paged attention function (made once a step for each config)."""
+        config = module.config
+        paged = self.paged_configs.get(id(config))
+        if paged is None:
+            paged = self.paged_configs[id(config)] = attention_function(module, None) is paged_attention_forward
+        return paged
+
+    def _attend(self, module, rows: torch.Tensor, sizes: list[int], slot: int, decode) -> torch.Tensor:
+        """q and k rotated in place, K/V written to the step's slots, q attended -> [tokens, heads, head_dim]."""
+        cache, ops, head_dim = self.cache, self.ops, module.head_dim
+        key_cache, value_cache = cache.key_cache[slot], cache.value_cache[slot]
+        cache.books.serve(module.layer_idx, rows)
+        with span("elementwise"):
+            ops.rotate(rows, self.cos, self.sin, (sizes[0] + sizes[1]) // head_dim, head_dim)
+        ops.scatter(rows, sizes[0], key_cache, self.slots)
+        ops.scatter(rows, sizes[0] + sizes[1], value_cache, self.slots)
+        with span("attention"):
+            return decode(rows, sizes[0] // head_dim, key_cache, value_cache, module.scaling)
+
+
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    return x.dtype == dtype and x.is_contiguous() and x.is_cpu
+
+
+def _call(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x); our packed stand-in's forward called directly, as the fused layer calls its parts."""
+    return linear.forward(x) if type(linear) is PackedLinear else linear(x)

@@ -1,0 +1,93 @@
+"""The lean decoder layers (paged_hf.worker.lean_layers): a step of decodes through them gives the logits of the
+stand-ins' path bit for bit, in bf16 and float32; steps and layers they do not serve go that way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import VOCAB, hf_greedy, random_prompts, tiny_model
+
+import paged_hf
+from paged_hf import SamplingParams
+
+
+def _engine(model, **options):
+    """With norm weights other than ones (a random model's are all ones: a norm applied with another's weight
+    would not show)."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(torch.rand(parameter.shape, generator=generator) + 0.5)
+    return paged_hf.wrap(model, num_blocks=64, max_num_batched_tokens=32, **options).generator
+
+
+def _compare_each_step_both_ways(engine) -> list[int]:
+    """Runs every step's forward twice, lean and not (a step writes the same K/V to the same slots either way),
+    asserts equal logits bit for bit, and returns the layers the lean path served, step by step."""
+    runner, lean = engine.runner, engine.runner.fused_layers.lean
+    run, served = runner.run, []
+
+    def both_ways(out):
+        lean.enabled, before = False, lean.layers_served
+        expected, _ = run(out)
+        lean.enabled = True
+        got, inputs = run(out)
+        served.append(lean.layers_served - before)
+        assert torch.equal(got, expected)
+        return got, inputs
+
+    runner.run = both_ways
+    return served
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_steps_give_the_stand_ins_bits(dtype):
+    """head_dim 16: the decode kernel serves prompt chunks too (its tiles; the bf16 prefill kernel takes 64)."""
+    engine = _engine(tiny_model("llama", dtype=dtype))
+    served = _compare_each_step_both_ways(engine)
+    prompts = random_prompts([5, 23, 40], seed=4)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0), use_tqdm=False)
+    assert len(served) >= 8 and set(served) == {2}  # both layers of every step
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
+
+
+def test_prompt_chunks_of_the_prefill_kernel_go_the_stand_ins_way():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    engine = _engine(model)
+    if engine.runner.kernel.prefill_isa is None:
+        pytest.skip("no AVX512-BF16 here: bf16 prompt chunks go to the decode kernel, which the lean path serves")
+    served = _compare_each_step_both_ways(engine)
+    engine.generate(random_prompts([5, 45], seed=3), SamplingParams(max_new_tokens=6, temperature=0), use_tqdm=False)
+    assert served[0] == 0 and served[-1] == 2 and set(served) == {0, 2}
+
+
+def test_decode_steps_give_transformers_tokens():
+    """float32 against the oracle; the lean path served the decode steps."""
+    model = tiny_model("llama", dtype=torch.float32)
+    engine = _engine(model)
+    prompts = random_prompts([7, 30], seed=5)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0), use_tqdm=False)
+    assert engine.runner.fused_layers.lean.layers_served >= 2 * 8
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 10) for p in prompts]
+
+
+def test_hooked_modules_run_as_hooked():
+    """A layer whose o_proj carries a hook still runs lean (its module is called, hooks and all); one whose k_proj
+    is hooked (so it is not fused) runs its own forward."""
+    model = tiny_model("llama", dtype=torch.float32)
+    calls = []
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *args: calls.append(1))
+    model.model.layers[1].self_attn.k_proj.register_forward_pre_hook(lambda *args: None)
+    engine = _engine(model)
+    served = _compare_each_step_both_ways(engine)
+    calls.clear()  # (the engine probe's forwards)
+    prompt = random_prompts([9], seed=6)[0]
+    output = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0), use_tqdm=False)[0]
+    assert set(served) == {1}  # layer 0 lean in every step, layer 1 (k_proj hooked) its own way
+    assert len(calls) == 2 * len(served)  # the hook ran in every forward, lean or not
+    assert output.outputs[0].token_ids == hf_greedy(model, prompt, 6)
