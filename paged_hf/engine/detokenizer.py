@@ -16,6 +16,8 @@ a streaming consumer sends the difference and never has to take anything back.
 
 from __future__ import annotations
 
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
 _REPLACEMENT = "\ufffd"  # what decode() gives for an incomplete UTF-8 sequence
 
 
@@ -25,6 +27,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str] | None = None, min_new_tokens: int = 0,
                  skip_special_tokens: bool = True, include_stop_str: bool = False):
         self.tokenizer = tokenizer
+        self.backend = _plain_backend(tokenizer)
         self.stop = list(stop or ())
         self.min_new_tokens = min_new_tokens
         self.skip_special_tokens = skip_special_tokens
@@ -86,4 +89,19 @@ class IncrementalDetokenizer:
         return True
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens) if token_ids else ""
+        if not token_ids:
+            return ""
+        if self.backend is not None:
+            return self.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _plain_backend(tokenizer):
+    """The Rust tokenizer where HF's `decode` is exactly its decode (a tokenizers-backed tokenizer that overrides
+    neither method and cleans up no spaces), else None. Two decodes a token per sequence: HF's wrapper around
+    them costs ~5x the Rust call, ~0.3 ms of a 64-sequence step."""
+    kind = type(tokenizer)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast) or kind.decode is not PreTrainedTokenizerBase.decode
+            or kind._decode is not PreTrainedTokenizerFast._decode or tokenizer.clean_up_tokenization_spaces):
+        return None
+    return tokenizer.backend_tokenizer

@@ -36,6 +36,8 @@ def incremental(tokenizer, token_ids, chunks=1, **kwargs):
 
 @pytest.mark.slow
 def test_incremental_text_equals_one_decode_on_the_real_tokenizer(tokenizer):
+    """Through the Rust tokenizer's own decode (HF's decode is exactly it here), against HF's decode."""
+    assert IncrementalDetokenizer(tokenizer).backend is tokenizer.backend_tokenizer
     rng = random.Random(0)
     specials = list(tokenizer.all_special_ids)
     cases = [tokenizer.encode(text, add_special_tokens=False) for text in TEXTS]
