@@ -30,6 +30,7 @@ class LeanDecodes:
     def __init__(self):
         self.enabled = True  # (tests turn it off to compare with the stand-ins' path)
         self.layers_served = 0  # a count, for tests and benchmarks
+        self.fitting: dict = {}  # layer -> its shapes fit the lean calls (fixed for the model and its cache)
         self._made_for: tuple | None = None  # (the cache's step metadata, the rotary tables) it was made for
         self._step: LeanStep | None = None
 
@@ -41,7 +42,7 @@ class LeanDecodes:
         made_for = self._made_for
         if made_for is None or made_for[0] is not getattr(cache, "metadata", None) or made_for[1] is not position_embeddings:
             self._made_for = (getattr(cache, "metadata", None), position_embeddings)
-            self._step = LeanStep.of(cache, hidden_states, position_embeddings)
+            self._step = LeanStep.of(cache, hidden_states, position_embeddings, self.fitting)
         output = None if self._step is None else self._step.run(layer, hidden_states, attention_mask, kwargs)
         self.layers_served += output is not None
         return output
@@ -54,14 +55,15 @@ class LeanStep:
     """What every layer of the step shares, checked once: the cache, the rows' shape and dtype, the rotary
     tables and the slots the step's K/V go to."""
 
-    def __init__(self, cache, ops: layer_ops.RowOps, shape: torch.Size, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, cache, ops: layer_ops.RowOps, shape: torch.Size, cos: torch.Tensor, sin: torch.Tensor,
+                 fitting: dict):
         self.cache, self.ops, self.shape, self.cos, self.sin = cache, ops, shape, cos, sin
         self.slots = cache.metadata.slot_mapping
-        self.fitting: dict = {}  # layer -> _fits
+        self.fitting = fitting  # layer -> _fits, kept by LeanDecodes
         self.paged_configs: dict[int, bool] = {}  # id of a config -> _calls_paged
 
     @classmethod
-    def of(cls, cache, hidden_states: torch.Tensor, position_embeddings: tuple) -> LeanStep | None:
+    def of(cls, cache, hidden_states: torch.Tensor, position_embeddings: tuple, fitting: dict) -> LeanStep | None:
         """For a paged step on this thread whose hidden states are [1, tokens, hidden] contiguous CPU rows of a
         bfloat16/float32 model, with rotary tables [1, tokens, head_dim] alike; else None."""
         if step_cache() is not cache or not cache.in_step or len(position_embeddings) != 2:
@@ -76,7 +78,7 @@ class LeanStep:
         if not all(_rows(t, ops.dtype) and t.shape == cos.shape and t.shape[:2] == hidden_states.shape[:2]
                    for t in (cos, sin)):
             return None
-        return cls(cache, ops, hidden_states.shape, cos, sin)
+        return cls(cache, ops, hidden_states.shape, cos, sin, fitting)
 
     def run(self, layer, x: torch.Tensor, attention_mask, kwargs: dict) -> torch.Tensor | None:
         parts = layer.parts
@@ -102,18 +104,18 @@ class LeanStep:
         return residual + _call(mlp.owner._modules["down_proj"], activated)
 
     def _fits(self, layer, module, slot: int) -> bool:
-        """q/k/v of whole heads, K and V as wide as the cache's rows, the rotary tables of this head_dim, gate and
-        up alike (made once a step for each layer)."""
-        fits = self.fitting.get(layer)
+        """q/k/v of whole heads, K and V as wide as the cache's rows, gate and up alike (kept for each layer and its
+        cache), the rotary tables of this head_dim."""
+        fits = self.fitting.get((layer, self.cache))
         if fits is None:
             q_size, k_size, v_size = layer.parts["self_attn"].group.sizes
             key_cache, value_cache, head_dim = self.cache.key_cache[slot], self.cache.value_cache[slot], module.head_dim
             gate_size, up_size = layer.parts["mlp"].group.sizes
-            fits = self.fitting[layer] = (
-                key_cache.shape[3] == value_cache.shape[3] == self.cos.shape[-1] == head_dim
-                and key_cache.shape[2] == value_cache.shape[2] and q_size % head_dim == 0
-                and k_size == v_size == key_cache.shape[2] * head_dim and gate_size == up_size)
-        return fits
+            fits = self.fitting[layer, self.cache] = (
+                key_cache.shape[3] == value_cache.shape[3] == head_dim and key_cache.shape[2] == value_cache.shape[2]
+                and q_size % head_dim == 0 and k_size == v_size == key_cache.shape[2] * head_dim
+                and gate_size == up_size)
+        return fits and self.cos.shape[-1] == module.head_dim
 
     def _calls_paged(self, module) -> bool:
         """Its forward would call the paged attention function (made once a step for each config)."""
