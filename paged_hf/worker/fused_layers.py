@@ -130,26 +130,27 @@ class _AroundGroup(StandIn):
         self.names, self.slices = names, slices
         self.modules_at = operator.itemgetter(*names)  # -> the modules installed at `names` (two or more)
 
-    def computes_alone(self, x: torch.Tensor) -> bool:
-        """x's projections are the group's matmul alone (no LoRA wrapper over its slices), contiguous, unquantized."""
-        return (x.dtype == self.group.dtype and not self.group.quantized
-                and self.modules_at(self.owner._modules) == self.slices)
-
-    def packed_output(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The group's one matmul of x [..., sum of the out_features], with the step's LoRA updates added where
-        wrappers are over the stand-ins; None where the installed modules must compute themselves (an input
+    def projection(self, x: torch.Tensor):
+        """x -> [..., sum of the out_features] this step: the group's matmul, with the step's LoRA updates added
+        where wrappers are over the stand-ins; None where the installed modules must compute themselves (an input
         F.linear refuses, LoRA wrappers that record or are not grouped yet)."""
         if x.dtype != self.group.dtype:
             return None
         installed = self.modules_at(self.owner._modules)
         if installed == self.slices:
-            return self.group(x)
+            return self.group
         add_updates = updates_over(installed, self.slices)
-        if add_updates is None:
-            return None
+        return None if add_updates is None else lambda x: self._with_updates(x, add_updates)
+
+    def _with_updates(self, x: torch.Tensor, add_updates) -> torch.Tensor:
         output = self.group(x)
         add_updates(output.split(self.group.sizes, dim=-1), x)
         return output
+
+    def packed_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`projection(x)` of x, or None."""
+        project = self.projection(x)
+        return None if project is None else project(x)
 
 
 class FusedMLP(_AroundGroup):

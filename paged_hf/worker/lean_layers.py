@@ -9,8 +9,9 @@ it made itself (~300 us of a layer on the default model). Here the step's first 
 q/k/v matmul, rotary and the K/V writes, decode attention reading q in place, o_proj, the residual add and
 RMSNorm, the gate/up matmul, SiLU-and-multiply, down_proj and the residual add: the stand-ins' kernels with the
 same arguments in the same order, so the same bits (tests/worker/test_lean_layers.py).
-A step with a prompt chunk, a quantized cache or projection, LoRA wrappers over q/k/v or gate/up, or anything
-else checked here goes the stand-ins' way.
+LoRA adapters are served here as by the stand-ins (their updates added to the fused projections). A step with a
+prompt chunk for another kernel, a quantized cache or projection, adapter wrappers that must run themselves (a
+probing step), or anything else checked here goes the stand-ins' way.
 """
 
 from __future__ import annotations
@@ -87,20 +88,23 @@ class LeanStep:
         cache, ops = self.cache, self.ops
         slot = cache.books.slot_of_layer.get(getattr(module, "layer_idx", None))
         decode = None if slot is None else cache.decode_rows(slot)
-        if (decode is None or x.shape != self.shape or not _rows(x, ops.dtype) or not attention.computes_alone(x)
-                or not mlp.computes_alone(x) or not _rows(norms[0].weight, ops.dtype)
+        if (decode is None or x.shape != self.shape or not _rows(x, ops.dtype) or attention.group.quantized
+                or mlp.group.quantized or not _rows(norms[0].weight, ops.dtype)
                 or not _rows(norms[1].weight, ops.dtype) or not self._fits(layer, module, slot)
                 or not self._calls_paged(module)):
+            return None
+        qkv_of, gate_up_of = attention.projection(x), mlp.projection(x)  # (LoRA updates added, where adapters are)
+        if qkv_of is None or gate_up_of is None:
             return None
         check_step_call(module, attention_mask, module.attention_dropout, kwargs)
         with span("elementwise"):
             hidden = ops.rms_norm(x, norms[0].weight, norms[0].variance_epsilon)
-        rows = attention.group(hidden).view(x.shape[1], -1)  # [tokens, q | k | v]
+        rows = qkv_of(hidden).view(x.shape[1], -1)  # [tokens, q | k | v]
         attended = self._attend(module, rows, attention.group.sizes, slot, decode)
         projected = _call(module._modules["o_proj"], attended.view(*x.shape[:-1], -1))
         with span("elementwise"):
             residual, hidden = ops.add_rms_norm(x, projected.contiguous(), norms[1].weight, norms[1].variance_epsilon)
-            activated = ops.silu_and_mul(mlp.group(hidden))
+            activated = ops.silu_and_mul(gate_up_of(hidden))
         return residual + _call(mlp.owner._modules["down_proj"], activated)
 
     def _fits(self, layer, module, slot: int) -> bool:

@@ -6,21 +6,25 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, hf_greedy, random_prompts, tiny_model
+from conftest import VOCAB, hf_greedy, make_adapter, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import SamplingParams
 
 
 def _engine(model, **options):
-    """With norm weights other than ones (a random model's are all ones: a norm applied with another's weight
-    would not show)."""
+    return paged_hf.wrap(_random_norms(model), num_blocks=64, max_num_batched_tokens=32, **options).generator
+
+
+def _random_norms(model):
+    """Norm weights other than ones (a random model's are all ones: a norm applied with another's weight would not
+    show); the same each time."""
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:
                 parameter.copy_(torch.rand(parameter.shape, generator=generator) + 0.5)
-    return paged_hf.wrap(model, num_blocks=64, max_num_batched_tokens=32, **options).generator
+    return model
 
 
 def _compare_each_step_both_ways(engine) -> list[int]:
@@ -91,3 +95,21 @@ def test_hooked_modules_run_as_hooked():
     assert set(served) == {1}  # layer 0 lean in every step, layer 1 (k_proj hooked) its own way
     assert len(calls) == 2 * len(served)  # the hook ran in every forward, lean or not
     assert output.outputs[0].token_ids == hf_greedy(model, prompt, 6)
+
+
+def test_adapter_steps_run_lean_with_the_stand_ins_bits(tmp_path):
+    """LoRA adapters on q/k/v and the MLP, mixed with the base model in one batch: once the engine knows the
+    adapters' groups, their decode steps run lean, bit for bit the stand-ins' way, each output peft's alone."""
+    base = _random_norms(tiny_model("llama", dtype=torch.float32))
+    configs = {"qkv": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+               "mlp": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"])}
+    oracles = {name: make_adapter(base, tmp_path / name, seed, **config)
+               for seed, (name, config) in enumerate(configs.items(), start=3)}
+    engine = _engine(base, adapters={name: str(tmp_path / name) for name in configs})
+    served = _compare_each_step_both_ways(engine)
+    prompts, adapters = random_prompts([6, 13, 9], seed=8), ["qkv", None, "mlp"]
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0), adapters=adapters,
+                              use_tqdm=False)
+    assert served[-1] == 2
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        hf_greedy(base if a is None else oracles[a], p, 6) for p, a in zip(prompts, adapters)]
