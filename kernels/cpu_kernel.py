@@ -70,18 +70,16 @@ class DecodeRows:
     tensors: tuple  # what the pointers point into, held for the step
 
     def __call__(self, rows: torch.Tensor, num_heads: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 scaling: float) -> torch.Tensor:
-        """rows [num_tokens, >= num_heads * head_dim] (q's heads first, unit stride) -> [num_tokens, num_heads,
-        head_dim]: each token's attention over its sequence's cached keys (its own included)."""
+                 scaling: float, out: torch.Tensor) -> None:
+        """rows [num_tokens, >= num_heads * head_dim] (q's heads first, unit stride) -> out [num_tokens, num_heads,
+        head_dim] (contiguous, `dtype`): each token's attention over its sequence's cached keys (its own
+        included)."""
         num_kv_heads, head_dim = key_cache.shape[2:]
-        q_cols = num_heads * head_dim
-        query = rows if self.in_place else rows[:, :q_cols].contiguous()
-        out = torch.empty(rows.shape[0], num_heads, head_dim, dtype=self.dtype)
+        query = rows if self.in_place else rows[:, :num_heads * head_dim].contiguous()
         stride = (query.stride(0),) if self.in_place else ()
         _check_status(self.function(query.data_ptr(), *stride, key_cache.data_ptr(), value_cache.data_ptr(), None,
                                     None, *self.step, out.data_ptr(), self.num_seqs, self.max_blocks, num_heads,
                                     num_kv_heads, key_cache.shape[1], scaling, 0, 0.0, torch.get_num_threads()))
-        return out
 
 
 class CpuKernel(TorchKernel):

@@ -152,58 +152,52 @@ def scatter_rows(source: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor)
 class RowOps:
     """The compiled ops for a caller that checked its tensors once (the lean decoder layers of a step,
     worker/lean_layers.py): every tensor here is a contiguous CPU tensor of `dtype` (bfloat16 or float32), rows of
-    its last dim, and nothing is checked again. The same entry points, so the same bits, as the checked functions
-    above; without their checks, which cost more Python than a small step's kernels take (~10-25 us a call)."""
+    its last dim, outputs included (the caller's buffers), and nothing is checked again. The same entry points, so
+    the same bits, as the checked functions above; without their checks, which cost more Python than a small
+    step's kernels take (~10-25 us a call)."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
-        self.rms, self.silu, self.rotary, _, self.add_rms, _ = _entry_points(dtype)
-        self.copy_rows = _scatter()
+        self.rms, self.silu, _, _, self.add_rms, _, self.rotary_write = _entry_points(dtype)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
         cols = x.shape[-1]
-        out = torch.empty(x.shape, dtype=self.dtype)
-        self.rms(x.data_ptr(), cols, out.data_ptr(), cols, weight.data_ptr(), x.numel() // cols, cols, eps,
-                 torch.get_num_threads())
-        return out
+        with span("elementwise"):
+            self.rms(x.data_ptr(), cols, out.data_ptr(), cols, weight.data_ptr(), x.numel() // cols, cols, eps,
+                     torch.get_num_threads())
 
-    def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, total: torch.Tensor,
+                     out: torch.Tensor) -> None:
         cols = x.shape[-1]
-        total, out = torch.empty(x.shape, dtype=self.dtype), torch.empty(x.shape, dtype=self.dtype)
-        self.add_rms(x.data_ptr(), cols, h.data_ptr(), cols, total.data_ptr(), out.data_ptr(), weight.data_ptr(),
-                     x.numel() // cols, cols, eps, torch.get_num_threads())
-        return total, out
+        with span("elementwise"):
+            self.add_rms(x.data_ptr(), cols, h.data_ptr(), cols, total.data_ptr(), out.data_ptr(), weight.data_ptr(),
+                         x.numel() // cols, cols, eps, torch.get_num_threads())
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of x = [..., gate | up] (a fused gate/up output) -> [..., inter]."""
+    def silu_and_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """silu(gate) * up of gate_up = [..., gate | up] (a fused gate/up output) into out [..., inter]."""
         cols = gate_up.shape[-1]
-        inter = cols // 2
-        out = torch.empty(*gate_up.shape[:-1], inter, dtype=self.dtype)
-        pointer = gate_up.data_ptr()
-        self.silu(pointer, cols, pointer + inter * gate_up.element_size(), cols, out.data_ptr(), inter,
-                  gate_up.numel() // cols, inter, torch.get_num_threads())
-        return out
+        inter, pointer = cols // 2, gate_up.data_ptr()
+        with span("elementwise"):
+            self.silu(pointer, cols, pointer + inter * gate_up.element_size(), cols, out.data_ptr(), inter,
+                      gate_up.numel() // cols, inter, torch.get_num_threads())
 
-    def rotate(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
-        """`rotate_in_place` of the first `heads` heads of rows [tokens, cols] with cos/sin [..., head_dim], one row
-        per token."""
-        self.rotary(rows.data_ptr(), rows.shape[-1], cos.data_ptr(), sin.data_ptr(), head_dim, rows.shape[0], heads,
-                    head_dim, torch.get_num_threads())
-
-    def scatter(self, rows: torch.Tensor, start: int, cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """Columns [start, start + a cache row) of each row of rows [tokens, cols] to row slots[i] of the cache
-        ([..., heads, head_dim]: a cache row is a token's heads), as `scatter_rows` writes them."""
-        size = rows.element_size()
-        row_bytes = cache.shape[-1] * cache.shape[-2] * size
-        self.copy_rows(rows.data_ptr() + start * size, rows.shape[-1] * size, cache.data_ptr(), row_bytes,
-                       slots.data_ptr(), rows.shape[0])
+    def rotate_and_write(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                         key_start: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         slots: torch.Tensor) -> None:
+        """`rotate_in_place` of the first `heads` heads of rows [tokens, cols] (cos/sin [..., head_dim], one row
+        per token), then columns [key_start, + a cache row) and the cache row after them to row slots[i] of the
+        key and value caches ([..., kv_heads, head_dim]), as `scatter_rows` writes them."""
+        head_dim = cos.shape[-1]
+        with span("elementwise"):
+            self.rotary_write(rows.data_ptr(), rows.shape[-1], cos.data_ptr(), sin.data_ptr(), head_dim, rows.shape[0],
+                              heads, head_dim, key_start, key_cache.shape[-1] * key_cache.shape[-2],
+                              key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=None)
 def row_ops(dtype: torch.dtype) -> RowOps | None:
     """RowOps for a bfloat16 or float32 model, or None (other dtypes; no compiler)."""
-    if dtype not in (torch.bfloat16, torch.float32) or _entry_points(dtype) is None or _scatter() is None:
+    if dtype not in (torch.bfloat16, torch.float32) or _entry_points(dtype) is None:
         return None
     return RowOps(dtype)
 
@@ -254,8 +248,8 @@ def _rows(x: torch.Tensor) -> Rows | None:
 
 @functools.lru_cache(maxsize=None)
 def _entry_points(dtype: torch.dtype):
-    """(rms_norm, silu_mul, rotary, argmax_rows, add_rms_norm, scale_rows) compiled for `dtype`, or None (other
-    dtypes; no compiler: logged once)."""
+    """(rms_norm, silu_mul, rotary, argmax_rows, add_rms_norm, scale_rows, rotary_write) compiled for `dtype`, or
+    None (other dtypes; no compiler: logged once)."""
     if dtype not in NATIVE_DTYPES:
         return None
     library = native.load_or_warn(native.load_layer_ops, "the decoder layers' elementwise code")
@@ -273,4 +267,7 @@ def _entry_points(dtype: torch.dtype):
                                                                     pointer, size, size, ctypes.c_double, ctypes.c_int])
     scale = native.entry_point(library, f"scale_rows_{suffix}", [pointer, size, pointer, pointer, size, size,
                                                                 ctypes.c_int])
-    return rms, silu, rotary, argmax, add_rms, scale
+    rotary_write = native.entry_point(library, f"rotary_write_{suffix}", [pointer, size, pointer, pointer, size, size,
+                                                                         size, size, size, size, pointer, pointer,
+                                                                         pointer, ctypes.c_int])
+    return rms, silu, rotary, argmax, add_rms, scale, rotary_write

@@ -4,6 +4,7 @@
 //   silu_mul:  out = silu(gate) * up, row by row (gate and up: often the two halves of the fused gate/up output)
 //   rotary:    x = x * cos + rotate_half(x) * sin, in place, for the first `heads` heads of each row (the q and k
 //              heads of the fused q/k/v projection's output; HF's apply_rotary_pos_emb)
+//   rotary_write: the same, then each row's K and V to its slot in the paged cache (worker/lean_layers.py)
 // Rounding follows the torch ops they replace: bf16 is computed in float and rounded where torch rounds (the
 // normalized row before the weight, silu(gate) before the product); only the order of the mean's sum differs.
 //
@@ -256,6 +257,23 @@ int rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t 
   return 0;
 }
 
+// a fused q/k/v output's rows into the paged cache: rotary on each row's first `heads` heads (q's and k's), then
+// its K and V (kv_cols elements each, from key_start and key_start + kv_cols) to row slots[i] of the caches
+template <typename T>
+int rotary_write(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t cs_stride, int64_t rows,
+                 int64_t heads, int64_t head_dim, int64_t key_start, int64_t kv_cols, void *key_cache,
+                 void *value_cache, const int64_t *slots, int threads) {
+  T *xs = static_cast<T *>(x), *keys = static_cast<T *>(key_cache), *values = static_cast<T *>(value_cache);
+  const T *c = static_cast<const T *>(cos), *s = static_cast<const T *>(sin);
+  for_rows(rows, heads * head_dim, threads, [&](int64_t i) {
+    T *row = xs + i * x_stride;
+    rotary_row(row, c + i * cs_stride, s + i * cs_stride, heads, head_dim);
+    std::memcpy(keys + slots[i] * kv_cols, row + key_start, kv_cols * sizeof(T));
+    std::memcpy(values + slots[i] * kv_cols, row + key_start + kv_cols, kv_cols * sizeof(T));
+  });
+  return 0;
+}
+
 template <typename T>
 int scale_rows(const void *x, int64_t x_stride, const float *s, float *out, int64_t rows, int64_t cols, int threads) {
   const T *xs = static_cast<const T *>(x);
@@ -303,6 +321,13 @@ extern "C" int scatter_rows(const void *src, int64_t src_stride, void *dst, int6
   extern "C" int argmax_rows_##NAME(const void *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t cols,  \
                                     int threads) {                                                              \
     return argmax_rows<T>(x, x_stride, out, rows, cols, threads);                                               \
+  }                                                                                                             \
+  extern "C" int rotary_write_##NAME(void *x, int64_t x_stride, const void *cos, const void *sin,               \
+                                     int64_t cs_stride, int64_t rows, int64_t heads, int64_t head_dim,            \
+                                     int64_t key_start, int64_t kv_cols, void *key_cache, void *value_cache,     \
+                                     const int64_t *slots, int threads) {                                        \
+    return rotary_write<T>(x, x_stride, cos, sin, cs_stride, rows, heads, head_dim, key_start, kv_cols, key_cache, \
+                           value_cache, slots, threads);                                                          \
   }                                                                                                             \
   extern "C" int scale_rows_##NAME(const void *x, int64_t x_stride, const float *s, float *out, int64_t rows,    \
                                    int64_t cols, int threads) {                                                 \

@@ -1,4 +1,5 @@
-"""The fused decoder layers of a paged CPU step of decodes only, each in a dozen calls, the step's checks made once.
+"""The fused decoder layers of a paged CPU step whose every query the decode kernel serves (its decodes, and its
+prompt chunks where the kernel's tiles take them), each layer in a dozen calls, the step's checks made once.
 
 Why: on a small model the time a decode step spends outside its matmul and attention kernels is Python, and
 inside a step every Python operation costs several times what it costs in a loop of its own (the kernels between
@@ -8,7 +9,8 @@ it made itself (~300 us of a layer on the default model). Here the step's first 
 (`LeanStep.of`); each layer then checks what is its own (its modules, weights and input) and calls RMSNorm, the
 q/k/v matmul, rotary and the K/V writes, decode attention reading q in place, o_proj, the residual add and
 RMSNorm, the gate/up matmul, SiLU-and-multiply, down_proj and the residual add: the stand-ins' kernels with the
-same arguments in the same order, so the same bits (tests/worker/test_lean_layers.py).
+same arguments in the same order, so the same bits (tests/worker/test_lean_layers.py). Rotary and the K/V writes are
+one compiled call, and what a layer's calls read and forget lives in buffers made once a step.
 LoRA adapters are served here as by the stand-ins (their updates added to the fused projections). A step with a
 prompt chunk for another kernel, a quantized cache or projection, adapter wrappers that must run themselves (a
 probing step), or anything else checked here goes the stand-ins' way.
@@ -40,9 +42,9 @@ class LeanDecodes:
         """The output of `layer` (a FusedDecoderLayer whose parts are installed), or None: not served here."""
         if not self.enabled or cache is None or not isinstance(position_embeddings, tuple):
             return None
-        made_for = self._made_for
-        if made_for is None or made_for[0] is not getattr(cache, "metadata", None) or made_for[1] is not position_embeddings:
-            self._made_for = (getattr(cache, "metadata", None), position_embeddings)
+        made_for, metadata = self._made_for, getattr(cache, "metadata", None)
+        if made_for is None or made_for[0] is not metadata or made_for[1] is not position_embeddings:
+            self._made_for = (metadata, position_embeddings)
             self._step = LeanStep.of(cache, hidden_states, position_embeddings, self.fitting)
         output = None if self._step is None else self._step.run(layer, hidden_states, attention_mask, kwargs)
         self.layers_served += output is not None
@@ -62,6 +64,9 @@ class LeanStep:
         self.slots = cache.metadata.slot_mapping
         self.fitting = fitting  # layer -> _fits, kept by LeanDecodes
         self.paged_configs: dict[int, bool] = {}  # id of a config -> _calls_paged
+        # what a layer's own calls read and forget before the next layer: made once a step, not once a layer
+        self.normed, self.residual = torch.empty(shape, dtype=ops.dtype), torch.empty(shape, dtype=ops.dtype)
+        self.buffers: dict[tuple, torch.Tensor] = {}  # shape -> the inputs of o_proj and down_proj
 
     @classmethod
     def of(cls, cache, hidden_states: torch.Tensor, position_embeddings: tuple, fitting: dict) -> LeanStep | None:
@@ -97,15 +102,27 @@ class LeanStep:
         if qkv_of is None or gate_up_of is None:
             return None
         check_step_call(module, attention_mask, module.attention_dropout, kwargs)
-        with span("elementwise"):
-            hidden = ops.rms_norm(x, norms[0].weight, norms[0].variance_epsilon)
-        rows = qkv_of(hidden).view(x.shape[1], -1)  # [tokens, q | k | v]
-        attended = self._attend(module, rows, attention.group.sizes, slot, decode)
-        projected = _call(module._modules["o_proj"], attended.view(*x.shape[:-1], -1))
-        with span("elementwise"):
-            residual, hidden = ops.add_rms_norm(x, projected.contiguous(), norms[1].weight, norms[1].variance_epsilon)
-            activated = ops.silu_and_mul(gate_up_of(hidden))
-        return residual + _call(mlp.owner._modules["down_proj"], activated)
+        ops.rms_norm(x, norms[0].weight, norms[0].variance_epsilon, self.normed)
+        rows = qkv_of(self.normed).view(x.shape[1], -1)  # [tokens, q | k | v]
+        o_proj, down_proj = module._modules["o_proj"], mlp.owner._modules["down_proj"]
+        attended = self._input_of(o_proj, (x.shape[1], attention.group.sizes[0] // module.head_dim, module.head_dim))
+        self._attend(module, rows, attention.group.sizes, slot, decode, attended)
+        projected = _call(o_proj, attended.view(*x.shape[:-1], -1)).contiguous()
+        ops.add_rms_norm(x, projected, norms[1].weight, norms[1].variance_epsilon, self.residual, self.normed)
+        gate_up = gate_up_of(self.normed)
+        activated = self._input_of(down_proj, (*x.shape[:-1], gate_up.shape[-1] // 2))
+        ops.silu_and_mul(gate_up, activated)
+        return self.residual + _call(down_proj, activated)
+
+    def _input_of(self, linear: torch.nn.Module, shape: tuple) -> torch.Tensor:
+        """A buffer of the step for the input of our packed linear (which holds nothing of it), else a new tensor
+        (a hook or an adapter wrapper may keep what it is given)."""
+        if type(linear) is not PackedLinear:
+            return torch.empty(shape, dtype=self.ops.dtype)
+        buffer = self.buffers.get(shape)
+        if buffer is None:
+            buffer = self.buffers[shape] = torch.empty(shape, dtype=self.ops.dtype)
+        return buffer
 
     def _fits(self, layer, module, slot: int) -> bool:
         """q/k/v of whole heads, K and V as wide as the cache's rows, gate and up alike (kept for each layer and its
@@ -129,17 +146,15 @@ class LeanStep:
             paged = self.paged_configs[id(config)] = attention_function(module, None) is paged_attention_forward
         return paged
 
-    def _attend(self, module, rows: torch.Tensor, sizes: list[int], slot: int, decode) -> torch.Tensor:
-        """q and k rotated in place, K/V written to the step's slots, q attended -> [tokens, heads, head_dim]."""
-        cache, ops, head_dim = self.cache, self.ops, module.head_dim
+    def _attend(self, module, rows: torch.Tensor, sizes: list[int], slot: int, decode, out: torch.Tensor) -> None:
+        """q and k rotated in place, K/V written to the step's slots, q attended -> out [tokens, heads, head_dim]."""
+        cache, head_dim = self.cache, module.head_dim
         key_cache, value_cache = cache.key_cache[slot], cache.value_cache[slot]
         cache.books.serve(module.layer_idx, rows)
-        with span("elementwise"):
-            ops.rotate(rows, self.cos, self.sin, (sizes[0] + sizes[1]) // head_dim, head_dim)
-        ops.scatter(rows, sizes[0], key_cache, self.slots)
-        ops.scatter(rows, sizes[0] + sizes[1], value_cache, self.slots)
+        self.ops.rotate_and_write(rows, self.cos, self.sin, (sizes[0] + sizes[1]) // head_dim, sizes[0], key_cache,
+                                  value_cache, self.slots)
         with span("attention"):
-            return decode(rows, sizes[0] // head_dim, key_cache, value_cache, module.scaling)
+            decode(rows, sizes[0] // head_dim, key_cache, value_cache, module.scaling, out)
 
 
 def _rows(x: torch.Tensor, dtype: torch.dtype) -> bool:
