@@ -2,7 +2,8 @@
 or after the residual add), SiLU-and-multiply and rotary embeddings; and the greedy sampler's row argmax. Each
 function returns None (False) where the compiled op cannot serve its arguments (another device or dtype, rows
 that are not evenly strided, no compiler), and the caller then runs the model's own torch ops, which are also
-what these are tested against.
+what these are tested against. `RowOps`: the same compiled ops, and rotary with the K/V writes in one call, for
+a caller that checked its tensors once a step (worker/lean_layers.py).
 """
 
 from __future__ import annotations
