@@ -57,8 +57,8 @@ class CpuPlan(TorchPlan):
 
 @dataclass
 class DecodeRows:
-    """The decode kernel's call in a step of decodes only, its per-step arguments gathered once (the fused
-    attention calls it in every layer, worker/fused_layers.py): q rows read in place at their row stride (a bf16
+    """The decode kernel's call in a step whose every query it serves, its per-step arguments gathered once (the
+    lean layers call it in every layer, worker/lean_layers.py): q rows read in place at their row stride (a bf16
     model's) or copied out of them (float32)."""
     function: Callable
     in_place: bool  # the bf16-rows entry point: q read at its row stride, the output written in bf16
@@ -196,8 +196,9 @@ class CpuKernel(TorchKernel):
 
     def decode_rows(self, plan: CpuPlan, dtype: torch.dtype, cache_dtype: torch.dtype,
                     head_dim: int) -> DecodeRows | None:
-        """The decode kernel's call for `plan`'s step when every token of it is a decode, in order, and the cache
-        is in the model's `dtype` (bfloat16 or float32: not quantized, no float64); else None."""
+        """The decode kernel's call for `plan`'s step when it serves every query of it, in order (no prefill chunk
+        for another kernel), and the cache is in the model's `dtype` (bfloat16 or float32: not quantized, no
+        float64); else None."""
         decodes: NativeDecodes | None = plan.decodes
         if (decodes is None or plan.prefills or not decodes.in_order or cache_dtype != dtype
                 or dtype not in (torch.bfloat16, torch.float32) or head_dim not in self._functions):

@@ -242,7 +242,7 @@ class FusedDecoderLayer(StandIn):
         super().__init__(layer)
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "parts", parts)  # name -> the fused stand-in installed there in a step
-        object.__setattr__(self, "lean", lean)  # a step of decodes only, in fewer calls (worker/lean_layers.py)
+        object.__setattr__(self, "lean", lean)  # a step of the decode kernel's, in fewer calls (lean_layers.py)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:

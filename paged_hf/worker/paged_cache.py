@@ -166,9 +166,9 @@ class PagedCache(Cache):
                                       sinks=None, chunk_size=self.attention_layers[slot].chunk_size)
 
     def decode_rows(self, slot: int):
-        """For a step of decodes only on the CPU kernel, over cache slot `slot`'s unquantized CPU blocks: the decode
-        kernel's call on q rows read in place (`CpuKernel.decode_rows`), made once a step for the layers alike;
-        None otherwise (their calls go through `write_and_attend`/`attend`)."""
+        """For a step whose every query the CPU kernel's decode call serves, over cache slot `slot`'s unquantized
+        CPU blocks: that call on q rows read in place (`CpuKernel.decode_rows`), made once a step for the layers
+        alike; None otherwise (their calls go through `write_and_attend`/`attend`)."""
         key_cache = self.key_cache[slot]
         memo = (self.layer_devices[slot], key_cache.shape[3])
         if memo not in self._decode_rows:
