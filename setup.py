@@ -1,8 +1,10 @@
 """Package discovery; everything else is in pyproject.toml.
 
 `kernels/` and `integrations/` install as `paged_hf.kernels` and `paged_hf.integrations` (the package-dir
-mapping in pyproject.toml), never as top-level packages. Every folder with an `__init__.py` under the three
-roots is found, so a new subpackage (e.g. `paged_hf/server`) can never be left out of the wheel.
+mapping in pyproject.toml), never as top-level packages. Neither folder has an `__init__.py`, so from the
+checkout's root neither stands in for a package of its own name (HF's `kernels`); paged_hf/source_layout.py
+finds them there. The three roots are listed by name and every folder with an `__init__.py` under them is found,
+so a new subpackage (e.g. `paged_hf/server`) can never be left out of the wheel.
 """
 
 from setuptools import find_packages, setup

@@ -1,5 +1,9 @@
 """paged_hf: serve any HuggingFace causal LM like vLLM does, without leaving transformers."""
 
+from paged_hf import source_layout
+
+source_layout.register()  # first: paged_hf.kernels and paged_hf.integrations from a checkout's top-level folders
+
 from paged_hf.config import PagedConfig
 from paged_hf.engine.generator import ContinuousBatchGenerator
 from paged_hf.hf.paged_model import PagedModel, wrap

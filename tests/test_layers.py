@@ -20,7 +20,7 @@ PACKAGES = {"paged_hf": "paged_hf", "paged_hf.kernels": "kernels", "paged_hf.int
 #: bottom first; a module imports only from its own layer or the layers below it. A layer is named by the first
 #: part of a module's name under paged_hf ("core" for paged_hf.core.scheduler); "__init__" is the package itself.
 LAYERS = [
-    {"utils", "profiling"},
+    {"utils", "profiling", "source_layout"},
     {"kernels", "integrations"},
     {"config"},
     {"sampling_params", "outputs", "pooling_params"},

@@ -29,12 +29,14 @@ FOLDERS = {"paged_hf": "paged_hf", "paged_hf.kernels": "kernels", "paged_hf.inte
 
 
 def source_packages() -> list[str]:
-    """Every package of the source tree (each folder with an __init__.py), by import name."""
-    names = []
+    """Every package of the source tree by import name: the three roots (kernels/ and integrations/ have no
+    __init__.py, see paged_hf/source_layout.py) and each folder with an __init__.py under them."""
+    names = list(FOLDERS)
     for name, folder in FOLDERS.items():
         for init in sorted((ROOT / folder).rglob("__init__.py")):
             parts = init.parent.relative_to(ROOT / folder).parts
-            names.append(".".join((name, *parts)))
+            if parts:
+                names.append(".".join((name, *parts)))
     return names
 
 
@@ -73,7 +75,7 @@ def test_the_wheel_holds_every_package_and_nothing_at_the_top_level(installed):
     _, _, wheel = installed
     names = zipfile.ZipFile(wheel).namelist()
     assert all(n.startswith(("paged_hf/", "paged_hf-")) for n in names), sorted({n.split("/")[0] for n in names})
-    packaged = {n.rsplit("/", 1)[0].replace("/", ".") for n in names if n.endswith("/__init__.py")}
+    packaged = {n.rsplit("/", 1)[0].replace("/", ".") for n in names if n.endswith(".py")}
     assert set(source_packages()) <= packaged, sorted(set(source_packages()) - packaged)
     sources = {f"paged_hf/kernels/csrc/{p.name}" for p in (ROOT / "kernels" / "csrc").glob("*.[ch]*")}
     assert sources and sources <= set(names)
@@ -84,7 +86,8 @@ def test_every_subpackage_imports_from_the_fresh_venv(installed):
     check = (
         "import importlib, json, sys\n"
         f"names = {source_packages()!r}\n"
-        "files = {n: importlib.import_module(n).__file__ for n in names}\n"
+        "modules = {n: importlib.import_module(n) for n in names}\n"
+        "files = {n: m.__file__ or list(m.__path__)[0] for n, m in modules.items()}  # a namespace: its folder\n"
         "from paged_hf.kernels import native\n"
         "files['csrc'] = str(native.SOURCE) if native.SOURCE.exists() else None\n"
         "files['loaded'] = [m.__file__ for k, m in sys.modules.items() if k.startswith('paged_hf') and m.__file__]\n"

@@ -18,7 +18,7 @@ from paged_hf.core.request import Request
 from paged_hf.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.utils import cdiv
-from paged_hf.kernels import TorchKernel
+from paged_hf.kernels.torch_kernel import TorchKernel
 from paged_hf.worker.model_probe import UnsupportedModelError, model_name
 
 #: max |engine - model| over the logits, relative to the largest logit, by the model's dtype: rounding in

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_hf.kernels import TorchKernel
+from paged_hf.kernels.torch_kernel import TorchKernel
 from paged_hf.utils import cdiv
 from paged_hf.worker.step_books import Transform
 from paged_hf.worker.step_inputs import AttentionMetadata

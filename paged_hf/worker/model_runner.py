@@ -9,7 +9,7 @@ import torch
 from paged_hf.config import PagedConfig
 from paged_hf.core.scheduler_output import SchedulerOutput
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register, step_scope
-from paged_hf.kernels import select_kernel
+from paged_hf.kernels.selection import select_kernel
 from paged_hf.kernels.quant import storage_dtype
 from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import AttentionSwitch

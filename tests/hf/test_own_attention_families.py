@@ -15,7 +15,7 @@ from architectures import MAX_NEW_TOKENS, TOP_LOGPROBS, build, compare, hf_oracl
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.kernels import TorchKernel
+from paged_hf.kernels.torch_kernel import TorchKernel
 
 INKLING2 = {"relative_position_bias.proj": 200.0, "sink_proj.weight": 100.0}
 #: model_type -> (dtype: float32 where HF's own forward fails in float64, parameter name suffix -> scale)

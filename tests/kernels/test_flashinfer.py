@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from paged_hf.kernels import TorchKernel
+from paged_hf.kernels.torch_kernel import TorchKernel
 from paged_hf.kernels.flashinfer import build_csr
 from paged_hf.worker.step_inputs import AttentionMetadata
 

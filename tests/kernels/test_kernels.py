@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from paged_hf.integrations.transformers import register
-from paged_hf.kernels import TorchKernel, cpu_kernel, select_kernel
+from paged_hf.kernels import cpu_kernel
+from paged_hf.kernels.selection import select_kernel
+from paged_hf.kernels.torch_kernel import TorchKernel
 from paged_hf.kernels.cpu_kernel import CpuKernel
 from paged_hf.kernels.quant import KVScales
 from paged_hf.kernels.torch_kernel import Query

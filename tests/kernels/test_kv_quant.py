@@ -7,7 +7,8 @@ import pytest
 import torch
 from test_kernels import dense_reference
 
-from paged_hf.kernels import TorchKernel, select_kernel
+from paged_hf.kernels.selection import select_kernel
+from paged_hf.kernels.torch_kernel import TorchKernel
 from paged_hf.kernels.cpu_kernel import CpuKernel
 from paged_hf.kernels.quant import KV_CACHE_DTYPES, QMAX, KVScales, dequantize, plan_write, write_quantized
 from paged_hf.worker.step_inputs import AttentionMetadata

@@ -1,4 +1,5 @@
-"""Attention and KV-write kernels behind one small interface: plan once per step, run once per layer.
+"""Which attention kernel serves a model: the kernels share one small interface (`base.AttentionKernel`: plan once
+per step, run once per layer).
 
 `torch` is pure PyTorch (runs anywhere, and is the reference every other kernel is tested against); `cpu` is
 the torch kernel with decode attention compiled for this machine (built on first use, cached); `flashinfer`
