@@ -25,7 +25,6 @@ The same arithmetic in another order: bf16 results are rounded where torch round
 
 from __future__ import annotations
 
-import inspect
 import operator
 
 import torch
@@ -38,6 +37,7 @@ from paged_hf.integrations.transformers import check_step_call, paged_attention_
 from paged_hf.kernels import layer_ops
 from paged_hf.kernels.quant_linear import QuantizedLinear, linear_dtype, stack_linears, stackable
 from paged_hf.worker.attention_switch import attention_function
+from paged_hf.worker.code_match import forward_globals, runs_forward_of, runs_own_class_code, same_code
 from paged_hf.worker.lean_layers import LeanDecodes
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn, packable_dtypes, weight_version
 
@@ -281,7 +281,7 @@ class FusedLayers(ModuleSwaps):
             for names in PROJECTION_GROUPS:
                 self._add_group(parent, names)
             for name, child in parent._modules.items():
-                if _same_forward(child, LlamaRMSNorm) and _on_cpu(child) and _not_float64(child):
+                if runs_forward_of(child, LlamaRMSNorm) and _on_cpu(child) and _not_float64(child):
                     self.sites.append((parent, name, child, FusedRMSNorm(child)))
         self._add_mlps(model)
         self._add_decoder_layers(model)
@@ -313,8 +313,8 @@ class FusedLayers(ModuleSwaps):
         for parent in list(model.modules()):
             for name, child in parent._modules.items():
                 gate, up = slices.get((id(child), "gate_proj")), slices.get((id(child), "up_proj"))
-                if (gate is not None and up is not None and gate.group is up.group and _same_forward(child, LlamaMLP)
-                        and isinstance(getattr(child, "act_fn", None), SILU_TYPES)):
+                if (gate is not None and up is not None and gate.group is up.group
+                        and runs_forward_of(child, LlamaMLP) and _silu(getattr(child, "act_fn", None))):
                     stand_in = FusedMLP(child, PROJECTION_GROUPS[1], gate.group, (gate, up))
                     self.sites.append((parent, name, child, stand_in))
                 qkv = tuple(slices.get((id(child), projection)) for projection in PROJECTION_GROUPS[0])
@@ -331,7 +331,7 @@ class FusedLayers(ModuleSwaps):
         for parent in list(model.modules()):
             for name, child in parent._modules.items():
                 parts = {part: stand_ins.get((id(child), part)) for part in kinds}
-                if _same_forward(child, LlamaDecoderLayer) and all(isinstance(parts[part], kind)
+                if runs_forward_of(child, LlamaDecoderLayer) and all(isinstance(parts[part], kind)
                                                                    for part, kind in kinds.items()):
                     self.sites.append((parent, name, child, FusedDecoderLayer(child, parts, self.lean)))
 
@@ -342,33 +342,18 @@ class FusedLayers(ModuleSwaps):
             group.release()
 
 
-def _same_forward(module: torch.nn.Module | None, reference: type) -> bool:
-    """The module's class runs `reference`'s forward code (the same bytecode and names), with no hooks."""
-    if module is None or module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
-        return False
-    forward = type(module).forward  # and under a decorator (every decorated forward shares the wrapper's code)
-    return (_same_code(forward, reference.forward)
-            and _same_code(inspect.unwrap(forward), inspect.unwrap(reference.forward)))
-
-
 def _runs_llama_attention(module: torch.nn.Module) -> bool:
-    """LlamaAttention's forward (under the same decorator) with Llama's rotary functions in its module."""
-    if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+    """LlamaAttention's forward (under the same decorators) with Llama's rotary functions in its module."""
+    if not runs_forward_of(module, LlamaAttention):
         return False
-    forward, expected = type(module).forward, LlamaAttention.forward
-    inner, expected_inner = inspect.unwrap(forward), inspect.unwrap(expected)
-    if not (_same_code(forward, expected) and _same_code(inner, expected_inner)):
-        return False
-    for name in ("apply_rotary_pos_emb", "rotate_half"):  # the names its code calls, in its own module
-        found = inner.__globals__.get(name)
-        if found is None or not _same_code(inspect.unwrap(found), inspect.unwrap(getattr(modeling_llama, name))):
-            return False
-    return True
+    space = forward_globals(module)
+    return all(same_code(space.get(name), getattr(modeling_llama, name))  # the names its code calls
+               for name in ("apply_rotary_pos_emb", "rotate_half"))
 
 
-def _same_code(function, expected) -> bool:
-    code, expected_code = function.__code__, expected.__code__
-    return code.co_code == expected_code.co_code and code.co_names == expected_code.co_names
+def _silu(activation) -> bool:
+    """transformers' SiLU (or torch's), computing its own class's code (no hub kernel in it)."""
+    return isinstance(activation, SILU_TYPES) and runs_own_class_code(activation)
 
 
 def _not_float64(norm: torch.nn.Module) -> bool:
@@ -385,16 +370,13 @@ def _quantized_on_cpu(module: torch.nn.Module | None) -> bool:
     """One of paged_hf's quantized linears (kernels.quant_linear) in CPU memory, with no hooks. A float64
     model keeps them one by one, HF's ops around them: they compute in float32, where a stack's zero-point matmul
     (its column count) or a compiled op's last float64 bit shows at 1e-7 of the logits, not float64's 1e-16."""
-    return (isinstance(module, QuantizedLinear) and not hasattr(module, "_hf_hook") and not module._forward_hooks
-            and not module._forward_pre_hooks and module.qweight.device.type == "cpu")
+    return isinstance(module, QuantizedLinear) and runs_own_class_code(module) and module.qweight.device.type == "cpu"
 
 
 def _plain_linear(module: torch.nn.Module | None) -> bool:
     """A plain Linear with its weight in CPU memory: not a subclass (peft, quantized layers), not offloaded or
     dispatched by accelerate hooks, no hooks of its own."""
-    if type(module) is not torch.nn.Linear or hasattr(module, "_hf_hook"):
-        return False
-    if module._forward_hooks or module._forward_pre_hooks:
+    if type(module) is not torch.nn.Linear or not runs_own_class_code(module):
         return False
     weight = module.weight
     return type(weight) in (torch.nn.Parameter, torch.Tensor) and weight.device.type == "cpu" and weight.dim() == 2

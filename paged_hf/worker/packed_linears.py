@@ -14,9 +14,9 @@ The packed copies cost the linears' weights once more in memory.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
+
+from paged_hf.worker.code_match import forward_globals
 
 # the batch size the weights are laid out for; oneDNN runs any batch on them (measured: no slower at 1-512)
 _BATCH_HINT = 64
@@ -58,7 +58,7 @@ class StandIn(torch.nn.Module):
 
 def modeling_global(module: torch.nn.Module, name: str):
     """What `module`'s modeling file calls `name` (its forward's globals, under any decorator), or None."""
-    return inspect.unwrap(type(module).forward).__globals__.get(name)
+    return forward_globals(module).get(name)
 
 
 class PackedLinear(StandIn):

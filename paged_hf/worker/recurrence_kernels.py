@@ -12,9 +12,9 @@ swap never changes what a call means; wrap()'s engine probe checks the result ag
 
 from __future__ import annotations
 
-import inspect
-
 import torch
+
+from paged_hf.worker.code_match import forward_globals, reads_name
 
 #: the reference's name in a modeling module (Qwen3.5, Qwen3-Next, OLMo-hybrid, ... each has its own copy)
 GATED_DELTA_RULE = "torch_recurrent_gated_delta_rule"
@@ -63,9 +63,8 @@ class RecurrenceKernels:
         self.swaps = []  # (module globals, name, reference, stand-in)
         seen = set()
         for mixer in mixers:
-            forward = inspect.unwrap(type(mixer).forward)
-            space = forward.__globals__
-            if id(space) in seen or GATED_DELTA_RULE not in forward.__code__.co_names:
+            space = forward_globals(mixer)
+            if id(space) in seen or not reads_name(mixer, GATED_DELTA_RULE):
                 continue
             seen.add(id(space))
             reference, l2norm = space.get(GATED_DELTA_RULE), space.get("l2norm")

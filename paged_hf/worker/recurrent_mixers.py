@@ -16,12 +16,12 @@ reads them (worker/module_states.py).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
 from paged_hf.integrations.transformers import UnservedAttention, step_cache
+from paged_hf.worker.code_match import code_reads
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
 from paged_hf.worker.recurrence_kernels import RecurrenceKernels
 from paged_hf.worker.module_states import OwnStates, UncutRows, own_state_blocks
@@ -62,15 +62,11 @@ class RecurrentStep:
 
 
 def calls_state_api(module: torch.nn.Module) -> bool:
-    """Some method of the module's class reads or writes the cache's recurrent states."""
-    for klass in type(module).__mro__:
-        if klass is torch.nn.Module:
-            return False
-        for function in vars(klass).values():
-            code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
-            if code is not None and STATE_CALLS & set(code.co_names):
-                return True
-    return False
+    """Some method of the module's class, or a modeling-file helper it calls, reads or writes the cache's
+    recurrent states."""
+    mro = type(module).__mro__
+    own = mro[:mro.index(torch.nn.Module)] if torch.nn.Module in mro else mro
+    return code_reads([function for klass in own for function in vars(klass).values()], STATE_CALLS)
 
 
 class MixerStandIn(StandIn):

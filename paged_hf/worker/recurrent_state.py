@@ -141,6 +141,13 @@ class StateView:
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """transformers >= 5.25: intermediate states kept for a later `crop` (assisted decoding); none here."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers >= 5.25 counts a layer's tokens on the cache; positions here come from the step."""
+
     # --- the call's rows ------------------------------------------------------------------------------------
     def write_back(self) -> None:
         """Gathered rows the call changed in place go back to their slots."""
