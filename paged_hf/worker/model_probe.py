@@ -63,6 +63,7 @@ def model_name(model: torch.nn.Module) -> str:
 def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[list[AttentionLayer], list[StateLayer]]:
     """-> one AttentionLayer per layer that writes K/V, in layer order, and one StateLayer per hybrid layer that
     keeps a recurrent state. UnsupportedModelError for what cannot be paged."""
+    _check_mask_terms(model, config)
     cache = _probe_cache(model, config)
     records = _Records(model, cache)
     AttentionInterface.register(PROBE_ATTENTION, records.attention)
@@ -186,6 +187,14 @@ def _check_indexers(model, cache: DynamicCache, own_attentions: OwnAttentions) -
     if indexed and not any(getattr(stand_in, "selects_keys", False) for *_, stand_in in own_attentions.sites):
         raise UnsupportedModelError(f"{model_name(model)} uses indexed sparse attention ({indexed[0]}), "
                                     "which the paged kernels do not compute")
+
+
+def _check_mask_terms(model, config) -> None:
+    """A term the model adds to its attention mask reaches no paged kernel (a step passes no mask): Falcon's ALiBi
+    variants build theirs into the mask (with slopes rounded to bf16)."""
+    if getattr(config, "alibi", False) is True and "build_alibi_tensor" in vars(sys.modules[type(model).__module__]):
+        raise UnsupportedModelError(f"{model_name(model)} with ALiBi: its ALiBi is built into its attention mask, "
+                                    "which a paged step does not pass")
 
 
 def _kinds_reason(kinds: set[str]) -> str:

@@ -28,6 +28,7 @@ import torch
 from paged_hf.integrations.transformers import UnservedAttention, step_cache
 from paged_hf.worker.alibi_attention import alibi_stand_in, step_overrides
 from paged_hf.worker.attention_switch import attention_function
+from paged_hf.worker.code_match import reads_name
 from paged_hf.worker.indexed_attention import indexed_stand_in
 from paged_hf.worker.inkling_attention import inkling_stand_in
 from paged_hf.worker.packed_linears import ModuleSwaps, StandIn, modeling_global
@@ -66,7 +67,8 @@ class OwnAttnMethod(StandIn):
 
 
 class FalconPagedAttention(StandIn):
-    """FalconAttention's forward (rotary variants) with its attention through the interface."""
+    """FalconAttention's forward (rotary variants; before transformers 5.25, which calls the interface itself) with
+    its attention through the interface."""
 
     def __init__(self, original: torch.nn.Module, config):
         super().__init__(original)
@@ -74,10 +76,7 @@ class FalconPagedAttention(StandIn):
 
     def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
                 output_attentions=False, position_embeddings=None, **kwargs):
-        attention = self.original
-        if alibi is not None:
-            raise UnservedAttention("Falcon with ALiBi: its ALiBi is built into its attention mask (slopes rounded "
-                                    "to bf16), which a paged step does not pass")
+        attention = self.original  # (ALiBi variants are refused by the model probe)
         batch_size, query_length = hidden_states.shape[:2]
         num_kv_heads = attention.num_heads if attention.new_decoder_architecture else attention.num_kv_heads
         query, key, value = attention._split_heads(attention.query_key_value(hidden_states))
@@ -115,6 +114,8 @@ class BartStyleAttention(StandIn):
 def stand_in_for(module: torch.nn.Module, config, model: torch.nn.Module) -> torch.nn.Module | None:
     """The stand-in of an attention module with its own code, None for any other module."""
     name = type(module).__name__
+    if reads_name(module, "ALL_ATTENTION_FUNCTIONS"):  # its code calls the interface itself (Falcon from 5.25)
+        return inkling_stand_in(module) or indexed_stand_in(module, model) or alibi_stand_in(module)
     if name == "GPTNeoSelfAttention":
         window = config.window_size if module.attention_type == "local" else None
         return OwnAttnMethod(module, config, 1.0, window)
