@@ -67,6 +67,12 @@ OVERRIDES: dict = {
     "mamba2": {"num_heads": 8, "head_dim": 16},
     # the default has neither sparse-attention nor dense-MLP layers; the released model has both
     "minimax_m3_vl_text": {"layer_types": ["full_attention", "minimax_m3_sparse"], "mlp_layer_types": ["dense", "sparse"]},
+    # one indexer and one layer reading its K/V; the generic shrink keeps the default's 50-layer index lists
+    "kolibri1_1": {"num_hidden_layers": 4, "mlp_only_layers": [0], "index_layers": [1],
+                   "kv_source_layers": [0, 1, 2, 1], "layer_types": ["sliding_attention", "indexed_attention"] * 2,
+                   "index_topk": 8,
+                   "index_pool_size": 32, "index_compression": 4, "index_num_heads": 1, "index_num_local_tokens": 2,
+                   "index_num_sink_tokens": 1},
     "qwen4_exp": {"text_config": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
                                   "indexer_budget": 8, "indexer_compress_ratio": 4}},
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
