@@ -46,7 +46,9 @@ test-newest test-floor: test-%: .venv-%/.installed
 	.venv-$*/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	.venv-$*/bin/python -m pytest -q $(TRANSFORMERS_TESTS)
 
-# On a GPU machine without network: wheels carried in wheels/ (FlashInfer's), the image's own PyTorch.
+# On a GPU machine without network: wheels carried in wheels/ (FlashInfer's, and transformers >= the floor of
+# pyproject.toml with the kernels package it requires, where the machine's image has an older one), the image's
+# own PyTorch.
 gpu-check:
 	$(PYTHON) -m pip install -q --no-deps --no-index wheels/*.whl || echo "no wheels carried in wheels/"
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
