@@ -18,6 +18,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from paged_hf.kernels.spec import ScoreTerms
+
 ATTENTION_NAME = "paged_hf"
 
 # A 4D mask makes transformers' mask builders return it unchanged: in a paged step the kernel masks.
@@ -68,8 +70,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     check_step_call(module, attention_mask, dropout, kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    terms = ScoreTerms(sinks=s_aux, key_mask=None if indices is None else cache.key_mask_of(indices))
     output = cache.attend(module, query, key, value, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
-                          sinks=s_aux, selected=indices)
+                          terms=terms)
     return output, None
 
 

@@ -8,10 +8,15 @@ import torch
 
 from paged_hf.kernels import layer_ops
 from paged_hf.kernels.quant import KVScales, plan_write, write_quantized
+from paged_hf.kernels.spec import NO_TERMS, AttentionSpec, ScoreTerms
 
 
 class AttentionKernel(Protocol):
     name: str
+
+    @staticmethod
+    def unsupported_reason(spec: AttentionSpec) -> str | None:
+        """None when this kernel computes the layer `spec` describes; else why not (said where it is refused)."""
 
     def plan(self, metadata, device: torch.device) -> Any:
         """Turn the step's AttentionMetadata into what `write_kv`/`attend` need on `device`. Once per step."""
@@ -23,14 +28,13 @@ class AttentionKernel(Protocol):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, plan: Any, *, scaling: float, sliding_window: int | None,
-               softcap: float | None, scales: KVScales | None = None, sinks: torch.Tensor | None = None,
-               chunk_size: int | None = None) -> torch.Tensor:
+               softcap: float | None, scales: KVScales | None = None, chunk_size: int | None = None,
+               terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: this step's [num_tokens, num_kv_heads, head_dim]
         (already in the cache; V's head_dim may differ from K's). Returns [num_tokens, num_heads, value head_dim].
-        Causal, window and chunk masking are ours; `sinks` [num_heads]: a per-head logit in the softmax (gpt-oss);
-        `chunk_size`: a query sees only the keys of its own chunk of positions (Llama 4's chunked layers). The torch
-        kernel alone also takes the terms some models add per query token (`torch_kernel.ScoreTerms`: sinks per
-        token, a bias by distance, ALiBi slopes, a key selection)."""
+        Causal, window and chunk masking are ours; `chunk_size`: a query sees only the keys of its own chunk of
+        positions (Llama 4's chunked layers); `terms`: what the layer adds to its scores (spec.ScoreTerms: sinks,
+        a bias by distance, ALiBi slopes, a key selection), for the kernels whose `unsupported_reason` admits it."""
 
 
 def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -24,6 +24,7 @@ import torch
 
 from paged_hf.kernels import native
 from paged_hf.utils import cpu_flags
+from paged_hf.kernels.spec import NO_TERMS, AttentionSpec, ScoreTerms
 from paged_hf.kernels.torch_kernel import PrefillChunk, Query, TorchKernel, TorchPlan, prefill_chunk
 
 #: query heads per KV head the prefill kernel's tiles hold (48 rows); more go to SDPA
@@ -93,7 +94,7 @@ class CpuKernel(TorchKernel):
         `kv_dtype`: the cache's storage dtype when it differs from the model's `dtype` (int8/fp8).
         `prefill_isa`: the prefill kernel's instructions, "amx_bf16" or "avx512_bf16" (None: the fastest this CPU
         has), or "amx_bf16_emulated" (AMX's tiles in plain C++, for tests); ValueError where unavailable."""
-        reason = self.unsupported_reason(torch.device("cpu"), dtype, head_dims, kv_dtype)
+        reason = _dtype_reason(dtype, head_dims, kv_dtype)
         if reason is not None:
             raise ValueError(reason)
         kv_dtype = kv_dtype or dtype
@@ -129,18 +130,20 @@ class CpuKernel(TorchKernel):
                              f"(this CPU, this dtype and head_dim: {self.prefill_isa})")
 
     @staticmethod
-    def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dims: list[int],
-                           kv_dtype: torch.dtype | None = None) -> str | None:
-        if device.type != "cpu":
-            return f"the CPU kernel runs on CPU, the model is on {device}"
-        if dtype not in native.DTYPES:
-            return f"the CPU kernel serves float32/float64/bfloat16/float16, the model is {dtype}"
-        if kv_dtype not in (None, dtype) and kv_dtype not in native.QUANTIZED_DTYPES:
-            return f"the CPU kernel reads an int8/fp8 cache or one in the model's dtype, not {kv_dtype}"
-        compute_of = torch.float32 if kv_dtype in native.QUANTIZED_DTYPES else dtype
-        if not all(native.head_dim_fits(compute_of, d) for d in head_dims):
-            compute = native.COMPUTE_DTYPES[compute_of]
-            return f"the CPU kernel needs head_dim a multiple of 64 bytes of {compute}, got {sorted(set(head_dims))}"
+    def unsupported_reason(spec: AttentionSpec) -> str | None:
+        """None where the compiled kernels compute the layer: on the CPU, in a dtype and head_dim they are built
+        for, K and V of one width, no chunks and no score terms (those are the torch kernel's)."""
+        if spec.device.type != "cpu":
+            return f"the CPU kernel runs on CPU, the model is on {spec.device}"
+        reason = _dtype_reason(spec.dtype, [spec.head_dim], spec.kv_dtype)
+        if reason is not None:
+            return reason
+        if spec.value_head_dim != spec.head_dim:
+            return "K and V have different head_dims (MLA): the torch kernel serves them"
+        if spec.chunk_size is not None:
+            return "chunked attention (Llama 4): the torch kernel serves it"
+        if spec.score_terms:
+            return f"{_terms_named(spec.score_terms)} in the scores: the torch kernel serves them"
         return None
 
     def plan_queries(self, slot_mapping: torch.Tensor, queries: list[Query], device: torch.device) -> CpuPlan:
@@ -162,8 +165,8 @@ class CpuKernel(TorchKernel):
                        native_prefills=native_prefills)
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan, *, scaling, sliding_window, softcap,
-                       scales=None, sinks=None, chunk_size=None) -> None:
-        assert sinks is None and chunk_size is None, "sinks and chunks are the torch kernel's (kernels.select_kernel)"
+                       scales=None, chunk_size=None, terms: ScoreTerms = NO_TERMS) -> None:
+        assert terms.none and chunk_size is None, "score terms and chunks are the torch kernel's (unsupported_reason)"
         decodes: NativeDecodes | None = plan.decodes
         if decodes is None:
             return
@@ -212,7 +215,7 @@ class CpuKernel(TorchKernel):
                           *decodes.block_tables.shape, tensors)
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan, *, scaling, sliding_window,
-                        softcap, scales=None, sinks=None, chunk_size=None) -> None:
+                        softcap, scales=None, chunk_size=None, terms: ScoreTerms = NO_TERMS) -> None:
         """bf16 chunks go to the compiled prefill kernel, which reads their context from the cache in place."""
         prefills: NativePrefills | None = plan.native_prefills
         num_heads, head_dim = query.shape[1:]
@@ -233,6 +236,26 @@ class CpuKernel(TorchKernel):
         if status != 0:
             raise RuntimeError(f"paged prefill kernel failed (status {status}: "
                                f"{'out of memory' if status == 1 else 'too many query heads per KV head'})")
+
+
+def _dtype_reason(dtype: torch.dtype, head_dims: list[int], kv_dtype: torch.dtype | None) -> str | None:
+    """Why the compiled kernels are not built for this model's dtype, cache dtype or head dims; None if they are."""
+    if dtype not in native.DTYPES:
+        return f"the CPU kernel serves float32/float64/bfloat16/float16, the model is {dtype}"
+    if kv_dtype not in (None, dtype) and kv_dtype not in native.QUANTIZED_DTYPES:
+        return f"the CPU kernel reads an int8/fp8 cache or one in the model's dtype, not {kv_dtype}"
+    compute_of = torch.float32 if kv_dtype in native.QUANTIZED_DTYPES else dtype
+    if not all(native.head_dim_fits(compute_of, d) for d in head_dims):
+        compute = native.COMPUTE_DTYPES[compute_of]
+        return f"the CPU kernel needs head_dim a multiple of 64 bytes of {compute}, got {sorted(set(head_dims))}"
+    return None
+
+
+def _terms_named(names: frozenset[str]) -> str:
+    """ScoreTerms field names as a reader knows them."""
+    words = {"sinks": "attention sinks", "distance_bias": "a learned bias by distance (Inkling)",
+             "alibi_slopes": "ALiBi (BLOOM, MPT)", "key_mask": "keys selected per query (sparse attention)"}
+    return ", ".join(words.get(name, name) for name in sorted(names))
 
 
 def _bf16_rows(x: torch.Tensor) -> bool:

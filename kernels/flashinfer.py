@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_hf.kernels.base import write_kv_by_slots
+from paged_hf.kernels.spec import NO_TERMS, AttentionSpec, ScoreTerms
 from paged_hf.utils import cdiv
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -79,18 +80,22 @@ class FlashInferKernel:
         self.wrappers: dict[tuple, object] = {}  # made once (they own buffers), planned again every step
 
     @staticmethod
-    def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int,
-                           kv_dtype: torch.dtype | None = None) -> str | None:
-        if device.type != "cuda":
-            return f"FlashInfer needs a CUDA device, the model is on {device}"
-        if dtype not in SUPPORTED_DTYPES:
-            return f"FlashInfer serves float16/bfloat16, the model is {dtype}"
-        if kv_dtype not in (None, dtype, *SUPPORTED_KV_DTYPES):
-            return f"FlashInfer reads an fp8 cache or one in the model's dtype, not {kv_dtype}"
-        if head_dim not in SUPPORTED_HEAD_DIMS:
-            return f"FlashInfer does not support head_dim {head_dim}"
-        import flashinfer  # noqa: F401, PLC0415 (raises ImportError when missing)
-
+    def unsupported_reason(spec: AttentionSpec) -> str | None:
+        """None where FlashInfer's paged wrappers compute the layer (and flashinfer imports)."""
+        if spec.device.type != "cuda":
+            return f"FlashInfer needs a CUDA device, the model is on {spec.device}"
+        if spec.dtype not in SUPPORTED_DTYPES:
+            return f"FlashInfer serves float16/bfloat16, the model is {spec.dtype}"
+        if spec.kv_dtype not in (None, spec.dtype, *SUPPORTED_KV_DTYPES):
+            return f"FlashInfer reads an fp8 cache or one in the model's dtype, not {spec.kv_dtype}"
+        if spec.head_dim not in SUPPORTED_HEAD_DIMS or spec.value_head_dim != spec.head_dim:
+            return f"FlashInfer does not support head_dim {spec.head_dim} (values {spec.value_head_dim})"
+        if spec.chunk_size is not None or spec.score_terms:
+            return "chunked attention and score terms (sinks, biases, key selections) are the torch kernel's"
+        try:
+            import flashinfer  # noqa: F401, PLC0415
+        except ImportError as error:
+            return f"flashinfer is not importable ({error})"
         return None
 
     def plan(self, metadata, device: torch.device) -> FlashInferPlan:
@@ -100,8 +105,8 @@ class FlashInferKernel:
         write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping, scales, plan)
 
     def attend(self, query, key, value, key_cache, value_cache, plan: FlashInferPlan, *, scaling, sliding_window, softcap,
-               scales=None, sinks=None, chunk_size=None):
-        assert sinks is None and chunk_size is None, "sinks and chunks are the torch kernel's (kernels.select_kernel)"
+               scales=None, chunk_size=None, terms: ScoreTerms = NO_TERMS):
+        assert terms.none and chunk_size is None, "score terms and chunks are the torch kernel's (unsupported_reason)"
         wrapper = self._wrapper(plan, query, key_cache, scaling, sliding_window, softcap)
         if scales is None:
             return wrapper.run(query, (key_cache, value_cache))  # [num_tokens, num_heads, head_dim]

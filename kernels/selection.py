@@ -1,9 +1,10 @@
-"""Which attention kernel serves a model: the kernels share one small interface (`base.AttentionKernel`: plan once
-per step, run once per layer).
+"""Which attention kernel serves a model: the one `attention_backend` names, or for "auto" the device's own, when
+it serves every layer's `AttentionSpec`; otherwise the torch kernel, which serves them all.
 
-`torch` is pure PyTorch (runs anywhere, and is the reference every other kernel is tested against); `cpu` is
-the torch kernel with decode attention compiled for this machine (built on first use, cached); `flashinfer`
-runs on NVIDIA GPUs and is imported only when selected.
+The kernels share one small interface (`base.AttentionKernel`: plan once per step, run once per layer) and each
+says what it does not compute (`unsupported_reason(spec)`). `torch` is pure PyTorch (runs anywhere, and is the
+reference every other kernel is tested against); `cpu` is the torch kernel with its attention compiled for this
+machine (built on first use, cached); `flashinfer` runs on NVIDIA GPUs and is imported only when selected.
 """
 
 from __future__ import annotations
@@ -12,36 +13,31 @@ import torch
 from transformers.utils import logging
 
 from paged_hf.kernels.base import AttentionKernel
+from paged_hf.kernels.spec import AttentionSpec
 from paged_hf.kernels.torch_kernel import TorchKernel
 
 logger = logging.get_logger(__name__)
 
+#: attention_backend values, besides "auto"
+BACKENDS = ("torch", "cpu", "flashinfer")
 
-def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, head_dims: list[int],
-                  kv_dtype: torch.dtype | None = None, value_head_dims: list[int] | None = None,
-                  sinks: bool = False, chunked: bool = False, distance_bias: bool = False,
-                  sparse: bool = False, alibi: bool = False) -> AttentionKernel:
-    """`auto`: FlashInfer on CUDA, the compiled CPU kernel on CPU, each when it is usable for every layer
-    (`devices`, `head_dims` of the keys, `value_head_dims`: per layer), the cache's storage dtype `kv_dtype`
-    (None: the model's `dtype`), attention sinks, chunked attention, biases by distance, keys selected per query
-    and ALiBi (`sinks`, `chunked`, `distance_bias`, `sparse`, `alibi`: some layer has them); otherwise torch, which
-    computes all of them. Naming a kernel that cannot be used is a ValueError."""
-    if name == "torch":
-        logger.info("paged_hf attention backend: torch (asked for)")
+
+def select_kernel(name: str, specs: list[AttentionSpec]) -> AttentionKernel:
+    """`auto`: FlashInfer on CUDA, the compiled CPU kernel on CPU, each when it serves every layer; otherwise
+    torch. Naming a kernel that cannot serve the model is a ValueError that says why."""
+    if name not in ("auto", *BACKENDS):
+        raise ValueError(f"attention_backend must be 'auto' or one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "torch" or not specs:
+        logger.info(f"paged_hf attention backend: torch ({'asked for' if specs else 'no attention layers'})")
         return TorchKernel()
-    device_types = sorted({torch.device(d).type for d in devices})
-    device = torch.device(devices[0]) if len(device_types) == 1 else None
-    only_torch = _needs_torch(head_dims, value_head_dims, sinks, chunked, distance_bias, sparse, alibi)
-    if device is None:
+    device_types = sorted({torch.device(spec.device).type for spec in specs})
+    wanted = name if name != "auto" else {"cpu": "cpu", "cuda": "flashinfer"}.get(device_types[0])
+    if len(device_types) > 1:
         kernel, reason = None, f"the layers span devices of several types ({', '.join(device_types)})"
-    elif only_torch is not None:
-        kernel, reason = None, only_torch
-    elif name == "cpu" or (name == "auto" and device.type == "cpu"):
-        kernel, reason = _try_cpu(device, dtype, head_dims, kv_dtype)
-    elif name == "flashinfer" or (name == "auto" and device.type == "cuda"):
-        kernel, reason = _try_flashinfer(device, dtype, head_dims, kv_dtype)
+    elif wanted is None:
+        kernel, reason = None, f"no kernel of its own for device {device_types[0]}"
     else:
-        kernel, reason = None, f"no kernel of its own for device {device.type}"
+        kernel, reason = _try(wanted, specs)
     if kernel is not None:
         logger.info(f"paged_hf attention backend: {kernel.name}")
         return kernel
@@ -51,48 +47,36 @@ def select_kernel(name: str, devices: list[torch.device], dtype: torch.dtype, he
     return TorchKernel()
 
 
-def _needs_torch(head_dims: list[int], value_head_dims: list[int] | None, sinks: bool, chunked: bool,
-                 distance_bias: bool = False, sparse: bool = False, alibi: bool = False) -> str | None:
-    """What only the torch kernel computes: K and V of different widths (MLA), attention sinks, chunks, biases by
-    distance, keys selected per query, ALiBi."""
-    if value_head_dims is not None and list(value_head_dims) != list(head_dims):
-        return "K and V have different head_dims (MLA): the torch kernel serves them"
-    if sinks:
-        return "attention sinks: the torch kernel serves them"
-    if chunked:
-        return "chunked attention (Llama 4): the torch kernel serves it"
-    if distance_bias:
-        return "a learned bias by distance in the scores (Inkling): the torch kernel serves it"
-    if sparse:
-        return "sparse attention over the keys an indexer selects: the torch kernel serves it"
-    if alibi:
-        return "ALiBi (BLOOM, MPT): the torch kernel serves it"
-    return None
-
-
-def _try_cpu(device, dtype, head_dims, kv_dtype) -> tuple[AttentionKernel | None, str | None]:
-    from paged_hf.kernels.cpu_kernel import CpuKernel  # noqa: PLC0415
-    from paged_hf.kernels.native import NativeBuildError  # noqa: PLC0415
-
-    reason = CpuKernel.unsupported_reason(device, dtype, head_dims, kv_dtype)
+def _try(name: str, specs: list[AttentionSpec]) -> tuple[AttentionKernel | None, str | None]:
+    """The kernel `name` for these layers, or (None, why not)."""
+    kernel_class = _kernel_class(name)
+    reason = next((r for r in map(kernel_class.unsupported_reason, specs) if r is not None), None)
     if reason is not None:
         return None, reason
+    if name == "cpu":
+        return _build_cpu(kernel_class, specs)
+    return kernel_class(), None
+
+
+def _kernel_class(name: str) -> type:
+    """Imported when asked for (FlashInfer's module is never imported on a CPU)."""
+    if name == "cpu":
+        from paged_hf.kernels.cpu_kernel import CpuKernel  # noqa: PLC0415
+
+        return CpuKernel
+    from paged_hf.kernels.flashinfer import FlashInferKernel  # noqa: PLC0415
+
+    return FlashInferKernel
+
+
+def _build_cpu(kernel_class, specs: list[AttentionSpec]) -> tuple[AttentionKernel | None, str | None]:
+    from paged_hf.kernels.native import NativeBuildError  # noqa: PLC0415
+
     try:
-        return CpuKernel(dtype, head_dims, kv_dtype), None
+        return kernel_class(specs[0].dtype, [spec.head_dim for spec in specs], specs[0].kv_dtype), None
     except NativeBuildError as error:
         logger.warning_once(f"paged_hf: the compiled CPU kernel is unavailable, using the torch kernel: {error}")
         return None, str(error)
 
 
-def _try_flashinfer(device, dtype, head_dims, kv_dtype) -> tuple[AttentionKernel | None, str | None]:
-    try:
-        from paged_hf.kernels.flashinfer import FlashInferKernel  # noqa: PLC0415 (lazy: never imported on CPU)
-
-        reasons = [FlashInferKernel.unsupported_reason(device, dtype, d, kv_dtype) for d in sorted(set(head_dims))]
-        reason = next((r for r in reasons if r is not None), None)
-    except ImportError as error:
-        reason = f"flashinfer is not importable ({error})"
-    return (FlashInferKernel() if reason is None else None), reason
-
-
-__all__ = ["AttentionKernel", "TorchKernel", "select_kernel"]
+__all__ = ["BACKENDS", "select_kernel"]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from paged_hf.kernels.base import write_kv_by_slots
 from paged_hf.kernels.quant import KVScales, as_bytes, dequantize
+from paged_hf.kernels.spec import NO_TERMS, AttentionSpec, ScoreTerms
 from paged_hf.utils import cdiv
 
 MAX_DECODE_PADDING = 1.25  # a decode group's padded K/V may be at most this much larger than its real K/V
@@ -86,25 +87,27 @@ class TorchKernel:
     def write_kv(self, key, value, key_cache, value_cache, plan: TorchPlan, scales: KVScales | None = None) -> None:
         write_kv_by_slots(key, value, key_cache, value_cache, plan.slot_mapping, scales, plan)
 
+    @staticmethod
+    def unsupported_reason(spec: AttentionSpec) -> str | None:
+        """None: the reference computes every spec (any device, dtype, head dims, window, chunk and score term)."""
+        return None
+
     def attend(self, query, key, value, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window, softcap,
-               scales: KVScales | None = None, sinks: torch.Tensor | None = None, chunk_size: int | None = None,
-               **per_query):
-        """`per_query`: what some models add to the scores (`ScoreTerms`: per-token sinks, a bias by distance,
-        ALiBi, a selection of keys), which a kernel of its own computes none of (kernels.select_kernel)."""
+               scales: KVScales | None = None, chunk_size: int | None = None, terms: ScoreTerms = NO_TERMS):
+        """`terms`: what some models add to the scores (sinks, a bias by distance, ALiBi, a selection of keys)."""
         # [num_tokens, num_heads, value_head_dim]
         output = query.new_empty(*query.shape[:-1], value_cache.shape[-1])
-        masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=scales, sinks=sinks,
-                       chunk_size=chunk_size, **{name: term for name, term in per_query.items() if term is not None})
+        masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, scales=scales,
+                       chunk_size=chunk_size, terms=terms)
         self.attend_decodes(query, output, key_cache, value_cache, plan, **masking)
         self.attend_prefills(query, key, value, output, key_cache, value_cache, plan, **masking)
         return output
 
     def attend_decodes(self, query, output, key_cache, value_cache, plan: TorchPlan, *, scaling, sliding_window,
-                       softcap, scales=None, sinks=None, chunk_size=None, **per_query) -> None:
+                       softcap, scales=None, chunk_size=None, terms: ScoreTerms = NO_TERMS) -> None:
         """Writes the output rows of the one-token queries."""
         num_kv_heads, head_dim = key_cache.shape[-2:]
         value_head_dim = value_cache.shape[-1]
-        terms = ScoreTerms(sinks=sinks, **per_query)
         for index, group in enumerate(plan.decodes):
             num_rows = group.rows.shape[0]
             q = query.index_select(0, group.rows).unsqueeze(2)  # [num_rows, num_heads, 1, head_dim]
@@ -116,7 +119,7 @@ class TorchKernel:
             sinks_, bias = terms.sinks, None
             if terms.per_query:  # [num_rows, num_heads, 1, ...] over the group's padded keys
                 distance = (group.context_lens[:, None] - 1) - torch.arange(k.shape[2], device=q.device)[None, :]
-                bias, row_sinks, selected = terms.of_rows(lambda t: t.index_select(0, group.rows), distance)
+                bias, row_sinks, selected = terms_of_rows(terms, lambda t: t.index_select(0, group.rows), distance)
                 if selected is not None:
                     mask = mask & selected[:, None, None, :]
                 sinks_ = sinks_ if row_sinks is None else row_sinks.unsqueeze(2)
@@ -125,13 +128,12 @@ class TorchKernel:
             output.index_copy_(0, group.rows, out.squeeze(2))
 
     def attend_prefills(self, query, key, value, output, key_cache, value_cache, plan: TorchPlan, *, scaling,
-                        sliding_window, softcap, scales=None, sinks=None, chunk_size=None, **per_query) -> None:
+                        sliding_window, softcap, scales=None, chunk_size=None, terms: ScoreTerms = NO_TERMS) -> None:
         """Writes the output rows of the prefill chunks."""
         if not plan.prefills:  # a step of decodes: nothing to set up
             return
         num_kv_heads, head_dim = key_cache.shape[-2:]
         value_head_dim = value_cache.shape[-1]
-        terms = ScoreTerms(sinks=sinks, **per_query)
         for index, chunk in enumerate(plan.prefills):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
@@ -154,7 +156,7 @@ class TorchKernel:
                     offset = chunk.context_len - chunk.query_len
                     distance = (torch.arange(offset, chunk.context_len, device=q.device)[:, None]
                                 - torch.arange(chunk.context_len, device=q.device)[None, :])
-                    bias, row_sinks, selected = terms.of_rows(lambda t: t[rows], distance)
+                    bias, row_sinks, selected = terms_of_rows(terms, lambda t: t[rows], distance)
                     if selected is not None:
                         mask = mask & selected
                     sinks_ = sinks_ if row_sinks is None else row_sinks.transpose(0, 1).unsqueeze(0)
@@ -249,44 +251,19 @@ def _decode_group(group: list[tuple[int, int, list[int]]], device) -> DecodeGrou
     )
 
 
-@dataclass
-class ScoreTerms:
-    """What some models add to each query token's scores beyond the causal, window and chunk masks (None: absent).
-    - sinks: [num_heads] (gpt-oss) or [num_tokens, num_heads] (Inkling 2: each query token's own), a logit in the
-      softmax whose weight is dropped;
-    - distance_bias: [num_tokens, num_heads, extent], a logit each query token adds to the key `d` positions before
-      it, for 0 <= d < extent (Inkling's learned relative bias);
-    - alibi_slopes: [num_heads], ALiBi's `-slope * d` for the key `d` positions back (BLOOM, MPT);
-    - key_mask: [num_tokens, width] bool, the key positions each query token may attend (an indexer's selection,
-      sparse attention; positions at or past `width` are not selected)."""
-    sinks: torch.Tensor | None = None
-    distance_bias: torch.Tensor | None = None
-    alibi_slopes: torch.Tensor | None = None
-    key_mask: torch.Tensor | None = None
-
-    @property
-    def none(self) -> bool:
-        return self.sinks is None and not self.per_query
-
-    @property
-    def per_query(self) -> bool:
-        """Some term differs by query token (everything but per-head sinks): worked out per call of the kernel."""
-        return (self.distance_bias is not None or self.alibi_slopes is not None or self.key_mask is not None
-                or (self.sinks is not None and self.sinks.dim() == 2))
-
-    def of_rows(self, take, distance: torch.Tensor):
-        """For the query rows `take` picks of a [num_tokens, ...] tensor, whose keys are `distance` [rows, keys]
-        positions back: (bias [rows, heads, keys], per-token sinks [rows, heads, 1], selection [rows, keys]),
-        each None where absent (per-head sinks stay `self.sinks`)."""
-        bias = None
-        if self.distance_bias is not None:
-            bias = bias_by_distance(take(self.distance_bias), distance[:, None, :])
-        if self.alibi_slopes is not None:
-            alibi = -self.alibi_slopes.double()[None, :, None] * distance[:, None, :]  # rounded once, to the scores
-            bias = alibi if bias is None else bias + alibi
-        sinks = None if self.sinks is None or self.sinks.dim() == 1 else take(self.sinks)[:, :, None]
-        selected = None if self.key_mask is None else _selected(take(self.key_mask), distance.shape[-1])
-        return bias, sinks, selected
+def terms_of_rows(terms: ScoreTerms, take, distance: torch.Tensor):
+    """For the query rows `take` picks of a [num_tokens, ...] tensor, whose keys are `distance` [rows, keys]
+    positions back: (bias [rows, heads, keys], per-token sinks [rows, heads, 1], selection [rows, keys]), each None
+    where absent (per-head sinks stay `terms.sinks`)."""
+    bias = None
+    if terms.distance_bias is not None:
+        bias = bias_by_distance(take(terms.distance_bias), distance[:, None, :])
+    if terms.alibi_slopes is not None:
+        alibi = -terms.alibi_slopes.double()[None, :, None] * distance[:, None, :]  # rounded once, to the scores
+        bias = alibi if bias is None else bias + alibi
+    sinks = None if terms.sinks is None or terms.sinks.dim() == 1 else take(terms.sinks)[:, :, None]
+    selected = None if terms.key_mask is None else _selected(take(terms.key_mask), distance.shape[-1])
+    return bias, sinks, selected
 
 
 def _selected(key_mask: torch.Tensor, num_keys: int) -> torch.Tensor:

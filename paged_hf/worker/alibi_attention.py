@@ -4,7 +4,7 @@ Both add a per-head slope times each key's position to the scores, computed by t
 tensor their model builds over the positions of one contiguous sequence (BLOOM from its 2-D attention mask, which
 a step does not pass). Softmax does not change when a query's scores all move by one number, so `slope * key
 position` equals `-slope * (query position - key position)`: the stand-ins compute the module's projections and
-cache write and hand the paged cache the slopes (`alibi_slopes`: the torch kernel adds `-slope * distance`,
+cache write and hand the paged cache the slopes (`ScoreTerms.alibi_slopes`: the torch kernel adds `-slope * distance`,
 kernels/torch_kernel.py). During a step BLOOM's model builds no ALiBi tensor (OwnAttentions' overrides).
 """
 
@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from paged_hf.integrations.transformers import UnservedAttention, step_cache
+from paged_hf.kernels.spec import ScoreTerms
 from paged_hf.worker.packed_linears import StandIn, modeling_global
 
 
 class BloomAttention(StandIn):
     """BloomAttention's forward in a step; its own forward outside steps."""
 
-    alibi = True
+    score_terms = frozenset({"alibi_slopes"})  # what its calls add to the scores (kernels/spec.py)
 
     def __init__(self, original: torch.nn.Module):
         super().__init__(original)
@@ -37,7 +38,7 @@ class BloomAttention(StandIn):
         query, key, value = attention._reshape(attention.query_key_value(hidden_states))
         key, value = layer_past.update(key, value, attention.layer_idx)
         output = layer_past.attend(attention, query, key, value, scaling=attention.inv_norm_factor,
-                                   sliding_window=None, softcap=None, alibi_slopes=self.slopes)
+                                   sliding_window=None, softcap=None, terms=ScoreTerms(alibi_slopes=self.slopes))
         output = output.reshape(*hidden_states.shape[:-1], -1)
         if attention.pretraining_tp > 1 and attention.slow_but_exact:  # its own sum over the dense's slices
             width, weight = attention.hidden_size // attention.pretraining_tp, attention.dense.weight
@@ -52,7 +53,7 @@ class MptAttention(StandIn):
     """MptAttention's forward in a step; its own forward outside steps. Its slopes are its model's own function's
     (`build_mpt_alibi_tensor`, whose last-but-one column over two positions is `-slope`)."""
 
-    alibi = True
+    score_terms = frozenset({"alibi_slopes"})  # what its calls add to the scores (kernels/spec.py)
 
     def __init__(self, original: torch.nn.Module):
         super().__init__(original)
@@ -72,7 +73,7 @@ class MptAttention(StandIn):
         query, key, value = (part.reshape(shape).transpose(1, 2) for part in qkv.chunk(3, dim=2))
         key, value = cache.update(key, value, attention.layer_idx)
         output = cache.attend(attention, query, key, value, scaling=attention.softmax_scale, sliding_window=None,
-                              softcap=None, alibi_slopes=self.slopes)
+                              softcap=None, terms=ScoreTerms(alibi_slopes=self.slopes))
         return attention.out_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
 
 

@@ -5,10 +5,10 @@ read from `cache.update_indexer`) and keeps the top ones; the attention then att
 Its forward reads one sequence with its whole history: the keys so far, and rotary positions from 0 for the
 blocks' starts. In a step the stand-in runs the model's own indexer once per request, on that request's tokens,
 with its history from the paged indexer keys (worker/indexer_keys.py), its positions and a causal mask over its
-context; the selections go to the torch kernel as a mask over each query token's keys (`key_mask`), and the rest
-of the attention is the module's own code over the packed row. DeepSeek-V3.2's attention takes its indexer's top-k
+context; the selections go to the torch kernel as a mask over each query token's keys (`ScoreTerms.key_mask`), and
+the rest of the attention is the module's own code over the packed row. DeepSeek-V3.2's attention takes its indexer's top-k
 positions and hands them to its attention function as `indices` (as to a sparse kernel): there only the indexer
-has a stand-in, and the paged cache turns the indices into the mask (`selection_mask`).
+has a stand-in, and the paged cache turns the indices into the mask (`PagedCache.key_mask_of`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from paged_hf.integrations.transformers import step_cache
+from paged_hf.kernels.spec import ScoreTerms
 from paged_hf.worker.packed_linears import StandIn, modeling_global
 
 
@@ -46,7 +47,7 @@ class Qwen4ExpAttention(StandIn):
         query, key = modeling_global(attention, "apply_rotary_pos_emb")(query, key, cos, sin)
         key, value = cache.update(key, value, attention.layer_idx)
         output = cache.attend(attention, query, key, value, scaling=attention.scaling, sliding_window=None,
-                              softcap=None, key_mask=key_mask)
+                              softcap=None, terms=ScoreTerms(key_mask=key_mask))
         output = output.reshape(*input_shape, -1) * torch.sigmoid(gate)
         return attention.o_proj(output), None
 

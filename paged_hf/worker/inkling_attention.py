@@ -2,9 +2,9 @@
 
 Each query token adds a learned logit per backward distance to its scores (`position_bias`), which their forward
 builds densely over the positions a contiguous cache reports; a packed row has no such positions. The stand-ins
-compute what the module computes and hand the paged cache the per-token table itself (`distance_bias`: the torch
-kernel adds each entry by the key's distance, kernels/torch_kernel.py), with Inkling 2's sinks, one logit per
-query token and head. Their short convolutions go through the recurrent mixers as any hybrid's (each K and V
+compute what the module computes and hand the paged cache the per-token table itself (`ScoreTerms.distance_bias`:
+the torch kernel adds each entry by the key's distance, kernels/torch_kernel.py), with Inkling 2's sinks, one
+logit per query token and head. Their short convolutions go through the recurrent mixers as any hybrid's (each K and V
 projection convolves its own tokens with a state per request). Inkling 2 also attends across depth, over the
 states of its earlier blocks at one position (`BlockAttentionResidual`, `MessageAttentionResidual`): no cache,
 no sequence; those calls keep the attention function the model had when it was wrapped.
@@ -17,6 +17,7 @@ import inspect
 import torch
 
 from paged_hf.integrations.transformers import step_cache
+from paged_hf.kernels.spec import ScoreTerms
 from paged_hf.worker.packed_linears import StandIn
 
 
@@ -47,7 +48,8 @@ class InklingAttention(StandIn):
             query = (query.float() * tau.view(1, 1, -1, 1)).to(query.dtype)
             table = (table.float() * tau.view(-1, 1, 1)).to(table.dtype)
         output = cache.attend(attention, query, key, value, scaling=attention.scaling,
-                              sliding_window=attention.sliding_window, softcap=None, distance_bias=table)
+                              sliding_window=attention.sliding_window, softcap=None,
+                              terms=ScoreTerms(distance_bias=table))
         return attention.o_proj(output.reshape(*input_shape, -1)), None
 
 
@@ -79,7 +81,8 @@ class Inkling2Attention(StandIn):
         table = (bias.norm(relative, positions) @ bias.proj)[0]  # [num_tokens, num_heads, extent]
         sinks = attention.sink_proj(hidden_states)[0]  # [num_tokens, num_heads]
         output = cache.attend(attention, query, key, value, scaling=attention.scaling,
-                              sliding_window=attention.sliding_window, softcap=None, sinks=sinks, distance_bias=table)
+                              sliding_window=attention.sliding_window, softcap=None,
+                              terms=ScoreTerms(sinks=sinks, distance_bias=table))
         return attention.o_proj(output.reshape(*hidden_states.shape[:-1], -1), hidden_states), None
 
 

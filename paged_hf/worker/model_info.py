@@ -9,14 +9,15 @@ from dataclasses import dataclass
 import torch
 
 from paged_hf.integrations import accelerate as accelerate_integration
-from paged_hf.worker.model_probe import AttentionLayer, probe_layers
+from paged_hf.kernels.spec import AttentionSpec
+from paged_hf.worker.model_probe import probe_layers
 from paged_hf.worker.recurrent_state import StateLayer
 
 
 @dataclass
 class ModelInfo:
     num_layers: int  # cache layers (what the model's attention writes; usually its decoder layers)
-    attention_layers: list[AttentionLayer]  # per cache layer: heads, K and V head_dim, device, sinks
+    attention_layers: list[AttentionSpec]  # per cache layer: heads, K and V head_dim, device, window, score terms
     state_layers: list[StateLayer]  # a hybrid model's recurrent layers (their states per request); else []
     dtype: torch.dtype
     input_device: torch.device  # where input_ids go (where the embedding computes)

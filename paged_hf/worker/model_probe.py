@@ -13,8 +13,8 @@ attention, no cache at all, a window only the mask knows.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -28,6 +28,7 @@ from transformers.cache_utils import (
 )
 
 from paged_hf.integrations.transformers import eager_attention
+from paged_hf.kernels.spec import AttentionSpec
 from paged_hf.loader.pipeline_stage import absent_layers, stage_of
 from paged_hf.worker.attention_switch import AttentionSwitch
 from paged_hf.worker.module_states import STATE_CACHES, read_own_state_layers
@@ -41,27 +42,13 @@ class UnsupportedModelError(ValueError):
     """The engine cannot compute this model's forward exactly: refused at `wrap()`, never served differently."""
 
 
-@dataclass
-class AttentionLayer:
-    """One slot of the paged cache: what one `cache.update(key, value, layer_idx)` writes."""
-    layer_idx: int
-    num_kv_heads: int
-    head_dim: int  # of the keys
-    value_head_dim: int
-    device: torch.device
-    has_sinks: bool = False  # a per-head logit in the softmax (gpt-oss's `s_aux`)
-    chunk_size: int | None = None  # chunked attention: a query sees the keys of its own chunk only (Llama 4)
-    distance_bias: bool = False  # a learned logit by query-key distance added to the scores (Inkling)
-    indexer_dim: int | None = None  # a sparse-attention indexer's key per token beside the K/V (`update_indexer`)
-
-
 def model_name(model: torch.nn.Module) -> str:
     return type(model).__name__
 
 
 @torch.inference_mode()
-def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[list[AttentionLayer], list[StateLayer]]:
-    """-> one AttentionLayer per layer that writes K/V, in layer order, and one StateLayer per hybrid layer that
+def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[list[AttentionSpec], list[StateLayer]]:
+    """-> one AttentionSpec per layer that writes K/V, in layer order, and one StateLayer per hybrid layer that
     keeps a recurrent state. UnsupportedModelError for what cannot be paged."""
     _check_mask_terms(model, config)
     cache = _probe_cache(model, config)
@@ -90,12 +77,14 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     state_layers = read_state_layers(cache) + own_state_layers
     without_kv = {i for i, layer in enumerate(cache.layers) if isinstance(layer, DummyLayer)}  # MLP-only layers
     without_kv |= absent_layers(model)  # a pipeline stage's: other stages hold them
-    layers = _layers(model, records.updates, records.sinks, {layer.layer_idx for layer in state_layers} | without_kv)
-    for layer in layers:
-        layer.distance_bias = layer.layer_idx in records.biased
-        layer.indexer_dim = records.indexers.get(layer.layer_idx)
+    layers = _layers(model, records.updates, {layer.layer_idx for layer in state_layers} | without_kv)
+    declared = own_attentions.score_terms()  # terms that stand-ins add to layers whose own code passes none
+    layers = [dataclasses.replace(layer, indexer_dim=records.indexers.get(layer.layer_idx),
+                                  sliding_window=records.windows.get(layer.layer_idx),
+                                  score_terms=records.terms(layer.layer_idx) | declared.get(layer.layer_idx, set()))
+              for layer in layers]
     if not own_attentions.sites:  # (older families window in their own code, which their stand-ins pass on)
-        _apply_mask_patterns(model, config, layers, records.windows)
+        layers = _apply_mask_patterns(model, config, layers, records.windows)
     return layers, state_layers
 
 
@@ -108,7 +97,7 @@ class _Records:
         self.updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cache layer -> (key, value) written
         self.returned: dict[int, int] = {}  # id of the key update() returned -> its layer
         self._keep: list[torch.Tensor] = []  # those keys, alive while their ids are looked up
-        self.sinks: set[int] = set()
+        self.sinks: set[int] = set()  # layers whose attention call passes sinks (`s_aux`)
         self.biased: set[int] = set()  # layers whose attention call passes a `position_bias`
         self.windows: dict[int, int | None] = {}  # cache layer -> the sliding_window its attention call passed
         self.indexers: dict[int, int] = {}  # cache layer -> the dim of the indexer keys it keeps
@@ -125,6 +114,13 @@ class _Records:
         self.returned[id(result[0])] = layer_idx
         self._keep.append(result[0])
         return result
+
+    def terms(self, layer_idx: int) -> frozenset[str]:
+        """The ScoreTerms the layer's calls carry, as its own code shows them: sinks, a bias (Inkling's by
+        distance), an indexer's selection of keys."""
+        return frozenset(name for name, present in (("sinks", layer_idx in self.sinks),
+                                                    ("distance_bias", layer_idx in self.biased),
+                                                    ("key_mask", layer_idx in self.indexers)) if present)
 
     def update_indexer(self, keys, layer_idx, *args, **kwargs):
         self.indexers[layer_idx] = keys.shape[-1]
@@ -201,7 +197,7 @@ def _kinds_reason(kinds: set[str]) -> str:
     return "a cache layout of its own"
 
 
-def _layers(model, updates: dict, sinks: set[int], without_kv: set[int]) -> list[AttentionLayer]:
+def _layers(model, updates: dict, without_kv: set[int]) -> list[AttentionSpec]:
     """`without_kv`: layers that write no K/V by design (recurrent layers, MLP-only layers, K/V reused)."""
     if not updates and not without_kv:
         raise UnsupportedModelError(f"{model_name(model)} wrote no K/V to the cache: its attention does not use "
@@ -215,31 +211,36 @@ def _layers(model, updates: dict, sinks: set[int], without_kv: set[int]) -> list
         if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
             raise UnsupportedModelError(f"{model_name(model)} writes K {tuple(key.shape)} and V {tuple(value.shape)} "
                                         f"to cache layer {index}: not [batch, kv_heads, tokens, head_dim] pairs")
-        layers.append(AttentionLayer(index, key.shape[1], key.shape[-1], value.shape[-1], key.device, index in sinks))
+        layers.append(AttentionSpec(index, key.shape[1], key.shape[-1], value.shape[-1], key.device, key.dtype))
     return layers
 
 
-def _apply_mask_patterns(model, config, layers: list[AttentionLayer], windows: dict[int, int | None]) -> None:
+def _apply_mask_patterns(model, config, layers: list[AttentionSpec],
+                         windows: dict[int, int | None]) -> list[AttentionSpec]:
     """Each layer's mask as transformers would build it (the config's layer types), checked against what its
-    attention call passes: the paged kernels window by the call, so a window only the mask knows is refused."""
+    attention call passes: the paged kernels window by the call, so a window only the mask knows is refused. The
+    layers come back with their chunks (Llama 4's chunked layers are masked by chunk)."""
     try:
         types, per_layer = get_layer_types_and_kwargs(config)
     except Exception:  # noqa: BLE001 - a config without per-layer patterns: the calls' windows are all there is
-        return
+        return layers
     if any(layer.layer_idx >= len(types) for layer in layers):
-        return  # cache slots that are not decoder layers (recurrent stacks): the calls' windows are all there is
+        return layers  # cache slots that are not decoder layers (recurrent stacks): the calls' windows are all there is
+    checked = []
     for layer in layers:
         index, kind, kwargs = layer.layer_idx, types[layer.layer_idx], per_layer[layer.layer_idx]
         kind = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}.get(kind, kind)
         window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
         passed = windows.get(index)
         if kind == "chunked_attention":
-            layer.chunk_size = kwargs["sliding_window"]
+            layer = dataclasses.replace(layer, chunk_size=kwargs["sliding_window"])
         if passed != window and not (kind == "chunked_attention" and passed is None):
             raise UnsupportedModelError(
                 f"{model_name(model)} layer {index} is {kind.replace('_', ' ')}"
                 + (f" over {window} tokens" if window else "") + f" in its mask, but its attention call passes "
                 f"sliding_window={passed}: the paged kernels window by the call")
+        checked.append(layer)
+    return checked
 
 
 def _returned_cache(output):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -36,17 +37,13 @@ class ModelRunner:
         self.info = info
         self.block_size = config.block_size
         kv_dtype = storage_dtype(config.kv_cache_dtype, info.dtype)
-        layers = info.attention_layers
         self.own_attentions = OwnAttentions(model, text_config(model.config))  # attention code of their own
-        self.kernel = select_kernel(config.attention_backend, info.layer_devices, info.dtype, info.head_dim, kv_dtype,
-                                    info.value_head_dim, sinks=any(layer.has_sinks for layer in layers),
-                                    chunked=any(layer.chunk_size for layer in layers),
-                                    distance_bias=any(layer.distance_bias for layer in layers),
-                                    sparse=any(layer.indexer_dim for layer in layers),
-                                    alibi=any(getattr(s, "alibi", False) for *_, s in self.own_attentions.sites))
+        specs = [dataclasses.replace(spec, dtype=info.dtype, kv_dtype=None if kv_dtype == info.dtype else kv_dtype)
+                 for spec in info.attention_layers]  # as this cache stores them
+        self.kernel = select_kernel(config.attention_backend, specs)
         states = RecurrentStates(info.state_layers, state_slot_count(config)) if info.is_hybrid else None
-        self.cache = paged_cache_class(own_cache_class(model))(num_blocks, config.block_size, info.attention_layers, info.dtype, self.kernel, kv_dtype,
-                                states)
+        self.cache = paged_cache_class(own_cache_class(model))(num_blocks, config.block_size, specs, info.dtype,
+                                                               self.kernel, kv_dtype, states)
         self.recurrent_mixers = RecurrentMixers(model, states)  # a hybrid's recurrent layers, request by request
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)

@@ -140,6 +140,12 @@ class OwnAttentions(ModuleSwaps):
                     self.sites.append((parent, name, child, stand_in))
         self.overrides = step_overrides(model) if self.sites else []
 
+    def score_terms(self) -> dict[int, frozenset[str]]:
+        """cache layer -> the ScoreTerms its stand-in adds to the scores (ALiBi's slopes: the module's own code
+        computes them inline, so no attention call of its shows them to the model probe)."""
+        return {original.layer_idx: stand_in.score_terms for _, _, original, stand_in in self.sites
+                if getattr(stand_in, "score_terms", None) and getattr(original, "layer_idx", None) is not None}
+
     def __enter__(self) -> None:
         super().__enter__()
         for owner, name, value in self.overrides:

@@ -21,10 +21,10 @@ from transformers.cache_utils import Cache
 
 from paged_hf.integrations.transformers import UnservedAttention, selection_mask
 from paged_hf.kernels.quant import KVScales, as_bytes, is_quantized
+from paged_hf.kernels.spec import NO_TERMS, AttentionSpec, ScoreTerms
 from paged_hf.profiling import span
 from paged_hf.worker.gathered_attention import GatheredAttention
 from paged_hf.worker.indexer_keys import IndexerKeys
-from paged_hf.worker.model_probe import AttentionLayer
 from paged_hf.worker.recurrent_mixers import RecurrentStep
 from paged_hf.worker.recurrent_state import RecurrentStates
 from paged_hf.worker.step_books import StepBooks
@@ -52,9 +52,9 @@ class NoLayer:
 
 
 class PagedCache(Cache):
-    def __init__(self, num_blocks: int, block_size: int, layers: list[AttentionLayer], dtype: torch.dtype, kernel,
+    def __init__(self, num_blocks: int, block_size: int, layers: list[AttentionSpec], dtype: torch.dtype, kernel,
                  kv_dtype: torch.dtype | None = None, states: RecurrentStates | None = None):
-        """layers: one per cache slot (worker.model_probe); dtype: the model's; kv_dtype: the cache's storage
+        """layers: one spec per cache slot (worker.model_probe); dtype: the model's; kv_dtype: the cache's storage
         dtype when it is quantized (int8/fp8); states: a hybrid model's recurrent-state slots."""
         Cache.__init__(self, layers=NoLayerObjects())  # (not a model's own cache class's __init__)
         kv_dtype = kv_dtype or dtype
@@ -163,7 +163,7 @@ class PagedCache(Cache):
             return self.kernel.attend(query, key, value, self.key_cache[slot], self.value_cache[slot],
                                       self._plans[self.layer_devices[slot]],
                                       scales=self.scales[slot], scaling=scaling, sliding_window=None, softcap=None,
-                                      sinks=None, chunk_size=self.attention_layers[slot].chunk_size)
+                                      chunk_size=self.attention_layers[slot].chunk_size)
 
     def decode_rows(self, slot: int):
         """For a step whose every query the CPU kernel's decode call serves, over cache slot `slot`'s unquantized
@@ -181,37 +181,32 @@ class PagedCache(Cache):
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                scaling: float, sliding_window: int | None, softcap: float | None,
-               sinks: torch.Tensor | None = None, distance_bias: torch.Tensor | None = None,
-               key_mask: torch.Tensor | None = None, selected: torch.Tensor | None = None,
-               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+               terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
         """query: [1, num_heads, num_tokens, head_dim] -> [1, num_tokens, num_heads, value_head_dim]; key/value:
-        what the module hands its attention function (its layer is found by them, step_books.py); distance_bias
-        [num_tokens, num_heads, extent], key_mask [num_tokens, width] and alibi_slopes [num_heads]: the torch
-        kernel's (kernels/torch_kernel.py `ScoreTerms`); selected [1, num_tokens, k]: each query token's key
-        positions (-1: none), as a sparse kernel takes them, turned into the key mask here."""
-        if selected is not None:
-            key_mask = selection_mask(selected[0], max(self.metadata.context_lens))
+        what the module hands its attention function (its layer is found by them, step_books.py); `terms`: what
+        the layer adds to its scores (kernels/spec.py), handed to the kernel as they are."""
         with span("attention"):
-            return self._attend(module, query, key, value, scaling, sliding_window, softcap, sinks,
-                                dict(distance_bias=distance_bias, key_mask=key_mask, alibi_slopes=alibi_slopes))
+            layer_idx, transform = self.books.resolve(module, key, value)
+            query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, dim]
+            masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+                           chunk_size=self.attention_layers[layer_idx].chunk_size, terms=terms)
+            key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
+            if transform is None:
+                output = self.kernel.attend(query, key, value, key_cache, value_cache,
+                                            self._plans[self.layer_devices[layer_idx]],
+                                            scales=self.scales[layer_idx], **masking)
+            elif self.scales[layer_idx] is not None:
+                raise UnservedAttention("an attention of transformed K/V (MLA, rearranged heads) over an int8/fp8 "
+                                        "cache")
+            else:
+                output = self.gathered_attention.attend(transform, query, key, value, key_cache, value_cache,
+                                                        self.metadata, **masking)
+            return output.unsqueeze(0)
 
-    def _attend(self, module, query, key, value, scaling, sliding_window, softcap, sinks, extra) -> torch.Tensor:
-        layer_idx, transform = self.books.resolve(module, key, value)
-        query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, dim]
-        masking = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-                       chunk_size=self.attention_layers[layer_idx].chunk_size)
-        masking.update({name: tensor for name, tensor in extra.items() if tensor is not None})
-        key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
-        if transform is None:
-            output = self.kernel.attend(query, key, value, key_cache, value_cache,
-                                        self._plans[self.layer_devices[layer_idx]], scales=self.scales[layer_idx],
-                                        **masking)
-        elif self.scales[layer_idx] is not None:
-            raise UnservedAttention("an attention of transformed K/V (MLA, rearranged heads) over an int8/fp8 cache")
-        else:
-            output = self.gathered_attention.attend(transform, query, key, value, key_cache, value_cache,
-                                                    self.metadata, **masking)
-        return output.unsqueeze(0)
+    def key_mask_of(self, selected: torch.Tensor) -> torch.Tensor:
+        """selected [1, num_tokens, k]: each query token's key positions (-1: none), as a sparse kernel takes
+        them -> [num_tokens, longest context] bool, as `ScoreTerms.key_mask`."""
+        return selection_mask(selected[0], max(self.metadata.context_lens))
 
     def get_conv_state(self, *args, **kwargs):
         raise UnservedAttention("the model keeps a convolution state in its cache: hybrid layers are not paged")

@@ -8,6 +8,7 @@ import torch
 from paged_hf.integrations.transformers import register
 from paged_hf.kernels import cpu_kernel
 from paged_hf.kernels.selection import select_kernel
+from paged_hf.kernels.spec import AttentionSpec, ScoreTerms
 from paged_hf.kernels.torch_kernel import TorchKernel
 from paged_hf.kernels.cpu_kernel import CpuKernel
 from paged_hf.kernels.quant import KVScales
@@ -94,7 +95,7 @@ def check_against_dense(kernel, shapes, *, num_heads, num_kv_heads, head_dim, bl
         selection[torch.arange(starts[-1]), torch.tensor(own)] = True
         extra["key_mask"] = selection[:, : width - 3]  # narrower than the longest context: past it, nothing
     out = kernel.attend(query, new_k, new_v, key_cache, value_cache, plan, scaling=scaling, sliding_window=window,
-                        softcap=softcap, **extra)
+                        softcap=softcap, terms=ScoreTerms(**extra))
     for i in range(len(shapes)):
         rows = slice(starts[i], starts[i + 1])
         k, v = full_k[i], full_v[i]
@@ -245,23 +246,52 @@ def test_float32_prompt_chunks_go_to_the_tiles_only_on_an_avx512_cpu():
         assert [chunk.query_len for chunk in plan.prefills] == ([] if tiles else [limit + 1])
 
 
+def specs(dtype: torch.dtype, head_dims: list[int], kv_dtype: torch.dtype | None = None, device: str = "cpu",
+          **fields) -> list[AttentionSpec]:
+    """One AttentionSpec per head_dim: a model's layers as the model probe describes them."""
+    return [AttentionSpec(i, 2, d, d, torch.device(device), dtype, kv_dtype, **fields) for i, d in enumerate(head_dims)]
+
+
 def test_kernel_selection():
-    cpu = [torch.device("cpu")]
-    assert isinstance(select_kernel("auto", cpu, torch.float32, [64]), CpuKernel)
-    assert type(select_kernel("torch", cpu, torch.float32, [64])) is TorchKernel
+    assert isinstance(select_kernel("auto", specs(torch.float32, [64])), CpuKernel)
+    assert type(select_kernel("torch", specs(torch.float32, [64]))) is TorchKernel
     # bf16 and fp16 caches are read by the compiled kernel too (computed in float32: head_dim in 16s)
-    assert isinstance(select_kernel("auto", cpu, torch.bfloat16, [64]), CpuKernel)
-    assert isinstance(select_kernel("auto", cpu, torch.float16, [16]), CpuKernel)
+    assert isinstance(select_kernel("auto", specs(torch.bfloat16, [64])), CpuKernel)
+    assert isinstance(select_kernel("auto", specs(torch.float16, [16])), CpuKernel)
     # what the compiled kernel cannot tile falls back to torch under auto, and is refused when asked for
-    assert type(select_kernel("auto", cpu, torch.float32, [24])) is TorchKernel
-    assert type(select_kernel("auto", cpu, torch.bfloat16, [24])) is TorchKernel
-    assert type(select_kernel("auto", cpu, torch.float8_e5m2, [64])) is TorchKernel
+    assert type(select_kernel("auto", specs(torch.float32, [24]))) is TorchKernel
+    assert type(select_kernel("auto", specs(torch.bfloat16, [24]))) is TorchKernel
+    assert type(select_kernel("auto", specs(torch.float8_e5m2, [64]))) is TorchKernel
     with pytest.raises(ValueError, match="float32/float64/bfloat16/float16"):
-        select_kernel("cpu", cpu, torch.float8_e5m2, [64])
+        select_kernel("cpu", specs(torch.float8_e5m2, [64]))
     with pytest.raises(ValueError, match="64 bytes of torch.float32"):
-        select_kernel("cpu", cpu, torch.bfloat16, [24])
+        select_kernel("cpu", specs(torch.bfloat16, [24]))
     with pytest.raises(ValueError, match="CUDA"):
-        select_kernel("flashinfer", cpu, torch.float16, [64])
+        select_kernel("flashinfer", specs(torch.float16, [64]))
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_kernel("fastest", specs(torch.float32, [64]))
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"score_terms": frozenset({"sinks"})}, "attention sinks"),
+    ({"score_terms": frozenset({"alibi_slopes"})}, "ALiBi"),
+    ({"score_terms": frozenset({"distance_bias"})}, "bias by distance"),
+    ({"score_terms": frozenset({"key_mask"})}, "keys selected"),
+    ({"chunk_size": 8}, "chunked"),
+])
+def test_what_only_the_torch_kernel_computes_goes_to_it_and_says_why(fields, named):
+    """One layer's feature is enough: the compiled kernel refuses the model, naming the feature."""
+    layers = specs(torch.float32, [64, 64])
+    layers[1] = AttentionSpec(**{**layers[1].__dict__, **fields})
+    assert type(select_kernel("auto", layers)) is TorchKernel
+    with pytest.raises(ValueError, match=named):
+        select_kernel("cpu", layers)
+
+
+def test_k_and_v_of_different_widths_go_to_the_torch_kernel():
+    layers = [AttentionSpec(0, 2, 64, 32, torch.device("cpu"), torch.float32)]  # MLA: V narrower than K
+    with pytest.raises(ValueError, match="MLA"):
+        select_kernel("cpu", layers)
 
 
 @pytest.mark.parametrize("broken, message", [
@@ -282,9 +312,9 @@ def test_cpu_kernel_that_cannot_be_built_falls_back_to_torch(broken, message, mo
         (tmp_path / "cache").write_text("a file where the cache folder should be")
     native.load_paged_decode.cache_clear()
     try:
-        assert type(select_kernel("auto", [torch.device("cpu")], torch.float32, [64])) is TorchKernel
+        assert type(select_kernel("auto", specs(torch.float32, [64]))) is TorchKernel
         with pytest.raises(ValueError, match=message):
-            select_kernel("cpu", [torch.device("cpu")], torch.float32, [64])
+            select_kernel("cpu", specs(torch.float32, [64]))
     finally:
         native.load_paged_decode.cache_clear()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels import dense_reference
+from test_kernels import dense_reference, specs
 
 from paged_hf.kernels.selection import select_kernel
 from paged_hf.kernels.torch_kernel import TorchKernel
@@ -130,10 +130,9 @@ def test_quantized_paged_attention_matches_dense_over_dequantized_values(kernel_
 
 
 def test_kernel_selection_with_a_quantized_cache():
-    cpu = [torch.device("cpu")]
     for kv_dtype in KV_DTYPES:  # the compiled kernel reads every quantized cache, whatever the model's dtype
-        assert isinstance(select_kernel("auto", cpu, torch.float32, [64], kv_dtype), CpuKernel)
-        assert isinstance(select_kernel("auto", cpu, torch.bfloat16, [16], kv_dtype), CpuKernel)
-    assert type(select_kernel("auto", cpu, torch.float32, [24], torch.int8)) is TorchKernel
+        assert isinstance(select_kernel("auto", specs(torch.float32, [64], kv_dtype)), CpuKernel)
+        assert isinstance(select_kernel("auto", specs(torch.bfloat16, [16], kv_dtype)), CpuKernel)
+    assert type(select_kernel("auto", specs(torch.float32, [24], torch.int8))) is TorchKernel
     with pytest.raises(ValueError, match="int8/fp8 cache or one in the model's dtype"):
-        select_kernel("cpu", cpu, torch.float32, [64], torch.float16)
+        select_kernel("cpu", specs(torch.float32, [64], torch.float16))
