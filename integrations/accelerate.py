@@ -2,7 +2,7 @@
 
 With `device_map=...` a layer's weights may sit on a GPU, on the CPU, or be offloaded (meta tensors that
 accelerate's hook loads for each forward, onto the hook's `execution_device`). The cache follows the
-device the layer *computes* on (where its K/V arrive: worker/model_probe.py records it); block ids are shared
+device the layer *computes* on (where its K/V arrive: worker/probes/model_probe.py records it); block ids are shared
 by all devices, so one block table serves every layer.
 """
 

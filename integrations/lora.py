@@ -325,7 +325,7 @@ class LoRAManager:
                 original = modules[attribute]
                 originals.append(original)
                 if original is not wrapper.wrapped:  # the stand-ins in place change rarely: looked at then only
-                    # the engine's packed stand-in of the base layer (paged_hf.worker.packed_linears or
+                    # the engine's packed stand-in of the base layer (paged_hf.worker.fast_paths.packed_linears or
                     # fused_layers), when one is in place; a plain attribute, not a registered submodule
                     # (state_dict and forward's lookups stay as they are)
                     object.__setattr__(wrapper, "packed_base",

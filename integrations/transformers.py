@@ -58,7 +58,7 @@ def step_cache():
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sliding_window=None, softcap=None, s_aux=None, indices=None, **kwargs):
     """`indices`: [1, num_tokens, k], the key positions each query token attends (a sparse-attention indexer's,
-    in a step: worker/indexed_attention.py), -1 for none."""
+    in a step: worker/families/indexed.py), -1 for none."""
     cache = _STEP_CACHE.get()
     if cache is None:
         if indices is not None:  # outside a step: the selection as a mask, as the model's own eager/sdpa path does

@@ -59,8 +59,8 @@ class CpuPlan(TorchPlan):
 @dataclass
 class DecodeRows:
     """The decode kernel's call in a step whose every query it serves, its per-step arguments gathered once (the
-    lean layers call it in every layer, worker/lean_layers.py): q rows read in place at their row stride (a bf16
-    model's) or copied out of them (float32)."""
+    lean layers call it in every layer, worker/fast_paths/lean_layers.py): q rows read in place at their row
+    stride (a bf16 model's) or copied out of them (float32)."""
     function: Callable
     in_place: bool  # the bf16-rows entry point: q read at its row stride, the output written in bf16
     dtype: torch.dtype  # of the q rows and the output

@@ -3,7 +3,7 @@ or after the residual add), SiLU-and-multiply and rotary embeddings; and the gre
 function returns None (False) where the compiled op cannot serve its arguments (another device or dtype, rows
 that are not evenly strided, no compiler), and the caller then runs the model's own torch ops, which are also
 what these are tested against. `RowOps`: the same compiled ops, and rotary with the K/V writes in one call, for
-a caller that checked its tensors once a step (worker/lean_layers.py).
+a caller that checked its tensors once a step (worker/fast_paths/lean_layers.py).
 """
 
 from __future__ import annotations
@@ -152,10 +152,10 @@ def scatter_rows(source: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor)
 
 class RowOps:
     """The compiled ops for a caller that checked its tensors once (the lean decoder layers of a step,
-    worker/lean_layers.py): every tensor here is a contiguous CPU tensor of `dtype` (bfloat16 or float32), rows of
-    its last dim, outputs included (the caller's buffers), and nothing is checked again. The same entry points, so
-    the same bits, as the checked functions above; without their checks, which cost more Python than a small
-    step's kernels take (~10-25 us a call)."""
+    worker/fast_paths/lean_layers.py): every tensor here is a contiguous CPU tensor of `dtype` (bfloat16 or
+    float32), rows of its last dim, outputs included (the caller's buffers), and nothing is checked again. The
+    same entry points, so the same bits, as the checked functions above; without their checks, which cost more
+    Python than a small step's kernels take (~10-25 us a call)."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype

@@ -19,7 +19,7 @@ from paged_hf.outputs import (
 )
 from paged_hf.pooling_params import PoolingParams
 from paged_hf.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
-from paged_hf.worker.model_probe import UnsupportedModelError
+from paged_hf.worker.probes.model_probe import UnsupportedModelError
 from paged_hf.worker.paged_cache import PagedCache
 
 __all__ = [

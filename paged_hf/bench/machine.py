@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from paged_hf.bench.workloads import Workload
 from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
-from paged_hf.worker.packed_linears import PackedLinear, packable_dtypes
+from paged_hf.worker.fast_paths.packed_linears import PackedLinear, packable_dtypes
 
 
 @dataclass

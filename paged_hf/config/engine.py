@@ -52,10 +52,11 @@ class PagedConfig:
     # bounds on a request's token constraints: bad_words entries (each tokenized twice at submission)
     max_bad_words: int = 1024
     # CPU: run the model's float32/bfloat16 linears on oneDNN-packed copies of their weights during steps
-    # (2.3x faster float32 matmuls than MKL's on AMD; costs the weights' memory once more), paged_hf.worker.packed_linears
+    # (2.3x faster float32 matmuls than MKL's on AMD; costs the weights' memory once more),
+    # paged_hf.worker.fast_paths.packed_linears
     pack_linear_weights: bool = True
     # CPU: q/k/v and gate/up as one matmul each, RMSNorm and SiLU-and-multiply as single compiled ops, in the
-    # modules that run Llama's forward code (paged_hf.worker.fused_layers); False: the model's own modules
+    # modules that run Llama's forward code (paged_hf.worker.fast_paths.fused_layers); False: the model's own modules
     fuse_layers: bool = True
     # speculative decoding (vLLM's speculative_config): a SpeculativeConfig or its fields as a dict / JSON
     # text, e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off

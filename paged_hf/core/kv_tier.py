@@ -1,6 +1,6 @@
 """The second KV tier's bookkeeping: stable keys, byte-capped LRU indexes and the transfers the runner makes.
 
-Below the block pool sit host memory and a directory on disk (the store, `worker/kv_store.py`). A full block
+Below the block pool sit host memory and a directory on disk (the store, `worker/kv_tier/store.py`). A full block
 the pool drops goes to host memory; a newly computed full block goes to disk (write-through, so a restart finds
 what was cached in the pool too). A prefix lookup that runs past the pool's hits asks the store; a hit is read
 (and checked) at lookup, held here as an opaque payload, and loaded into a fresh pool block by the runner before
@@ -8,7 +8,7 @@ the step's forward, so the request skips those tokens exactly as it skips pool h
 
 The tier's keys are not the pool's block hashes: those hold the adapter's per-process version. A tier key is a
 chain over the whole token prefix rooted in the namespace (model weights, config and dtype, KV cache dtype,
-block size: `worker/kv_offload.py`) and the request's stable key (the adapter's content hash, the cache salt),
+block size: `worker/kv_tier/offload.py`) and the request's stable key (the adapter's content hash, the cache salt),
 so equal keys mean equal K/V in any process that loads the same model.
 
 No torch here (core is bookkeeping): payloads are whatever the store hands back, moved by the worker.
@@ -82,7 +82,7 @@ class LRUIndex:
 
 
 class TierStore(Protocol):
-    """What the worker's store does (paged_hf.worker.kv_store.TieredStore)."""
+    """What the worker's store does (paged_hf.worker.kv_tier.store.TieredStore)."""
 
     def wants(self, key: bytes, evicted: bool) -> bool:
         """Whether a block under `key` should be saved: dropped by the pool (`evicted`) or just computed."""

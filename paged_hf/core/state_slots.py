@@ -5,7 +5,7 @@ per-token K/V (vLLM's hybrid KV-cache manager keeps one such slot per request to
 it first gets blocks and gives it back with them (finished, aborted, preempted: a preempted request recomputes
 its state from its first token, as it recomputes its K/V). A forked child (`n > 1`, beams) gets a slot of its
 own holding a copy of its parent's state: the copy, like a copy-on-write block copy, is made by the model runner
-before the step's forward (`take_copies`). The slots' tensors live in the worker (worker/recurrent_state.py);
+before the step's forward (`take_copies`). The slots' tensors live in the worker (worker/hybrid/recurrent_state.py);
 this pool only hands out their indices.
 """
 

@@ -6,7 +6,7 @@ slice of its input features and sums its output over the stage's ranks (one all-
 after the MLP, as transformers' own tensor parallelism). The embeddings, norms and LM head stay whole on every rank,
 so each rank holds the stage's hidden states in full, sends them to the same rank of the next stage and computes
 the same logits. The model's own attention code reads the head count off its q/k/v shapes, and so does the engine
-(worker/model_probe.py): a rank's cache holds its own heads. transformers' own pipeline-with-tensor loading
+(worker/probes/model_probe.py): a rank's cache holds its own heads. transformers' own pipeline-with-tensor loading
 (`DistributedConfig(pp_size=..., tp_size=...)`) is not used: in 5.24 it fails to load (its plan names the
 parameters its pipeline dropped).
 """

@@ -1,1 +1,2 @@
-"""Runs the model on one step: step inputs, `PagedCache`, packed linears, cache sizing, model facts."""
+"""Runs the model on one step: step inputs, `PagedCache` and its books, the step's swaps, cache sizing, model
+facts; the families, hybrid states, fast paths, KV tier and probes in folders of their own."""

@@ -15,6 +15,7 @@ longer computes its class's code, so it is not recognised as that code.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from types import FunctionType
 
@@ -62,10 +63,21 @@ def runs_own_class_code(module: torch.nn.Module) -> bool:
 def runs_forward_of(module: torch.nn.Module | None, reference: type) -> bool:
     """The module runs `reference`'s forward code (the same bytecode and names, under the same outer decorator
     code), as its class defines it (`runs_own_class_code`)."""
-    if module is None or not runs_own_class_code(module):
-        return False
-    forward = type(module).forward
-    return _same_outer_code(forward, reference.forward) and same_code(forward, reference.forward)
+    return module is not None and runs_own_class_code(module) and class_defines_forward_of(type(module), reference)
+
+
+def defines_forward_of(module: torch.nn.Module | None, reference: type) -> bool:
+    """The module's class defines `reference`'s forward code and the instance has no forward of its own; hooks
+    are the business of whoever swaps it (worker/stand_ins.py skips a hooked module in a step)."""
+    return (module is not None and "forward" not in module.__dict__
+            and class_defines_forward_of(type(module), reference))
+
+
+@functools.lru_cache(maxsize=4096)
+def class_defines_forward_of(cls: type, reference: type) -> bool:
+    """`cls.forward` is `reference.forward`'s code, at both ends of any decorators."""
+    forward, expected = getattr(cls, "forward", None), getattr(reference, "forward", None)
+    return _same_outer_code(forward, expected) and same_code(forward, expected)
 
 
 def forward_globals(module: torch.nn.Module) -> dict:

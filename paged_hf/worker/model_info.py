@@ -10,8 +10,8 @@ import torch
 
 from paged_hf.integrations import accelerate as accelerate_integration
 from paged_hf.kernels.spec import AttentionSpec
-from paged_hf.worker.model_probe import probe_layers
-from paged_hf.worker.recurrent_state import StateLayer
+from paged_hf.worker.probes.model_probe import probe_layers
+from paged_hf.worker.hybrid.recurrent_state import StateLayer
 
 
 @dataclass

@@ -9,25 +9,26 @@ import torch
 
 from paged_hf.config import PagedConfig
 from paged_hf.core.scheduler_output import SchedulerOutput
-from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register, step_scope
+from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
 from paged_hf.kernels.selection import select_kernel
 from paged_hf.kernels.quant import storage_dtype
 from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import AttentionSwitch
-from paged_hf.worker.engine_probe import verify_engine
-from paged_hf.worker.fused_layers import FusedLayers
-from paged_hf.worker.kv_offload import make_kv_offload
+from paged_hf.worker.probes.engine_probe import verify_engine
+from paged_hf.worker.fast_paths.fused_layers import FusedLayers
+from paged_hf.worker.kv_tier.offload import make_kv_offload
 from paged_hf.worker.model_info import ModelInfo, text_config
-from paged_hf.worker.own_attention import OwnAttentions
-from paged_hf.worker.recurrent_mixers import RecurrentMixers
-from paged_hf.worker.recurrent_state import RecurrentStates
+from paged_hf.worker.families.registry import FamilyStandIns
+from paged_hf.worker.hybrid.recurrent_mixers import RecurrentMixers
+from paged_hf.worker.hybrid.recurrent_state import RecurrentStates
 from paged_hf.worker.cache_sizing import state_slot_count
-from paged_hf.worker.packed_linears import PackedLinears
-from paged_hf.worker.model_probe import own_cache_class
+from paged_hf.worker.fast_paths.packed_linears import PackedLinears
+from paged_hf.worker.probes.model_probe import own_cache_class
 from paged_hf.worker.paged_cache import paged_cache_class
 from paged_hf.worker.pipeline import stage_links
 from paged_hf.worker.pooling import HiddenStateCapture, pooling_rows, pooling_spans
 from paged_hf.worker.step_inputs import StepInputs, build_step_inputs
+from paged_hf.worker.step_swaps import StepSwaps
 
 
 class ModelRunner:
@@ -37,7 +38,7 @@ class ModelRunner:
         self.info = info
         self.block_size = config.block_size
         kv_dtype = storage_dtype(config.kv_cache_dtype, info.dtype)
-        self.own_attentions = OwnAttentions(model, text_config(model.config))  # attention code of their own
+        self.family_stand_ins = FamilyStandIns(model, text_config(model.config))  # attention code of their own
         specs = [dataclasses.replace(spec, dtype=info.dtype, kv_dtype=None if kv_dtype == info.dtype else kv_dtype)
                  for spec in info.attention_layers]  # as this cache stores them
         self.kernel = select_kernel(config.attention_backend, specs)
@@ -52,6 +53,8 @@ class ModelRunner:
         self.fused_layers = fused_layers or contextlib.nullcontext()
         fused = fused_layers.fused_linears if fused_layers is not None else set()
         self.packed_linears = PackedLinears(model, fused) if config.pack_linear_weights else contextlib.nullcontext()
+        self.swaps = StepSwaps(self.attention_switch, self.family_stand_ins, self.recurrent_mixers,
+                               self.packed_linears, self.fused_layers)
         self.kv_offload = None
         self.links = stage_links(model)  # a pipeline stage's messages to its neighbours; None for a whole model
         if self.links is None:  # (a stage's forward is not the model's; the pipeline is tested against it instead)
@@ -90,9 +93,7 @@ class ModelRunner:
                    else contextlib.nullcontext())
         self.cache.begin_step(inputs.attention)
         try:
-            with (step_scope(self.cache), self.attention_switch, self.own_attentions, self.recurrent_mixers,
-                  self.packed_linears, self.fused_layers, self._lora_step(inputs.adapter_slots), capture,
-                  span("model")):
+            with self.swaps.around(self.cache, self._lora_step(inputs.adapter_slots), capture), span("model"):
                 logits = self._call_model(kwargs)  # [num_kept, vocab_size]; None before a pipeline's last stage
             self.cache.check_step()  # every layer went through the paged attention, or the step fails
         finally:

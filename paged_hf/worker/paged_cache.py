@@ -25,8 +25,8 @@ from paged_hf.kernels.spec import NO_TERMS, AttentionSpec, ScoreTerms
 from paged_hf.profiling import span
 from paged_hf.worker.gathered_attention import GatheredAttention
 from paged_hf.worker.indexer_keys import IndexerKeys
-from paged_hf.worker.recurrent_mixers import RecurrentStep
-from paged_hf.worker.recurrent_state import RecurrentStates
+from paged_hf.worker.hybrid.recurrent_mixers import RecurrentStep
+from paged_hf.worker.hybrid.recurrent_state import RecurrentStates
 from paged_hf.worker.step_books import StepBooks
 from paged_hf.worker.step_inputs import AttentionMetadata
 
@@ -152,7 +152,7 @@ class PagedCache(Cache):
     def write_and_attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          *, scaling: float) -> torch.Tensor:
         """`update` then `attend` for a module whose q/k/v are rows [num_tokens, heads, dim] (views of the fused
-        attention's q/k/v output, worker/fused_layers.py) -> [num_tokens, num_heads, value_head_dim]: the same
+        attention's q/k/v output, worker/fast_paths/fused_layers.py) -> [num_tokens, num_heads, value_head_dim]: the same
         writes and kernel calls without transformers' [1, heads, tokens, dim] layout in between."""
         assert self.in_step, "PagedCache.write_and_attend outside of a paged step"
         slot = self.books.write(module.layer_idx, key, value)

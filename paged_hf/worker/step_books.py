@@ -46,7 +46,7 @@ class StepBooks:
         return layer
 
     def serve(self, layer_idx: int, rows: torch.Tensor) -> int:
-        """A layer written and attended in one call, from its fused q/k/v `rows` (worker/lean_layers.py) -> its
+        """A layer written and attended in one call, from its fused q/k/v `rows` (worker/fast_paths/lean_layers.py) -> its
         cache slot. Another attention call of the layer then attends K/V that are not what it wrote."""
         layer = self._unwritten(layer_idx)
         self.written[layer] = (rows, rows)

@@ -14,8 +14,8 @@ from paged_hf.core.block_pool import BlockPool
 from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
 from paged_hf.core.kv_tier import KVTier, LRUIndex, TierHit
 from paged_hf.core.request import Request
-from paged_hf.worker.kv_offload import RequestKeys
-from paged_hf.worker.kv_store import MAX_QUEUED_BYTES, WRITE_THROUGH_QUEUED, DiskStore, HostStore, TieredStore
+from paged_hf.worker.kv_tier.offload import RequestKeys
+from paged_hf.worker.kv_tier.store import MAX_QUEUED_BYTES, WRITE_THROUGH_QUEUED, DiskStore, HostStore, TieredStore
 
 BLOCK = 4
 

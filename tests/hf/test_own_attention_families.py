@@ -1,4 +1,4 @@
-"""Families whose attention is their own code, served by stand-ins (worker/own_attention.py), against HF's greedy
+"""Families whose attention is their own code, served by stand-ins (worker/families/), against HF's greedy
 tokens and top-5 logprobs with chunked prefill, preemption and `n = 2`: Inkling and Inkling 2 (a learned bias by
 query-key distance, per-token sinks, log scaling by position, the loop's second pass on cache layers of its own),
 BLOOM and MPT (ALiBi) and XGLM (BART's attention). Random tiny models (weights of std 0.02) leave these terms far
@@ -46,7 +46,7 @@ def test_own_attention_families_equal_hf_under_pressure(model_type):
     prompts = prompts_for(model)
     expected = hf_oracle(model, prompts)
     engine = paged_hf.wrap(model, num_blocks=12, block_size=4, max_num_batched_tokens=8, max_num_seqs=4).generator
-    assert engine.runner.own_attentions.sites
+    assert engine.runner.family_stand_ins.sites
     if model_type != "xglm":  # the compiled kernels have no bias by distance, per-token sinks or ALiBi
         assert isinstance(engine.runner.kernel, TorchKernel)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP_LOGPROBS,

@@ -13,7 +13,7 @@ from conftest import assert_no_leak, hf_greedy, make_adapter, random_prompts, ti
 import paged_hf
 from paged_hf import PagedConfig, SamplingParams
 from paged_hf.integrations.lora import LoRAContext, LoRAGroup, LoRALinear, LoRARouting, updates_over
-from paged_hf.worker import fused_layers
+from paged_hf.worker.fast_paths import fused_layers
 
 
 def group_names(generator) -> list[list[str]]:

@@ -16,7 +16,7 @@ from transformers.models.mistral import modeling_mistral
 import paged_hf
 from paged_hf import SamplingParams
 from paged_hf.worker.code_match import plain_function, runs_forward_of, same_code
-from paged_hf.worker.fused_layers import FusedAttention, FusedLayers, FusedRMSNorm
+from paged_hf.worker.fast_paths.fused_layers import FusedAttention, FusedLayers, FusedRMSNorm
 
 
 def test_copied_functions_are_the_same_code_under_any_wrapping():

@@ -1,7 +1,7 @@
 """Disaggregated prefill and decode on the server: a KV producer's answer carries `kv_transfer_params`, a KV
 consumer brings the blocks they name into its own KV tier before it queues the request (docs/disaggregated.md).
 
-The blocks are the KV tier's files (`worker/kv_block_file.py`), keyed by a hash chain over the model, the
+The blocks are the KV tier's files (`worker/kv_tier/block_file.py`), keyed by a hash chain over the model, the
 adapter, the cache salt and the tokens. A consumer never trusts the params: it looks the prompt up under the keys
 it computes itself, so a block the producer named wrongly is a miss, one of another model (namespace) is not
 fetched, and one that is truncated or overwritten fails its checks when read. A miss is recomputed.

@@ -1,5 +1,5 @@
-"""The lean decoder layers (paged_hf.worker.lean_layers): a step of decodes through them gives the logits of the
-stand-ins' path bit for bit, in bf16 and float32; steps and layers they do not serve go that way."""
+"""The lean decoder layers (paged_hf.worker.fast_paths.lean_layers): a step of decodes through them gives the
+logits of the stand-ins' path bit for bit, in bf16 and float32; steps and layers they do not serve go that way."""
 
 from __future__ import annotations
 

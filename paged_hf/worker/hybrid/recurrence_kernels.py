@@ -1,5 +1,5 @@
 """Faster stand-ins for transformers' torch reference recurrences, used by a hybrid model's own layer code during a
-step (worker/recurrent_mixers.py swaps them into the layer's module for the step and back after it).
+step (worker/hybrid/recurrent_mixers.py swaps them into the layer's module for the step and back after it).
 
 transformers falls back to `torch_recurrent_gated_delta_rule` when flash-linear-attention is absent (every CPU):
 for one decode token it makes seven full passes over the [batch, heads, key, value] state (decay, the key's

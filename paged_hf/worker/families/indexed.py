@@ -6,9 +6,9 @@ Its forward reads one sequence with its whole history: the keys so far, and rota
 blocks' starts. In a step the stand-in runs the model's own indexer once per request, on that request's tokens,
 with its history from the paged indexer keys (worker/indexer_keys.py), its positions and a causal mask over its
 context; the selections go to the torch kernel as a mask over each query token's keys (`ScoreTerms.key_mask`), and
-the rest of the attention is the module's own code over the packed row. DeepSeek-V3.2's attention takes its indexer's top-k
-positions and hands them to its attention function as `indices` (as to a sparse kernel): there only the indexer
-has a stand-in, and the paged cache turns the indices into the mask (`PagedCache.key_mask_of`).
+the rest of the attention is the module's own code over the packed row. DeepSeek-V3.2's attention takes its
+indexer's top-k positions and hands them to its attention function as `indices` (as to a sparse kernel): there
+only the indexer has a stand-in, and the paged cache turns the indices into the mask (`PagedCache.key_mask_of`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ import torch
 
 from paged_hf.integrations.transformers import step_cache
 from paged_hf.kernels.spec import ScoreTerms
-from paged_hf.worker.packed_linears import StandIn, modeling_global
+from paged_hf.worker.families.base import Family, Recognised
+from paged_hf.worker.stand_ins import StandIn, modeling_global
 
 
 class Qwen4ExpAttention(StandIn):
     """Qwen4ExpTextAttention in a step (module docstring); its own forward outside steps (the probe).
     `rotary`: the model's rotary embedding, for the positions of the requests' histories."""
 
-    selects_keys = True  # applies its indexer's selection (the model probe refuses indexed models without one)
+    score_terms = frozenset({"key_mask"})  # its indexer's selection (the probe refuses indexed models without one)
 
     def __init__(self, original: torch.nn.Module, rotary: torch.nn.Module):
         super().__init__(original)
@@ -82,7 +83,7 @@ class DeepseekV32Indexer(StandIn):
     order, [1, num_tokens, top-k], -1 where a request has fewer. Its attention hands them to the attention
     function as `indices` (what a sparse kernel takes), which the paged one turns into each query's keys."""
 
-    selects_keys = True
+    score_terms = frozenset({"key_mask"})
 
     def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
         indexer = self.original
@@ -116,10 +117,15 @@ def rotary_of(model: torch.nn.Module, attention: torch.nn.Module) -> torch.nn.Mo
     return next((m for m in model.modules() if rotary_class is not None and isinstance(m, rotary_class)), None)
 
 
-def indexed_stand_in(module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module | None:
-    if type(module).__name__ == "DeepseekV32Indexer":
-        return DeepseekV32Indexer(module)
-    if type(module).__name__ != "Qwen4ExpTextAttention":
-        return None
+def _qwen4_exp(module: torch.nn.Module, config, model: torch.nn.Module) -> torch.nn.Module | None:
     rotary = rotary_of(model, module)
     return None if rotary is None else Qwen4ExpAttention(module, rotary)
+
+
+FAMILY = Family(
+    name="indexed",
+    serves="Qwen4-Exp, DeepSeek-V3.2: sparse attention over the keys an indexer selects, run per request",
+    stand_ins=(Recognised("transformers.models.qwen4_exp.modeling_qwen4_exp:Qwen4ExpTextAttention", _qwen4_exp),
+               Recognised("transformers.models.deepseek_v32.modeling_deepseek_v32:DeepseekV32Indexer",
+                          lambda module, config, model: DeepseekV32Indexer(module))),
+)

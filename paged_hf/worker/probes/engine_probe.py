@@ -19,7 +19,7 @@ from paged_hf.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.utils import cdiv
 from paged_hf.kernels.torch_kernel import TorchKernel
-from paged_hf.worker.model_probe import UnsupportedModelError, model_name
+from paged_hf.worker.probes.model_probe import UnsupportedModelError, model_name
 
 #: max |engine - model| over the logits, relative to the largest logit, by the model's dtype: rounding in
 #: another order stays far below these; a layer that attends the wrong tokens lands far above them

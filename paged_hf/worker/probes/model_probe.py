@@ -6,7 +6,7 @@ cache slot, K and V shapes, the device) and an attention function that records w
 (attention sinks, its sliding window). Each layer's mask pattern comes from the config's layer types, as
 transformers builds its masks: a sliding window must also reach the attention call (where the paged kernels
 apply it), a chunked layer (Llama 4) is masked by chunk. A hybrid model's linear-attention, SSM and convolution
-layers are read off the same cache after the forward: their states' shapes (worker/recurrent_state.py). Models
+layers are read off the same cache after the forward: their states' shapes (worker/hybrid/recurrent_state.py). Models
 the engine cannot page are refused here, naming why: cache layers of a kind of their own, sparse indexed
 attention, no cache at all, a window only the mask knows.
 """
@@ -31,9 +31,8 @@ from paged_hf.integrations.transformers import eager_attention
 from paged_hf.kernels.spec import AttentionSpec
 from paged_hf.loader.pipeline_stage import absent_layers, stage_of
 from paged_hf.worker.attention_switch import AttentionSwitch
-from paged_hf.worker.module_states import STATE_CACHES, read_own_state_layers
-from paged_hf.worker.own_attention import OwnAttentions
-from paged_hf.worker.recurrent_state import StateLayer, read_state_layers
+from paged_hf.worker.families.registry import FamilyStandIns, cache_class_for, read_own_state_layers, refusal
+from paged_hf.worker.hybrid.recurrent_state import StateLayer, read_state_layers
 
 PROBE_ATTENTION = "paged_hf_probe"
 
@@ -50,7 +49,9 @@ def model_name(model: torch.nn.Module) -> str:
 def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[list[AttentionSpec], list[StateLayer]]:
     """-> one AttentionSpec per layer that writes K/V, in layer order, and one StateLayer per hybrid layer that
     keeps a recurrent state. UnsupportedModelError for what cannot be paged."""
-    _check_mask_terms(model, config)
+    reason = refusal(model, config)
+    if reason is not None:
+        raise UnsupportedModelError(reason)
     cache = _probe_cache(model, config)
     records = _Records(model, cache)
     AttentionInterface.register(PROBE_ATTENTION, records.attention)
@@ -58,10 +59,10 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     # it), as a tensor: eager's or sdpa's (flex attention's block masks and flash attention's are no tensors)
     own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(getattr(config, "_attn_implementation", None) or "sdpa")
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, own_mask if own_mask is eager_mask else sdpa_mask)
-    own_attentions = OwnAttentions(model, config)
-    _check_indexers(model, cache, own_attentions)
+    stand_ins = FamilyStandIns(model, config)
+    _check_indexers(model, cache, stand_ins)
     try:
-        with AttentionSwitch(model, PROBE_ATTENTION), own_attentions:
+        with AttentionSwitch(model, PROBE_ATTENTION), stand_ins:
             output = model(**_probe_inputs(model, config, device), cache=cache, use_cache=True)
     except UnsupportedModelError:
         raise
@@ -78,12 +79,12 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
     without_kv = {i for i, layer in enumerate(cache.layers) if isinstance(layer, DummyLayer)}  # MLP-only layers
     without_kv |= absent_layers(model)  # a pipeline stage's: other stages hold them
     layers = _layers(model, records.updates, {layer.layer_idx for layer in state_layers} | without_kv)
-    declared = own_attentions.score_terms()  # terms that stand-ins add to layers whose own code passes none
+    declared = stand_ins.score_terms()  # terms that stand-ins add to layers whose own code passes none
     layers = [dataclasses.replace(layer, indexer_dim=records.indexers.get(layer.layer_idx),
                                   sliding_window=records.windows.get(layer.layer_idx),
                                   score_terms=records.terms(layer.layer_idx) | declared.get(layer.layer_idx, set()))
               for layer in layers]
-    if not own_attentions.sites:  # (older families window in their own code, which their stand-ins pass on)
+    if not stand_ins.sites:  # (older families window in their own code, which their stand-ins pass on)
         layers = _apply_mask_patterns(model, config, layers, records.windows)
     return layers, state_layers
 
@@ -149,13 +150,13 @@ def _probe_inputs(model: torch.nn.Module, config, device: torch.device) -> dict:
 def own_cache_class(model: torch.nn.Module) -> type[DynamicCache] | None:
     """The cache class a model's forward insists on, where its modeling module defines one (MiniMax's
     `MiniMaxCache`, which keeps its lightning attention's states beside the K/V layers; for xLSTM's `xLSTMCache`,
-    no DynamicCache, the class that answers its forward's reads: module_states.STATE_CACHES); None for the others."""
+    no DynamicCache, the class a family has to answer its forward's reads: families/registry.py); None else."""
     module = sys.modules.get(type(model).__module__)
     for value in vars(module).values() if module is not None else ():
         if isinstance(value, type) and issubclass(value, DynamicCache) and value.__module__ == module.__name__:
             return value
-        if isinstance(value, type) and value.__module__ == module.__name__ and value.__name__ in STATE_CACHES:
-            return STATE_CACHES[value.__name__]
+        if isinstance(value, type) and value.__module__ == module.__name__ and cache_class_for(value) is not None:
+            return cache_class_for(value)
     return None
 
 
@@ -177,20 +178,12 @@ def _probe_cache(model: torch.nn.Module, config) -> DynamicCache:
     return cache
 
 
-def _check_indexers(model, cache: DynamicCache, own_attentions: OwnAttentions) -> None:
-    """Sparse attention whose indexer's selection no stand-in applies (worker/indexed_attention.py) is refused."""
+def _check_indexers(model, cache: DynamicCache, stand_ins: FamilyStandIns) -> None:
+    """Sparse attention whose indexer's selection no stand-in applies (worker/families/indexed.py) is refused."""
     indexed = sorted(type(layer).__name__ for layer in cache.layers if hasattr(layer, "update_indexer"))
-    if indexed and not any(getattr(stand_in, "selects_keys", False) for *_, stand_in in own_attentions.sites):
+    if indexed and not stand_ins.selects_keys():
         raise UnsupportedModelError(f"{model_name(model)} uses indexed sparse attention ({indexed[0]}), "
                                     "which the paged kernels do not compute")
-
-
-def _check_mask_terms(model, config) -> None:
-    """A term the model adds to its attention mask reaches no paged kernel (a step passes no mask): Falcon's ALiBi
-    variants build theirs into the mask (with slopes rounded to bf16)."""
-    if getattr(config, "alibi", False) is True and "build_alibi_tensor" in vars(sys.modules[type(model).__module__]):
-        raise UnsupportedModelError(f"{model_name(model)} with ALiBi: its ALiBi is built into its attention mask, "
-                                    "which a paged step does not pass")
 
 
 def _kinds_reason(kinds: set[str]) -> str:

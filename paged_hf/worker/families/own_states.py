@@ -11,10 +11,11 @@ model's forward hands from layer to layer.
   second argument and returns the new ones beside its output; the model's forward reads them from its own
   `xLSTMCache.rnn_state` (`StatePair`; the paged cache answers those reads: `RnnStateCache`).
 
-The engine keeps these states in its state slots like any hybrid's (worker/recurrent_state.py) and, around each
-call of the block's own forward (worker/recurrent_mixers.py), hands the call's rows to the block the way its own
+The engine keeps these states in its state slots like any hybrid's (worker/hybrid/recurrent_state.py) and, around each
+call of the block's own forward (worker/hybrid/recurrent_mixers.py), hands the call's rows to the block the way its own
 code reads them and takes them back after it. A fresh prompt starts from the block's own initial state. The
-blocks are found by class (OWN_STATES); their layer index is their `layer_id`, else their decoder layer's.
+blocks are found by their code (`FAMILY`, asked through worker/families/registry.py); their layer index is their
+`layer_id`, else their decoder layer's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import sys
 import torch
 from transformers import DynamicCache
 
-from paged_hf.worker.recurrent_state import StateLayer, StateView
+from paged_hf.worker.families.base import Family, Recognised
+from paged_hf.worker.hybrid.recurrent_state import StateLayer, StateView
 
 
 class ModuleAttributes:
@@ -175,32 +177,20 @@ class UncutRows:
 
 
 OwnStates = ModuleAttributes | StateArgument | StatePair
-#: block class name -> how its states are kept
-OWN_STATES: dict[str, type[OwnStates]] = {"RecurrentGemmaRecurrentBlock": ModuleAttributes, "RwkvBlock": StateArgument,
-                                          "xLSTMBlock": StatePair}
-#: the name of a cache class a model's forward reads states from -> the cache class that answers those reads
-STATE_CACHES: dict[str, type[DynamicCache]] = {"xLSTMCache": RnnStateCache}
 
 
-def own_state_blocks(model: torch.nn.Module) -> dict[int, OwnStates]:
-    """Layer index -> the states' keeper of each block of `model` that keeps its states outside the cache."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", getattr(decoder, "blocks", None))
-    decoder_layer = {id(m): i for i, layer in enumerate(layers if isinstance(layers, torch.nn.ModuleList) else ())
-                     for m in layer.modules()}
-    blocks = {}
-    for module in model.modules():
-        keeper = OWN_STATES.get(type(module).__name__)
-        layer_idx = getattr(module, "layer_id", decoder_layer.get(id(module)))
-        if keeper is not None and layer_idx is not None:
-            blocks[layer_idx] = keeper(module, layer_idx)
-    return blocks
+def _keeper(reference: str, keeper: type[OwnStates]) -> Recognised:
+    return Recognised(f"transformers.models.{reference}", keeper)
 
 
-def read_own_state_layers(model: torch.nn.Module) -> list[StateLayer]:
-    """The state layers of the blocks that keep their states outside the cache (after one forward)."""
-    layers = [keeper.state_layer() for keeper in own_state_blocks(model).values()]
-    return [layer for layer in layers if layer is not None]
+FAMILY = Family(
+    name="own_states",
+    serves="RecurrentGemma, RWKV, xLSTM: recurrent states kept on modules or handed between layers, not in the cache",
+    state_keepers=(_keeper("recurrent_gemma.modeling_recurrent_gemma:RecurrentGemmaRecurrentBlock", ModuleAttributes),
+                   _keeper("rwkv.modeling_rwkv:RwkvBlock", StateArgument),
+                   _keeper("xlstm.modeling_xlstm:xLSTMBlock", StatePair)),
+    cache_classes=(Recognised("transformers.models.xlstm.modeling_xlstm:xLSTMCache", RnnStateCache),),
+)
 
 
 def _get(module: torch.nn.Module, path: str):

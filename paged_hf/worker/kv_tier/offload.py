@@ -1,4 +1,4 @@
-"""Moves block contents between the paged cache and the KV tier (`core/kv_tier.py`, `worker/kv_store.py`), and
+"""Moves block contents between the paged cache and the KV tier (`core/kv_tier.py`, `worker/kv_tier/store.py`), and
 makes what the tier's keys stand on: the model's fingerprint (the namespace) and the adapters' content hashes.
 
 Before each forward the runner makes the tier's transfers: it reads the blocks to save (dropped by the pool or
@@ -26,7 +26,7 @@ from paged_hf.core.kv_tier import KVTier, TierTransfers
 from paged_hf.core.request import Request
 from paged_hf.kernels.quant import as_bytes
 from paged_hf.worker.distributed import is_multi_rank
-from paged_hf.worker.kv_store import WRITE_THROUGH_QUEUED, DiskStore, HostStore, TieredStore
+from paged_hf.worker.kv_tier.store import WRITE_THROUGH_QUEUED, DiskStore, HostStore, TieredStore
 from paged_hf.worker.paged_cache import PagedCache
 
 GIB = 1 << 30

@@ -1,4 +1,4 @@
-"""Exact or refused (paged_hf.worker.model_probe, engine_probe, PagedCache's step books): a model whose attention
+"""Exact or refused (paged_hf.worker.probes.model_probe, engine_probe, PagedCache's step books): a model whose attention
 the engine cannot compute as the model defines it is refused at wrap() naming why; a module the user patches or
 hooks after wrap() runs as patched inside the engine's steps; a layer that stops reaching the paged attention
 fails the step (its requests aborted, no block leaked) instead of returning other tokens."""
@@ -93,8 +93,8 @@ def test_a_layer_that_stops_reaching_the_paged_attention_fails_the_step_not_the_
 
 def test_stand_ins_keep_the_face_the_model_reads():
     """A router reading `.weight.dtype` of a packed Linear, a norm's `variance_epsilon` (Hunyuan, Zaya)."""
-    from paged_hf.worker.fused_layers import FusedLayers  # noqa: PLC0415
-    from paged_hf.worker.packed_linears import PackedLinear  # noqa: PLC0415
+    from paged_hf.worker.fast_paths.fused_layers import FusedLayers  # noqa: PLC0415
+    from paged_hf.worker.fast_paths.packed_linears import PackedLinear  # noqa: PLC0415
 
     model = tiny_model("llama", dtype=torch.float32)
     linear = model.model.layers[0].self_attn.o_proj
@@ -120,7 +120,7 @@ def test_a_quantized_cache_is_probed_on_a_cache_in_the_models_dtype():
 
 @pytest.mark.parametrize("variant", [dict(new_decoder_architecture=True, num_kv_heads=2), dict(multi_query=False)])
 def test_falcons_own_attention_code_is_served_through_the_paged_attention(variant):
-    """Falcon computes attention inline; its stand-in (worker/own_attention.py) routes it to the paged kernels."""
+    """Falcon computes attention inline; its stand-in (worker/families/falcon.py) routes it to the paged kernels."""
     config = transformers.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                        max_position_embeddings=256, **variant)
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
-"""Fused decoder-layer ops (paged_hf.worker.fused_layers): swapped in for a step only; the engine's tokens equal
-plain transformers' in every family, and each stand-in is used exactly where the module runs Llama's code."""
+"""Fused decoder-layer ops (paged_hf.worker.fast_paths.fused_layers): swapped in for a step only; the engine's
+tokens equal plain transformers' in every family, and each stand-in is used exactly where the module runs Llama's
+code."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from conftest import hf_greedy, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.worker.fused_layers import FusedAttention, FusedLayers, FusedMLP, FusedRMSNorm, ProjectionSlice
+from paged_hf.worker.fast_paths.fused_layers import FusedAttention, FusedLayers, FusedMLP, FusedRMSNorm, ProjectionSlice
 
 
 def _kinds(fused: FusedLayers) -> dict[str, int]:

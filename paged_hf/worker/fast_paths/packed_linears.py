@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_hf.worker.code_match import forward_globals
+from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
 
 # the batch size the weights are laid out for; oneDNN runs any batch on them (measured: no slower at 1-512)
 _BATCH_HINT = 64
@@ -31,34 +31,6 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     if mkldnn._is_mkldnn_bf16_supported():
         dtypes.append(torch.bfloat16)
     return tuple(dtypes)
-
-
-class StandIn(torch.nn.Module):
-    """A module swapped in for `original` during a step. What it does not have itself is read from `original`:
-    models read their modules' `.weight.dtype`, `.variance_epsilon`, ... inside their own forward."""
-
-    def __init__(self, original: torch.nn.Module):
-        super().__init__()
-        object.__setattr__(self, "original", original)  # not a submodule: nothing registered twice
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["original"], name)
-
-    @property
-    def training(self) -> bool:  # the original's mode, whatever `eval()`/`train()` did since
-        return self.__dict__["original"].training
-
-    @training.setter
-    def training(self, value: bool) -> None:
-        pass  # nn.Module.__init__ sets it; the mode is the original's
-
-
-def modeling_global(module: torch.nn.Module, name: str):
-    """What `module`'s modeling file calls `name` (its forward's globals, under any decorator), or None."""
-    return forward_globals(module).get(name)
 
 
 class PackedLinear(StandIn):
@@ -79,33 +51,6 @@ class PackedLinear(StandIn):
         if x.dtype != weight.dtype:  # what F.linear would refuse, refused the same way
             return torch.nn.functional.linear(x, weight, self.base.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.base.bias, "none", [], "")
-
-
-class ModuleSwaps:
-    """Modules swapped for stand-ins for the duration of a step (`parent._modules[name]`) and always put back.
-
-    The engine runs what the model runs: a module the user hooked, gave an instance `forward`, whose class's
-    forward was replaced, or that is no longer at its place since these swaps were first made, keeps its own
-    forward (its site is skipped, checked at every step: ~0.5 us a site)."""
-
-    sites: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]  # (parent, name, original, stand-in)
-
-    def __enter__(self) -> None:
-        if "_checks" not in self.__dict__:  # made once: what each step reads to know a site is as it was
-            self._checks = [(parent._modules, name, original, original.__dict__, type(original).forward, stand_in)
-                            for parent, name, original, stand_in in self.sites]
-        self._swapped = swapped = []
-        for modules, name, original, attributes, forward, stand_in in self._checks:
-            if (modules.get(name) is original and not attributes["_forward_hooks"]
-                    and not attributes["_forward_pre_hooks"] and "forward" not in attributes
-                    and type(original).forward is forward):
-                modules[name] = stand_in
-                swapped.append((modules, name, original))
-
-    def __exit__(self, *exc) -> None:
-        for modules, name, original in self._swapped:
-            modules[name] = original
-        self._swapped = []
 
 
 class PackedLinears(ModuleSwaps):

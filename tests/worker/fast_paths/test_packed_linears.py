@@ -1,4 +1,5 @@
-"""oneDNN-packed linears (paged_hf.worker.packed_linears): swapped in for a step only, same results as torch's linears."""
+"""oneDNN-packed linears (paged_hf.worker.fast_paths.packed_linears): swapped in for a step only, same results as
+torch's linears."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from conftest import random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.worker.packed_linears import PackedLinear, PackedLinears, packable_dtypes
+from paged_hf.worker.fast_paths.packed_linears import PackedLinear, PackedLinears, packable_dtypes
 
 pytestmark = pytest.mark.skipif(torch.float32 not in packable_dtypes(), reason="this torch build has no oneDNN")
 

@@ -18,12 +18,15 @@ import torch
 
 from paged_hf.integrations.transformers import step_cache
 from paged_hf.kernels.spec import ScoreTerms
-from paged_hf.worker.packed_linears import StandIn
+from paged_hf.worker.families.base import Family, Recognised
+from paged_hf.worker.stand_ins import StandIn
 
 
 class InklingAttention(StandIn):
     """InklingAttention's forward in a step; its own forward outside steps (the probe). Its full-attention layers
     scale queries and table by each token's own position (`log_scaling`)."""
+
+    score_terms = frozenset({"distance_bias"})
 
     def forward(self, hidden_states, attention_mask=None, conv_mask=None, cache=None, **kwargs):
         attention = self.original
@@ -57,6 +60,8 @@ class Inkling2Attention(StandIn):
     """Inkling 2's sliding and full attention (and its looped model's) in a step: queries, keys and values from
     their own projections (keys and values from their own inputs in the full layers, into the cache layer
     `layer_idx + cache_offset` in a later pass of the loop), the bias table and the sinks per token."""
+
+    score_terms = frozenset({"distance_bias", "sinks"})
 
     def __init__(self, original: torch.nn.Module):
         super().__init__(original)
@@ -114,13 +119,24 @@ def step_positions(metadata, device: torch.device) -> torch.Tensor:
                       for end, length in zip(metadata.context_lens, metadata.query_lens)])
 
 
-STAND_INS = {"InklingAttention": InklingAttention,
-             "Inkling2SlidingAttention": Inkling2Attention, "Inkling2FullAttention": Inkling2Attention,
-             "Inkling2LoopSlidingAttention": Inkling2Attention, "Inkling2LoopFullAttention": Inkling2Attention,
-             "Inkling2BlockAttentionResidual": AcrossDepth, "Inkling2LoopBlockAttentionResidual": AcrossDepth,
-             "Inkling2LoopMessageAttentionResidual": AcrossDepth}
+def _models(name: str) -> str:
+    return f"transformers.models.{name}.modeling_{name}"
 
 
-def inkling_stand_in(module: torch.nn.Module) -> torch.nn.Module | None:
-    stand_in = STAND_INS.get(type(module).__name__)
-    return None if stand_in is None else stand_in(module)
+def _rules(model_type: str, stand_ins: dict[str, type]) -> tuple[Recognised, ...]:
+    return tuple(Recognised(f"{_models(model_type)}:{name}", lambda module, config, model, cls=cls: cls(module))
+                 for name, cls in stand_ins.items())
+
+
+FAMILY = Family(
+    name="inkling",
+    serves="Inkling, Inkling 2: a learned bias by distance and per-token sinks in the scores, attention across depth",
+    stand_ins=(*_rules("inkling", {"InklingAttention": InklingAttention}),
+               *_rules("inkling2", {"Inkling2SlidingAttention": Inkling2Attention,
+                                    "Inkling2FullAttention": Inkling2Attention,
+                                    "Inkling2BlockAttentionResidual": AcrossDepth}),
+               *_rules("inkling2_loop", {"Inkling2LoopSlidingAttention": Inkling2Attention,
+                                         "Inkling2LoopFullAttention": Inkling2Attention,
+                                         "Inkling2LoopBlockAttentionResidual": AcrossDepth,
+                                         "Inkling2LoopMessageAttentionResidual": AcrossDepth})),
+)

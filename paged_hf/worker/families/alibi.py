@@ -5,7 +5,7 @@ tensor their model builds over the positions of one contiguous sequence (BLOOM f
 a step does not pass). Softmax does not change when a query's scores all move by one number, so `slope * key
 position` equals `-slope * (query position - key position)`: the stand-ins compute the module's projections and
 cache write and hand the paged cache the slopes (`ScoreTerms.alibi_slopes`: the torch kernel adds `-slope * distance`,
-kernels/torch_kernel.py). During a step BLOOM's model builds no ALiBi tensor (OwnAttentions' overrides).
+kernels/torch_kernel.py). During a step BLOOM's model builds no ALiBi tensor (`step_overrides`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from paged_hf.integrations.transformers import UnservedAttention, step_cache
 from paged_hf.kernels.spec import ScoreTerms
-from paged_hf.worker.packed_linears import StandIn, modeling_global
+from paged_hf.worker.families.base import Family, Recognised
+from paged_hf.worker.stand_ins import StandIn, modeling_global
 
 
 class BloomAttention(StandIn):
@@ -77,20 +78,23 @@ class MptAttention(StandIn):
         return attention.out_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
 
 
-STAND_INS = {"BloomAttention": BloomAttention, "MptAttention": MptAttention}
-
-
-def alibi_stand_in(module: torch.nn.Module) -> torch.nn.Module | None:
-    stand_in = STAND_INS.get(type(module).__name__)
-    return None if stand_in is None else stand_in(module)
-
-
 def step_overrides(model: torch.nn.Module) -> list[tuple[object, str, object]]:
     """(object, attribute, value) set for the duration of a step: BLOOM's model builds its ALiBi tensor from the
     attention mask, which a step does not pass (its stand-ins take the slopes instead)."""
-    return [(module, "build_alibi_tensor", _no_alibi) for module in model.modules()
-            if type(module).__name__ == "BloomModel"]
+    bloom_model = Recognised(f"{BLOOM}:BloomModel", None)
+    return [(module, "build_alibi_tensor", _no_alibi) for module in model.modules() if bloom_model.recognises(module)]
 
 
 def _no_alibi(*args, **kwargs) -> None:
     return None
+
+
+BLOOM = "transformers.models.bloom.modeling_bloom"
+FAMILY = Family(
+    name="alibi",
+    serves="BLOOM, MPT: ALiBi computed inline, its slopes handed to the torch kernel",
+    stand_ins=(Recognised(f"{BLOOM}:BloomAttention", lambda module, config, model: BloomAttention(module)),
+               Recognised("transformers.models.mpt.modeling_mpt:MptAttention",
+                          lambda module, config, model: MptAttention(module))),
+    step_overrides=step_overrides,
+)

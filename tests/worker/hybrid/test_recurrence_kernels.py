@@ -1,4 +1,4 @@
-"""The stand-in for transformers' torch_recurrent_gated_delta_rule (paged_hf.worker.recurrence_kernels): the
+"""The stand-in for transformers' torch_recurrent_gated_delta_rule (paged_hf.worker.hybrid.recurrence_kernels): the
 reference's results to float32 rounding on decode calls, the reference itself on every other call, the input state
 untouched, and the swap into a modeling module's globals undone after the step (and skipped where the user
 replaced the function)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
-from paged_hf.worker.recurrence_kernels import GATED_DELTA_RULE, RecurrenceKernels, gated_delta_rule_decode
+from paged_hf.worker.hybrid.recurrence_kernels import GATED_DELTA_RULE, RecurrenceKernels, gated_delta_rule_decode
 
 REFERENCE = qwen3_5.torch_recurrent_gated_delta_rule
 

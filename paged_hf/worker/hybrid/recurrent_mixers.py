@@ -7,11 +7,12 @@ of a step (many requests' tokens one after the other) must not reach it whole. I
 - each prompt chunk goes in a call of its own, `[1, chunk, hidden]`, starting from its slot's state when it
   continues a prompt (the mixer's own chunked path carries it), from none when it starts one;
 and the outputs are put back in row order. (A mixer whose multi-token path ignores the state, as Mamba's
-selective scan does, computes continuing chunks token by token in lockstep with the decodes instead.) Each call sees a `StateView` of its slots (worker/recurrent_state.py)
-in place of the paged cache. Mixers are found by what their code calls: the cache's state API
-(`update_conv_state`, `update_recurrent_state`, ...), on a module with a `layer_idx` of a state layer; a block
-that keeps its states outside the cache (RecurrentGemma's, RWKV's) gets them around each call the way its own code
-reads them (worker/module_states.py).
+selective scan does, computes continuing chunks token by token in lockstep with the decodes instead.) Each call
+sees a `StateView` of its slots (worker/hybrid/recurrent_state.py) in place of the paged cache. Mixers are found
+by what their code calls: the cache's state API (`update_conv_state`, `update_recurrent_state`, ...), in their
+methods or the modeling helpers those call, on a module with a `layer_idx` of a state layer; a block that keeps its
+states outside the cache (RecurrentGemma's, RWKV's) gets them around each call the way its own code reads them
+(worker/families/own_states.py).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import torch
 
 from paged_hf.integrations.transformers import UnservedAttention, step_cache
 from paged_hf.worker.code_match import code_reads
-from paged_hf.worker.packed_linears import ModuleSwaps, StandIn
-from paged_hf.worker.recurrence_kernels import RecurrenceKernels
-from paged_hf.worker.module_states import OwnStates, UncutRows, own_state_blocks
-from paged_hf.worker.recurrent_state import RecurrentStates, StateView
+from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
+from paged_hf.worker.hybrid.recurrence_kernels import RecurrenceKernels
+from paged_hf.worker.families.own_states import OwnStates, UncutRows
+from paged_hf.worker.families.registry import own_state_blocks
+from paged_hf.worker.hybrid.recurrent_state import RecurrentStates, StateView
 
 STATE_CALLS = frozenset({"get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
                          "get_linear_cache", "set_linear_cache"})  # the last two: MiniMax's own cache

@@ -9,8 +9,8 @@ it made itself (~300 us of a layer on the default model). Here the step's first 
 (`LeanStep.of`); each layer then checks what is its own (its modules, weights and input) and calls RMSNorm, the
 q/k/v matmul, rotary and the K/V writes, decode attention reading q in place, o_proj, the residual add and
 RMSNorm, the gate/up matmul, SiLU-and-multiply, down_proj and the residual add: the stand-ins' kernels with the
-same arguments in the same order, so the same bits (tests/worker/test_lean_layers.py). Rotary and the K/V writes are
-one compiled call, and what a layer's calls read and forget lives in buffers made once a step.
+same arguments in the same order, so the same bits (tests/worker/fast_paths/test_lean_layers.py). Rotary and the
+K/V writes are one compiled call, and what a layer's calls read and forget lives in buffers made once a step.
 LoRA adapters are served here as by the stand-ins (their updates added to the fused projections). A step with a
 prompt chunk for another kernel, a quantized cache or projection, adapter wrappers that must run themselves (a
 probing step), or anything else checked here goes the stand-ins' way.
@@ -24,7 +24,7 @@ from paged_hf.integrations.transformers import check_step_call, paged_attention_
 from paged_hf.kernels import layer_ops
 from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import attention_function
-from paged_hf.worker.packed_linears import PackedLinear
+from paged_hf.worker.fast_paths.packed_linears import PackedLinear
 
 
 class LeanDecodes:

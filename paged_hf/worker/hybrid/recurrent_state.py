@@ -8,7 +8,7 @@ in one tensor per layer and state, `[num_slots, *state shape]`, and a `StateView
 the requests it computes, with the same semantics as transformers' layer: a request without a previous state
 (a fresh prompt) reads None and has its first convolution inputs padded, a continuing one (a later prompt
 chunk, a decode) reads and extends its own state. The slots' indices come from the scheduler
-(core/state_slots.py); the model's own layer code does the math (worker/recurrent_mixers.py calls it).
+(core/state_slots.py); the model's own layer code does the math (worker/hybrid/recurrent_mixers.py calls it).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class StateView:
         return full
 
     def put_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0) -> None:
-        """The call's convolution states as they are (a block that keeps its own: worker/module_states.py)."""
+        """The call's convolution states as they are (a block that keeps its own: worker/families/own_states.py)."""
         self._write(self._tensor(self.states.conv, layer_idx, state_idx), conv_states)
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,

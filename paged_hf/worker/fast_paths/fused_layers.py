@@ -38,8 +38,9 @@ from paged_hf.kernels import layer_ops
 from paged_hf.kernels.quant_linear import QuantizedLinear, linear_dtype, stack_linears, stackable
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.code_match import forward_globals, runs_forward_of, runs_own_class_code, same_code
-from paged_hf.worker.lean_layers import LeanDecodes
-from paged_hf.worker.packed_linears import ModuleSwaps, StandIn, packable_dtypes, weight_version
+from paged_hf.worker.fast_paths.lean_layers import LeanDecodes
+from paged_hf.worker.fast_paths.packed_linears import packable_dtypes, weight_version
+from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
 
 #: sibling Linears that read the same input in the transformers models that follow Llama's layout
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -30,7 +30,7 @@ import torch
 from transformers.utils import logging
 
 from paged_hf.core.kv_tier import LRUIndex
-from paged_hf.worker.kv_block_file import FORMAT, BlockLayout, checksum, decode, payload_nbytes
+from paged_hf.worker.kv_tier.block_file import FORMAT, BlockLayout, checksum, decode, payload_nbytes
 
 logger = logging.get_logger(__name__)
 

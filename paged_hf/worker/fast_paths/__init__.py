@@ -1,0 +1,1 @@
+"""CPU fast paths swapped in for a step: oneDNN-packed linears, fused Llama-code layers, lean decode layers."""
