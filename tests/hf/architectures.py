@@ -56,6 +56,7 @@ class Result:
     detail: str = ""
     dtype: str = ""  # the dtypes the comparison ran in ("" when it did not run)
     seconds: float = 0.0
+    served_by: str = ""  # the engine's code for it beyond the model's own: worker/families/ modules, hybrid/
 
 
 def architectures() -> list[str]:
@@ -155,7 +156,15 @@ def compare_in(model_type: str, dtype: str) -> Result:
     if difference is not None:
         return Result("differs", difference, dtype)
     leaked = leak(generator)
-    return Result("error", leaked, dtype) if leaked else Result("equal", "", dtype)
+    return Result("error", leaked, dtype) if leaked else Result("equal", "", dtype, served_by=served_by(generator))
+
+
+def served_by(generator) -> str:
+    """The family modules (worker/families/) that serve the model, and `hybrid` for recurrent mixers."""
+    runner = generator.runner
+    mixers = [stand_in for *_, stand_in in runner.recurrent_mixers.sites]
+    own_states = ["own_states"] if any(mixer.own_states is not None for mixer in mixers) else []
+    return ", ".join([*runner.family_stand_ins.families, *own_states, *(["hybrid"] if mixers else [])])
 
 
 def combine(results: list[Result]) -> Result:
@@ -168,7 +177,7 @@ def combine(results: list[Result]) -> Result:
                  for result in ran if result.status == status)
     agree = all(result.status == worst.status for result in ran)
     detail = worst.detail if agree or not worst.detail else f"{worst.dtype}: {worst.detail}"
-    return Result(worst.status, detail, dtypes)
+    return Result(worst.status, detail, dtypes, served_by=next((r.served_by for r in ran if r.served_by), ""))
 
 
 def run_engine(model, prompts):
@@ -238,7 +247,8 @@ def classify(model_type: str) -> Result:
     with warnings.catch_warnings(), quiet():
         warnings.simplefilter("ignore")
         result = _classify(model_type)
-    return Result(result.status, result.detail, result.dtype, round(time.perf_counter() - start, 2))
+    return Result(result.status, result.detail, result.dtype, round(time.perf_counter() - start, 2),
+                  result.served_by)
 
 
 def _classify(model_type: str) -> Result:

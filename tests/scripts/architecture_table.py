@@ -45,6 +45,10 @@ random from its default config, served by `paged_hf.wrap` and compared with the 
 - **error**: `wrap()` or the engine raised something else: a bug (a crash instead of a clear refusal).
 
 A row takes the worst status over its dtypes; a detail that holds for one dtype only starts with that dtype.
+**served by** names the engine's code for an equal architecture beyond the model's own forward: the modules of
+`paged_hf/worker/families/` whose stand-ins serve it (found by its modules' code), and `hybrid` where recurrent
+layers run request by request with a state slot each (`paged_hf/worker/hybrid/`); empty: the model's own code
+through the paged attention function.
 
 The tiny configs come from tests/hf/architecture_configs.py (generic rules) and
 tests/hf/architecture_overrides.py. This page is written by `tests/scripts/architecture_table.py`; the same
@@ -63,8 +67,8 @@ def render(results: dict, seconds: float) -> str:
     lines += [f"| {status} | {counts[status]} |" for status in STATUSES]
     lines += [""] + [f"{kind.capitalize()} decoders (every status but not-a-decoder and hf-fails): {equal} equal of "
                      f"{total} ({100 * equal / max(total, 1):.1f}%)." for kind, (equal, total) in rates(results).items()]
-    lines += ["", "| architecture | status | dtypes | detail |", "|---|---|---|---|"]
-    lines += [f"| {name} | {result.status} | {result.dtype} | {cell(result.detail)} |"
+    lines += ["", "| architecture | status | dtypes | served by | detail |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {result.status} | {result.dtype} | {result.served_by} | {cell(result.detail)} |"
               for name, result in results.items()]
     return "\n".join(lines) + "\n"
 
