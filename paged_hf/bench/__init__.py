@@ -27,7 +27,7 @@ from paged_hf.bench.systems import DEFAULT_SYSTEMS, LORA_SCALE_SYSTEMS, SYSTEM_N
 from paged_hf.bench.tenants import run_tenants_bench
 from paged_hf.bench.vllm_system import default_vllm_python, run_vllm
 from paged_hf.bench.workloads import WORKLOAD_NAMES, Workload, build_workload
-from paged_hf.config import PagedConfig
+from paged_hf.config.groups import CacheConfig
 from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
 from paged_hf.utils import cdiv, cpu_model_name, describe_host
 
@@ -52,7 +52,7 @@ def sized_engine_config(engine_config: dict, workload: Workload) -> dict:
         return dict(engine_config)
     if workload.num_blocks:  # the workload sizes the pool itself (documents: a pool of a few documents)
         return dict(engine_config, num_blocks=workload.num_blocks)
-    block_size = engine_config.get("block_size", PagedConfig.block_size)
+    block_size = engine_config.get("block_size", CacheConfig.block_size)
     beams = workload.num_beams  # beams share their prompt's full blocks, each holds the rest itself
     needed = sum(len(r.prompt_token_ids) // block_size + beams * (cdiv(len(r.prompt_token_ids) + r.max_new_tokens,
                  block_size) - len(r.prompt_token_ids) // block_size) for r in workload.requests)
@@ -60,14 +60,16 @@ def sized_engine_config(engine_config: dict, workload: Workload) -> dict:
 
 
 def _with_random_adapters(args) -> dict:
-    """The engine config, with --adapters N random rank --lora-rank adapters loaded (max_loras N unless given)."""
+    """The engine config, with --adapters N random rank --lora-rank adapters loaded (max_loras N unless given);
+    with --max-cpu-loras they are served from their folders by name (a root), read on first use."""
     if args.adapters is None:
         return dict(args.engine_config)
     folders = random_adapters(args.model, args.adapters, args.lora_rank)
-    config = dict(args.engine_config, max_loras=args.max_loras or args.adapters, max_lora_rank=args.lora_rank)
-    if args.max_cpu_loras is not None:  # S-LoRA's case: registered under a root, read from disk on first use
+    config = dict(args.engine_config, max_loras=args.engine_config.get("max_loras") or args.adapters,
+                  max_lora_rank=args.lora_rank)
+    if config.get("max_cpu_loras") is not None:  # S-LoRA's case: registered under a root, read from disk on first use
         root = {os.path.dirname(folder) for folder in folders.values()}.pop()
-        return dict(config, lora_root=root, max_cpu_loras=args.max_cpu_loras)
+        return dict(config, lora_root=root)
     return dict(config, adapters={**args.engine_config.get("adapters", {}), **folders})
 
 

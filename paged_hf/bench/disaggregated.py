@@ -21,8 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from paged_hf.config.flags import engine_flags
 from paged_hf.bench.loadgen import run_load, summarize
-from paged_hf.bench.serve import (SERVED_NAME, engine_flags, free_port, log, random_prompts, served_model,
+from paged_hf.bench.serve import (SERVED_NAME, free_port, log, random_prompts, served_model,
                                   start_server, stop_server)
 
 SHORT_INPUT_LEN = 64

@@ -25,7 +25,7 @@ from paged_hf.bench.workloads import (
     module_docs,
     passage,
 )
-from paged_hf.config import PagedConfig
+from paged_hf.config.groups import CacheConfig
 from paged_hf.utils import cdiv
 
 #: the documents workload's systems: the same engine without a tier, with host memory, with a directory
@@ -38,7 +38,7 @@ KV_HOST_GIB = 4.0
 
 def build_documents(tokenizer, seed: int = 0, num_documents: int = 32, num_turns: int = 4,
                     document_tokens: int = 2000, new_range=(16, 32), pool_documents: int = 4,
-                    block_size: int = PagedConfig.block_size, corpus: list[int] | None = None) -> Workload:
+                    block_size: int = CacheConfig.block_size, corpus: list[int] | None = None) -> Workload:
     """`num_documents` windows of the corpus, each asked `num_turns` questions (turn-major order, one wave a
     turn); the workload's pool (`num_blocks`) holds `pool_documents` of its longest requests."""
     if num_documents < 1 or num_turns < 1:

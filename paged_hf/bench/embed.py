@@ -24,7 +24,7 @@ from pathlib import Path
 
 from paged_hf.bench.embed_systems import EMBED_SYSTEMS, run_in_worker, run_paged_hf_embed_serve
 from paged_hf.bench.workloads import corpus_token_ids, passage
-from paged_hf.config import PagedConfig
+from paged_hf.config.groups import CacheConfig
 from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
 from paged_hf.utils import cache_root, cdiv, cpu_model_name, describe_host
 
@@ -87,7 +87,7 @@ def sized_embed_config(engine_config: dict, num_tokens: list[int]) -> dict:
     config = dict(engine_config, enable_prefix_caching=False)
     if config.get("num_blocks") or config.get("kv_cache_memory"):
         return config
-    block_size = config.get("block_size", PagedConfig.block_size)
+    block_size = config.get("block_size", CacheConfig.block_size)
     return dict(config, num_blocks=sum(cdiv(n, block_size) for n in num_tokens) + 4)
 
 

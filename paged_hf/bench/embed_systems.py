@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from paged_hf.bench.serve import engine_flags, start_server, stop_server
+from paged_hf.config.flags import engine_flags
+from paged_hf.bench.serve import start_server, stop_server
 from paged_hf.bench.machine import peak_rss_bytes
 from paged_hf.bench.systems import stderr_fd
 

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoTokenizer
 
 import paged_hf
+from paged_hf.config.flags import engine_flags
 from paged_hf.bench.loadgen import run_load, summarize
 from paged_hf.bench.model_shapes import SERVING_MAX_LEN, describe_shape, resolve_model_shape
 from paged_hf.bench.vllm_system import default_vllm_python
@@ -45,19 +46,6 @@ def random_prompts(tokenizer, num_prompts: int, input_len: int, seed: int) -> li
     special = set(tokenizer.all_special_ids)
     pool = [i for i in range(len(tokenizer)) if i not in special]
     return [[rng.choice(pool) for _ in range(input_len)] for _ in range(num_prompts)]
-
-
-def engine_flags(engine_config: dict) -> list[str]:
-    """The `paged-hf serve` flags that give `engine_config` (PagedConfig fields set on the bench's command line)."""
-    flags = []
-    for name, value in engine_config.items():
-        if name == "enable_prefix_caching":
-            flags += [] if value else ["--no-prefix-caching"]
-        elif name == "adapters":
-            flags += [f"--adapter={n}={p}" for n, p in value.items()]
-        else:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    return flags
 
 
 def _threads_env(args) -> dict | None:

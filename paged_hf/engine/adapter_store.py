@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from paged_hf.config import PagedConfig
+from paged_hf.config.groups import LoRAConfig
 from paged_hf.core.request import Request
 from paged_hf.engine.adapters import lora_manager
 from paged_hf.integrations.lora import LoRAManager
@@ -46,7 +46,7 @@ def is_ready(request: Request) -> bool:
 
 
 class AdapterStore:
-    def __init__(self, runner: ModelRunner, config: PagedConfig):
+    def __init__(self, runner: ModelRunner, config: LoRAConfig):
         self.runner = runner
         self.config = config
         self.max_cpu_loras = config.max_cpu_loras

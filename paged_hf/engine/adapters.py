@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_hf.config import PagedConfig
+from paged_hf.config.groups import LoRAConfig
 from paged_hf.worker.model_info import ModelInfo
 from paged_hf.worker.model_runner import ModelRunner
 
@@ -17,7 +17,7 @@ def split_peft_model(model: torch.nn.Module):
     return None, model
 
 
-def adapter_slots(config: PagedConfig, info: ModelInfo) -> int:
+def adapter_slots(config: LoRAConfig, info: ModelInfo) -> int:
     """Distinct adapters one step can hold. On a GPU a slot is a copy of the adapter in device memory: `max_loras`
     of them. On a CPU the adapter's host copy is its slot (the kernel reads it in place, nothing is copied), so
     every adapter in host memory can be in a step: `max_cpu_loras` where that is larger."""
@@ -26,7 +26,7 @@ def adapter_slots(config: PagedConfig, info: ModelInfo) -> int:
     return config.max_loras
 
 
-def lora_manager(runner: ModelRunner, config: PagedConfig):
+def lora_manager(runner: ModelRunner, config: LoRAConfig):
     """The runner's LoRAManager, created with the first adapter (peft is imported only for LoRA); with no
     adapter loaded it only costs a check per step."""
     if runner.lora is None:

@@ -27,6 +27,7 @@ from paged_hf.engine.adapter_store import AdapterStore
 from paged_hf.engine.adapter_store import is_ready as adapter_is_ready
 from paged_hf.engine.adapters import adapter_slots, lora_manager, split_peft_model
 from paged_hf.engine.embedding import embedding_group
+from paged_hf.engine.face import EngineFace, EngineLimits, Preparation
 from paged_hf.engine.hybrid import hybrid_config
 from paged_hf.engine.pipeline_step import PipelineStep, pipeline_config
 from paged_hf.engine.request_builder import RequestBuilder
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 
-class ContinuousBatchGenerator:
+class ContinuousBatchGenerator(EngineFace):
     def __init__(self, model: torch.nn.Module, config: PagedConfig | None = None, tokenizer=None):
         peft_model, model = split_peft_model(model)
         self.serves_peft_model = peft_model is not None
@@ -64,14 +65,14 @@ class ContinuousBatchGenerator:
         self.max_model_len = self.config.max_model_len or self.info.max_positions or 2048
         num_blocks = self.config.num_blocks or num_blocks_from_memory(self.info, self.config, self.max_model_len)
         self.runner = ModelRunner(model, self.info, num_blocks, self.config)
-        self.adapter_store = AdapterStore(self.runner, self.config)
+        self.adapter_store = AdapterStore(self.runner, self.config.lora)
         self.block_pool = BlockPool(num_blocks, self.config.enable_prefix_caching)
         state_slots = StateSlots(state_slot_count(self.config)) if self.info.is_hybrid else None
         transfer = self.config.kv_transfer_config
         self._kv_producer = transfer is not None and transfer.is_producer  # finished outputs carry their blocks' keys
         self.kv_cache_manager = KVCacheManager(self.block_pool, self.config.block_size, self.runner.kv_tier, state_slots)
         self.scheduler = Scheduler(self.kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   max_loras=adapter_slots(self.config, self.info), is_ready=adapter_is_ready,
+                                   max_loras=adapter_slots(self.config.lora, self.info), is_ready=adapter_is_ready,
                                    policy=self.config.scheduling_policy, tenant_weights=self.config.tenant_weights,
                                    max_stream_gap_s=self.config.max_stream_gap_s,
                                    micro_batches=self.config.pipeline_batches_in_flight or 1)
@@ -82,8 +83,8 @@ class ContinuousBatchGenerator:
             speculative, self.kv_cache_manager, make_proposer(speculative, self.config, self.info, num_blocks))
         self.groups: dict[str, RequestGroup | BeamGroup] = {}  # unfinished requests by id
         self.pooling_config = None  # embeddings: the model's pooling, read on first use (engine/embedding.py)
-        self.request_builder = RequestBuilder(self.config, tokenizer, self.info.vocab_size, self.info.eos_token_ids,
-                                              self.runner.logits_device)
+        self.request_builder = RequestBuilder(self.config.limits, self.config.scheduler, tokenizer,
+                                              self.info.vocab_size, self.info.eos_token_ids, self.runner.logits_device)
         parts = (self.scheduler, self.runner, self.sampler, self.stop_checker, self.speculator, self.groups,
                  self.config.max_num_batched_tokens, self.adapter_store)
         self.engine_step = EngineStep(*parts) if stage is None else PipelineStep(
@@ -96,7 +97,7 @@ class ContinuousBatchGenerator:
         self._deferred_releases: list[RequestGroup | BeamGroup] = []  # streams dropped (finalized) during a step
         self._ids = itertools.count()
         if peft_model is not None:
-            lora_manager(self.runner, self.config).add_peft_model(peft_model)
+            lora_manager(self.runner, self.config.lora).add_peft_model(peft_model)
         if not isinstance(self.config.adapters, dict):
             raise ValueError(f"adapters must be a dict {{name: peft folder}}, got {self.config.adapters!r}")
         for name, path in self.config.adapters.items():
@@ -349,6 +350,32 @@ class ContinuousBatchGenerator:
     def beam_search(self, prompts: Sequence, params, adapters=None, use_tqdm: bool = False) -> list:
         """Beam search over each prompt (vLLM's `LLM.beam_search`) -> list[BeamSearchOutput], in prompt order."""
         return _beam_search.beam_search(self, prompts, params, adapters, use_tqdm)
+
+    # --- the rest of its face to a server (engine/face.py) -------------------------------------------
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(min(self.max_model_len, self.block_pool.num_blocks * self.config.block_size),
+                            self.info.vocab_size, self.config.max_num_seqs, self.config.max_grammar_depth,
+                            self.config.lora_root)
+
+    def has_started(self, request_id: str) -> bool:
+        group = self.groups.get(request_id)
+        return group is None or group.children[0].num_computed_tokens > 0
+
+    def prepare(self, sampling_params) -> Preparation | None:
+        builder = self.request_builder
+        future = builder.prepare(sampling_params)
+        if future is None:
+            return None
+        spec = sampling_params.structured_outputs
+        return Preparation(future, builder.grammar_limits.compile_timeout_s, lambda: builder.compiler().timed_out(spec))
+
+    def resident_adapter_names(self) -> list[str]:
+        return sorted(self.runner.lora.resident_names) if self.runner.lora is not None else []
+
+    def kv_transfer(self):
+        transfer = self.config.kv_transfer_config
+        return None if transfer is None else (transfer, self.runner.kv_tier)
 
     def stats(self) -> dict:
         return {

@@ -10,8 +10,6 @@ draft would have to roll the states back.
 
 from __future__ import annotations
 
-import dataclasses
-
 from transformers.utils import logging
 
 from paged_hf.config import PagedConfig
@@ -34,7 +32,7 @@ def hybrid_config(config: PagedConfig, info: ModelInfo) -> PagedConfig:
     if config.enable_prefix_caching:
         logger.info("paged_hf: prefix caching is off for a hybrid model (a cached block does not hold the "
                     "recurrent layers' state as of that block)")
-        config = dataclasses.replace(config, enable_prefix_caching=False)
+        config = config.replace(enable_prefix_caching=False)
     return config
 
 

@@ -16,7 +16,6 @@ so `depth` batches split them evenly.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ def pipeline_config(config: PagedConfig, info: ModelInfo, stage: StageLayout) ->
         raise ValueError("kv_offloading_size / kv_cache_dir / kv_transfer_config are not served pipeline-parallel "
                          "(each stage holds other layers' blocks)")
     depth = config.pipeline_batches_in_flight or stage.count
-    return dataclasses.replace(config, pipeline_batches_in_flight=depth)
+    return config.replace(pipeline_batches_in_flight=depth)
 
 
 class PipelineStep(EngineStep):

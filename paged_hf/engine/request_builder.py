@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paged_hf.config import PagedConfig
+from paged_hf.config.groups import RequestLimits, SchedulerConfig
 from paged_hf.core.request import Request
 from paged_hf.engine.detokenizer import IncrementalDetokenizer
 from paged_hf.engine.request_group import RequestGroup
@@ -34,16 +34,16 @@ if TYPE_CHECKING:
 
 
 class RequestBuilder:
-    def __init__(self, config: PagedConfig, tokenizer, vocab_size: int, eos_token_ids: list[int],
-                 device: torch.device):
-        self.config = config
+    def __init__(self, limits: RequestLimits, scheduler: SchedulerConfig, tokenizer, vocab_size: int,
+                 eos_token_ids: list[int], device: torch.device):
+        self.limits, self.scheduling_policy = limits, scheduler.scheduling_policy
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device  # where the logits come out: seeded requests' rngs live there
         self.grammar_compiler: GrammarCompiler | None = None  # made with the first structured-output request
-        self.grammar_limits = GrammarLimits(config.max_grammar_bytes, config.max_grammar_depth,
-                                            config.grammar_compile_timeout_s, config.grammar_cache_bytes)
+        self.grammar_limits = GrammarLimits(limits.max_grammar_bytes, limits.max_grammar_depth,
+                                            limits.grammar_compile_timeout_s, limits.grammar_cache_bytes)
         self._lock = threading.Lock()  # `prepare` runs on other threads than `group`
         self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # tokenized by `prepare`
 
@@ -54,10 +54,10 @@ class RequestBuilder:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
-        check_stop_limits(params.stop, self.config.max_stop_strings, self.config.max_stop_string_chars)
-        if params.bad_words and len(params.bad_words) > self.config.max_bad_words:
+        check_stop_limits(params.stop, self.limits.max_stop_strings, self.limits.max_stop_string_chars)
+        if params.bad_words and len(params.bad_words) > self.limits.max_bad_words:
             raise ValueError(f"SamplingParams.bad_words has {len(params.bad_words)} entries; at most max_bad_words="
-                             f"{self.config.max_bad_words} are accepted (a PagedConfig field)")
+                             f"{self.limits.max_bad_words} are accepted (a PagedConfig field)")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
         return params
@@ -67,9 +67,9 @@ class RequestBuilder:
         vLLM), and for a tenant that is not a string."""
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
             raise ValueError(f"priority must be an int (lower is served first), got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
+        if priority and self.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine schedules "
-                             f"{self.config.scheduling_policy!r})")
+                             f"{self.scheduling_policy!r})")
         if tenant is not None and not isinstance(tenant, str):
             raise ValueError(f"tenant must be a string or None, got {tenant!r}")
 

@@ -60,9 +60,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                         help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: none")
     parser.add_argument("--allowed-origins", nargs="+", default=[], help="CORS origins ('*' for any)")
-    parser.add_argument("--lora-root", default=None, metavar="DIR", help="serve every adapter folder under DIR by "
-                        "its name (model=NAME reads DIR/NAME on first use, no load call), and allow "
-                        "/v1/load_lora_adapter and /v1/unload_lora_adapter for folders under DIR only (off by default)")
     parser.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
                         help="how tool calls are found in the model's output (tool_choice auto)")
     parser.add_argument("--log-level", "--uvicorn-log-level", default="info", help="uvicorn log level")
@@ -80,12 +77,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "bytes of stored responses (JSON; default: 64 MiB)")
     parser.add_argument("--responses-store-dir", default=None, metavar="DIR", help="/v1/responses: keep stored "
                         "responses as files in DIR, so they survive a restart (default: in memory)")
-    parser.add_argument("--max-loras", type=int, default=None,
-                        help="LoRA adapters in device slots at once (on a CPU, where adapters are read in place "
-                        "from host memory, a step holds up to --max-cpu-loras when that is larger)")
-    parser.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
-    parser.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory, least "
-                        "recently used dropped and read again from their folder on use (default: all)")
     add_tenant_args(parser)
     add_limit_args(parser)
     add_scaling_args(parser)
@@ -196,9 +187,6 @@ def add_bench_parser(sub) -> None:
                        help="with --workload lora: N random adapters (made once, kept in the cache folder), request i "
                        "on adapter i %% N, beside the same requests on the base model (system paged_hf_base)")
     bench.add_argument("--lora-rank", type=int, default=8, help="with --adapters: the adapters' rank (default: 8)")
-    bench.add_argument("--max-loras", type=int, default=None, help="with --adapters: device slots (default: N)")
-    bench.add_argument("--max-cpu-loras", type=int, default=None, help="with --adapters: adapters in host memory; "
-                       "the N adapters are then served from their folders by name, read on first use")
     bench.add_argument("--random-adapters", action="store_true", help="with --adapters: each request on a random "
                        "adapter of the N (seeded), not i %% N; --requests may then exceed 64")
     bench.add_argument("--model-shape", choices=list(MODEL_SHAPES), default=None,

@@ -31,8 +31,6 @@ def load_engine(args: argparse.Namespace, **load_kwargs) -> tuple:
     except ImportError as exc:
         raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
     config = dict(args.engine_config)
-    config.update({name: getattr(args, name) for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_root")
-                   if getattr(args, name)})
     model, tokenizer = default_model.load_model(args.model, getattr(torch, args.dtype), args.device, **load_kwargs)
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     check_adapters_loaded(generator, config.get("adapters", {}))
@@ -95,7 +93,7 @@ def serve_settings(args: argparse.Namespace, model):
                           max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
                           chat_template=read_chat_template(args.chat_template), sampling_defaults=defaults,
                           cors_origins=tuple(_origins(args.allowed_origins)), tool_call_parser=args.tool_call_parser,
-                          lora_root=args.lora_root, trust_request_chat_template=args.trust_request_chat_template,
+                          trust_request_chat_template=args.trust_request_chat_template,
                           escape_special_tokens=args.escape_special_tokens_in_content,
                           chat_template_timeout_s=args.chat_template_timeout,
                           max_rendered_chat_chars=args.max_rendered_chat_chars,
@@ -128,8 +126,7 @@ def check_adapters_loaded(generator, adapters: dict) -> None:
     engine) fails at startup, not at the first request for that adapter."""
     if not adapters:
         return
-    names = getattr(generator, "adapter_names", None)
-    served = set(names()) if callable(names) else set()
+    served = set(generator.adapter_names())
     missing = sorted(set(adapters) - served)
     if missing:
         raise ValueError(f"--adapter {', '.join(missing)}: the engine did not load it (served adapters: "

@@ -21,10 +21,13 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 from transformers.utils import logging
+
+from paged_hf.engine.face import MUTATING, EngineFace, EngineLimits, Preparation
 
 logger = logging.get_logger(__name__)
 
@@ -33,7 +36,21 @@ HEARTBEAT_S = 1.0
 #: seconds a follower waits for rank 0's next message before it gives up (many missed heartbeats)
 FOLLOWER_TIMEOUT_S = 60.0
 
-_MUTATING = ("add_request", "abort", "load_adapter", "unload_adapter")
+
+
+@dataclass(frozen=True)
+class Mirrored:
+    """One call that changed rank 0's engine (`face.MUTATING`), to be applied on every other rank in order."""
+    name: str
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class Message:
+    """What rank 0 sends: the calls since the last message, then `step`, `stop` or `noop` (a heartbeat)."""
+    kind: str
+    calls: list
 
 
 class RankFailure(RuntimeError):
@@ -45,15 +62,15 @@ def control_group(timeout_s: float = FOLLOWER_TIMEOUT_S):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-class LockstepGenerator:
-    """Rank 0's generator for the server: mutating calls are mirrored on every rank; the rest passes through.
+class LockstepGenerator(EngineFace):
+    """Rank 0's engine for the server: the calls that change it are mirrored on every rank; the others are its own.
 
     `on_failure(exc)`, public and settable after construction (the server it ends is built around this
     generator): called once, from the thread that saw another rank fail."""
 
-    def __init__(self, generator, group, on_failure=None, heartbeat_s: float = HEARTBEAT_S):
+    def __init__(self, generator: EngineFace, group, on_failure=None, heartbeat_s: float = HEARTBEAT_S):
         self._generator, self._group, self.on_failure = generator, group, on_failure
-        self._pending: list[tuple] = []  # commands applied here, not yet sent (engine thread only)
+        self._pending: list[Mirrored] = []  # calls applied here, not yet sent (engine thread only)
         self._send_lock = threading.Lock()  # the engine thread and the heartbeat share the group
         self._last_send = time.monotonic()
         self._heartbeat_s = heartbeat_s
@@ -62,35 +79,64 @@ class LockstepGenerator:
         self._heartbeat = threading.Thread(target=self._beat, name="paged_hf-tp-heartbeat", daemon=True)
         self._heartbeat.start()
 
-    def __getattr__(self, name: str):
-        attribute = getattr(self._generator, name)
-        if name in _MUTATING:
-            return self._mirrored(name, attribute)
-        return attribute
+    # --- mirrored on every rank -------------------------------------------------------------------------------
+    def add_request(self, *args, **kwargs) -> str:
+        return self._mirrored("add_request", args, kwargs)
 
-    def _mirrored(self, name: str, method):
-        def call(*args, **kwargs):
-            if self.failure is not None and name == "abort":
-                return method(*args, **kwargs)  # frees its blocks here; nobody is left to mirror it
-            self._check_alive()
-            result = method(*args, **kwargs)  # raises for bad input: nothing is sent
-            self._pending.append((name, args, kwargs))
-            return result
-        return call
+    def abort(self, request_id: str) -> None:
+        if self.failure is not None:
+            return self._generator.abort(request_id)  # frees its blocks here; nobody is left to mirror it
+        return self._mirrored("abort", (request_id,), {})
 
-    def has_unfinished_requests(self) -> bool:
-        """False once failed: nothing can run any more (a step would wait on the missing rank)."""
-        return self.failure is None and self._generator.has_unfinished_requests()
+    def load_adapter(self, name: str, path) -> None:
+        return self._mirrored("load_adapter", (name, path), {})
+
+    def unload_adapter(self, name: str) -> None:
+        return self._mirrored("unload_adapter", (name,), {})
+
+    def _mirrored(self, name: str, args: tuple, kwargs: dict):
+        assert name in MUTATING
+        self._check_alive()
+        result = getattr(self._generator, name)(*args, **kwargs)  # raises for bad input: nothing is sent
+        self._pending.append(Mirrored(name, args, kwargs))
+        return result
 
     def step(self):
         self._check_alive()
-        commands, self._pending = self._pending, []
-        self._send(("step", commands))
+        calls, self._pending = self._pending, []
+        self._send(Message("step", calls))
         try:
             return self._generator.step()
         except BaseException as exc:
             self._fail(exc)
             raise
+
+    # --- rank 0's own -----------------------------------------------------------------------------------------
+    @property
+    def limits(self) -> EngineLimits:
+        return self._generator.limits
+
+    def has_unfinished_requests(self) -> bool:
+        """False once failed: nothing can run any more (a step would wait on the missing rank)."""
+        return self.failure is None and self._generator.has_unfinished_requests()
+
+    def has_started(self, request_id: str) -> bool:
+        return self._generator.has_started(request_id)
+
+    def stats(self) -> dict:
+        return self._generator.stats()
+
+    def prepare(self, sampling_params) -> Preparation | None:
+        return self._generator.prepare(sampling_params)  # (the other ranks compile at submission)
+
+    def adapter_names(self) -> list[str]:
+        return self._generator.adapter_names()
+
+    def resident_adapter_names(self) -> list[str]:
+        return self._generator.resident_adapter_names()
+
+    def kv_transfer(self):
+        return self._generator.kv_transfer()
 
     def close(self) -> None:
         """Tell the other ranks to stop (after the server's engine is stopped). Idempotent."""
@@ -99,7 +145,7 @@ class LockstepGenerator:
         self._closed.set()
         if self.failure is None:
             try:
-                self._send(("stop", self._pending))
+                self._send(Message("stop", self._pending))
             except RankFailure:
                 pass
         self._heartbeat.join(5 * self._heartbeat_s)
@@ -132,12 +178,12 @@ class LockstepGenerator:
                 return
             if time.monotonic() - self._last_send >= self._heartbeat_s:
                 try:
-                    self._send(("noop", []))
+                    self._send(Message("noop", []))
                 except RankFailure:
                     return
 
 
-def follow(generator, group) -> None:
+def follow(generator: EngineFace, group) -> None:
     """Every rank but 0: mirror rank 0's engine until it says stop. Raises RankFailure when rank 0 is gone or a
     command fails here (the ranks could no longer agree). SIGINT/SIGTERM are ignored: rank 0 owns the lifetime
     (it drains, then tells the others to stop)."""
@@ -149,10 +195,10 @@ def follow(generator, group) -> None:
             dist.broadcast_object_list(box, src=0, group=group)
         except BaseException as exc:
             raise RankFailure(f"rank 0 stopped answering: {exc}") from exc
-        kind, commands = box[0]
-        for name, args, kwargs in commands:
-            getattr(generator, name)(*args, **kwargs)
-        if kind == "step":
+        message: Message = box[0]
+        for call in message.calls:
+            getattr(generator, call.name)(*call.args, **call.kwargs)
+        if message.kind == "step":
             generator.step()
-        elif kind == "stop":
+        elif message.kind == "stop":
             return

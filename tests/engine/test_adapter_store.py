@@ -16,6 +16,7 @@ from conftest import assert_no_leak, hf_greedy, make_adapter, random_prompts, ti
 
 import paged_hf
 from paged_hf import PagedConfig, SamplingParams
+from paged_hf.config.groups import LoRAConfig
 from paged_hf.engine.adapters import adapter_slots
 
 MAX_NEW = 6
@@ -104,10 +105,10 @@ def test_a_gpu_slot_count_stays_max_loras():
     """Only a model computing on CPU reads adapters in place; elsewhere a step holds max_loras adapters."""
     cpu, gpu = SimpleNamespace(layer_devices=[torch.device("cpu")] * 2), SimpleNamespace(
         layer_devices=[torch.device("cpu"), torch.device("cuda", 0)])
-    assert adapter_slots(PagedConfig(max_loras=2, max_cpu_loras=8), cpu) == 8
-    assert adapter_slots(PagedConfig(max_loras=2, max_cpu_loras=8), gpu) == 2
-    assert adapter_slots(PagedConfig(max_loras=16, max_cpu_loras=8), cpu) == 16
-    assert adapter_slots(PagedConfig(max_loras=2), cpu) == 2  # host memory unbounded: max_loras caps a step
+    assert adapter_slots(LoRAConfig(max_loras=2, max_cpu_loras=8), cpu) == 8
+    assert adapter_slots(LoRAConfig(max_loras=2, max_cpu_loras=8), gpu) == 2
+    assert adapter_slots(LoRAConfig(max_loras=16, max_cpu_loras=8), cpu) == 16
+    assert adapter_slots(LoRAConfig(max_loras=2), cpu) == 2  # host memory unbounded: max_loras caps a step
 
 
 def test_names_that_leave_the_root_or_hold_no_adapter_are_refused(setup, tmp_path):

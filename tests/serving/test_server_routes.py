@@ -35,9 +35,8 @@ def routes_server(tmp_path_factory):
     oracle = make_adapter(base, root / "tenant", seed=1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     make_adapter(base, outside / "evil", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     os.symlink(outside / "evil", root / "link-out")
-    generator = paged_hf.wrap(base, tiny_tokenizer(), num_blocks=64, max_model_len=128).generator
-    app = create_app(generator, generator.tokenizer, ["tiny", "tiny-alias"],
-                     ServerSettings(api_key=KEY, lora_root=str(root)))
+    generator = paged_hf.wrap(base, tiny_tokenizer(), num_blocks=64, max_model_len=128, lora_root=str(root)).generator
+    app = create_app(generator, generator.tokenizer, ["tiny", "tiny-alias"], ServerSettings(api_key=KEY))
     with serving(app) as url:
         yield url, base, oracle, outside
     assert_no_leak(generator)
@@ -82,21 +81,25 @@ def test_request_chat_templates_need_the_trust_flag(routes_server):
 
 
 def test_runtime_lora_load_and_unload(routes_server):
+    """A folder under the engine's lora_root is served by its own name; /v1/load_lora_adapter serves it under
+    another name until it is unloaded (the root is one engine field: `--lora-root` sets both)."""
     url, base, oracle, outside = routes_server
     prompt = [1, 7, 40, 10, 22]
-    body = {"model": "tenant", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    body = {"model": "mine", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    expected = tiny_tokenizer().decode(hf_greedy(oracle, prompt, 5), skip_special_tokens=True)
     assert post(routes_server, "/v1/completions", body).status_code == 404
-    r = post(routes_server, "/v1/load_lora_adapter", {"lora_name": "tenant", "lora_path": "tenant"})
+    assert post(routes_server, "/v1/completions", {**body, "model": "tenant"}).json()["choices"][0]["text"] == expected
+    r = post(routes_server, "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": "tenant"})
     assert r.status_code == 200, r.text
     models = httpx.get(url + "/v1/models", headers=AUTH).json()["data"]
-    assert [m["id"] for m in models] == ["tiny", "tiny-alias", "tenant"]
+    assert sorted(m["id"] for m in models) == ["mine", "tenant", "tiny", "tiny-alias"]  # tenant: read on its use
     text = post(routes_server, "/v1/completions", body).json()["choices"][0]["text"]
-    assert text == tiny_tokenizer().decode(hf_greedy(oracle, prompt, 5), skip_special_tokens=True)
-    again = post(routes_server, "/v1/load_lora_adapter", {"lora_name": "tenant", "lora_path": "tenant"})
+    assert text == expected
+    again = post(routes_server, "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": "tenant"})
     assert again.status_code == 400
-    assert post(routes_server, "/v1/unload_lora_adapter", {"lora_name": "tenant"}).status_code == 200
+    assert post(routes_server, "/v1/unload_lora_adapter", {"lora_name": "mine"}).status_code == 200
     assert post(routes_server, "/v1/completions", body).status_code == 404
-    assert post(routes_server, "/v1/unload_lora_adapter", {"lora_name": "tenant"}).status_code == 404
+    assert post(routes_server, "/v1/unload_lora_adapter", {"lora_name": "mine"}).status_code == 404
 
 
 @pytest.mark.parametrize("path", ["../outside/evil", "/etc", "link-out", ".", "missing"])
@@ -141,7 +144,7 @@ def test_adapters_under_the_engines_lora_root_are_served_by_name(tmp_path):
                               max_cpu_loras=1).generator
     prompt = [1, 7, 40, 10, 22]
     body = {"model": "tenant", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
-    with serving(create_app(generator, generator.tokenizer, "tiny", ServerSettings(lora_root=str(tmp_path)))) as url:
+    with serving(create_app(generator, generator.tokenizer, "tiny", ServerSettings())) as url:
         response = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == tiny_tokenizer().decode(hf_greedy(oracle, prompt, 5),

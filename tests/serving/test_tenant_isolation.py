@@ -45,9 +45,8 @@ def lora_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
     base = tiny_model("llama", dtype=torch.float32)
     oracles = {name: make_adapter(base, root / name, seed=seed, **LORA) for name, seed in (("a", 1), ("b", 2))}
-    generator = paged_hf.wrap(base, tiny_tokenizer(), num_blocks=64, max_model_len=128).generator
-    settings = ServerSettings(api_key=[f"{name}={key}" for name, key in KEYS.items()], lora_root=str(root),
-                              metrics_keys=("ops",))
+    generator = paged_hf.wrap(base, tiny_tokenizer(), num_blocks=64, max_model_len=128, lora_root=str(root)).generator
+    settings = ServerSettings(api_key=[f"{name}={key}" for name, key in KEYS.items()], metrics_keys=("ops",))
     with serving(create_app(generator, generator.tokenizer, "tiny", settings)) as url:
         yield url, oracles
     assert_no_leak(generator)

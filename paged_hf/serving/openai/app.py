@@ -129,11 +129,11 @@ def create_app(generator, tokenizer, model_name: str | list[str], settings: Serv
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     metrics = ServerMetrics()
     engine = EngineLoop(generator, metrics, settings.max_queue, settings.engine_threads)
-    # a request must also fit the whole KV cache: default max_tokens never asks for more than that holds
-    max_model_len = min(generator.max_model_len, generator.block_pool.num_blocks * generator.config.block_size)
-    ctx = ServerContext(engine, tokenizer, names[0], settings, max_model_len, metrics, tuple(names))
-    if getattr(getattr(generator, "config", None), "kv_transfer_config", None) is not None:
-        ctx.kv_transfer = KVTransfer(generator)
+    # (the limit fits the whole KV cache too: default max_tokens never asks for more than that holds)
+    ctx = ServerContext(engine, tokenizer, names[0], settings, engine.limits.max_model_len, metrics, tuple(names))
+    transfer = generator.kv_transfer()
+    if transfer is not None:
+        ctx.kv_transfer = KVTransfer(*transfer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

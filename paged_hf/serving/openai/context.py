@@ -59,7 +59,7 @@ class ServerContext:
     @property
     def max_schema_depth(self) -> int:
         """The engine's --max-grammar-depth: every JSON schema a request carries is held to it (schema_limits.py)."""
-        return getattr(getattr(self.engine.generator, "config", None), "max_grammar_depth", 64)
+        return self.engine.limits.max_grammar_depth
 
     @property
     def template_policy(self) -> TemplatePolicy:
@@ -78,7 +78,8 @@ class ServerContext:
         if name not in self.adapter_owners.owned:  # an owned adapter's engine name is nobody's model name
             if name in self.engine.adapter_names:
                 return name
-            if self.engine.lora_root is not None and adapter_folder_under(self.engine.lora_root, name) is not None:
+            root = self.engine.limits.lora_root
+            if root is not None and adapter_folder_under(root, name) is not None:
                 return name  # the engine reads it on first use
         raise ApiError(404, f"The model {name!r} does not exist; served: "
                        f"{[*(self.served_names or (self.model_name,)), *self.adapters_seen_by(owner)]}",

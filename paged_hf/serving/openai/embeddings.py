@@ -95,7 +95,7 @@ async def _embed(ctx: ServerContext, body: EmbeddingRequest, http_request: Reque
 async def _in_pieces(ctx: ServerContext, prepared: Prepared, http_request: Request) -> list:
     """Each input's final output, in input order; at most PIECES_IN_FLIGHT engine batches queued at once. The
     first failure (a bad input: 400) cancels the rest, and their engine requests are aborted."""
-    piece = getattr(getattr(ctx.engine.generator, "config", None), "max_num_seqs", None) or 64
+    piece = ctx.engine.limits.max_num_seqs
     gate = asyncio.Semaphore(PIECES_IN_FLIGHT * piece)
 
     async def one(index: int):

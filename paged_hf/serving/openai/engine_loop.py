@@ -1,8 +1,8 @@
 """The one thread that owns the generator, and the asyncio side that talks to it.
 
-Why one thread: `ContinuousBatchGenerator` is not thread-safe and `step()` blocks for the whole forward pass.
-The event loop must never block on it, and two threads must never call it at once. So HTTP handlers only put
-commands ("add", "abort") on a thread-safe queue; the engine thread drains that queue before every step, runs
+Why one thread: the engine (`EngineFace`, paged_hf/engine/face.py) is not thread-safe and `step()` blocks for the
+whole forward pass. The event loop must never block on it, and two threads must never call it at once. So HTTP
+handlers only put commands (`Add`, `Abort`, `Call`, `Drain`, `Stop`: small dataclasses) on a thread-safe queue; the engine thread drains that queue before every step, runs
 `step()` while there is work (sleeping on the queue when there is none), and hands each `RequestOutput` to the
 waiting handler's asyncio queue with `loop.call_soon_threadsafe`. An abort is therefore applied before the
 next step: a client that goes away frees its blocks within one step.
@@ -14,17 +14,16 @@ import asyncio
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.utils import logging
 
+from paged_hf.engine.face import EngineFace, EngineLimits
 from paged_hf.serving.openai.metrics import ServerMetrics
+from paged_hf.serving.openai.request_stream import RequestStream, deliver_all
 
 logger = logging.get_logger(__name__)
-
-_STOP = object()
 
 
 def reserve_torch_threads() -> int:
@@ -51,78 +50,49 @@ class EngineError(Exception):
     """The engine failed while running a request (not the client's fault: HTTP 500)."""
 
 
-@dataclass(eq=False)
-class RequestStream:
-    """One request as the HTTP handler sees it: outputs arrive through `put` on its event loop and are taken
-    with `get` (an `EngineError` ends it). A deque and one future per wait, not an asyncio.Queue: the wait for
-    each output is the server's most frequent operation, and Python 3.11's `wait_for` makes a Task for it."""
+@dataclass
+class Add:
+    """Queue a request: `accepted` is resolved on the stream's loop when the engine took it (or refused it)."""
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: object  # SamplingParams, or PoolingParams for an embedding
+    adapter: str | None
+    cache_salt: str | None
+    priority: int
+    tenant: str | None
+    accepted: asyncio.Future
 
+
+@dataclass
+class Abort:
     request_id: str
+
+
+@dataclass
+class Call:
+    """`fn(engine)` between two steps; its result or exception resolves `done` on `loop`."""
+    fn: object
     loop: asyncio.AbstractEventLoop
-    arrival_time: float = field(default_factory=time.monotonic)
-    items: deque = field(default_factory=deque)
-    _waiter: asyncio.Future | None = None
-    # engine-thread bookkeeping for the latency metrics
-    num_sequences: int = 1  # n
-    tenant: str = ""  # the per-tenant metrics' label (metrics.py)
-    tenant_owner: str | None = None  # the API key those series belong to (tenancy.py; None without tenants)
-    started: bool = False
-    num_tokens_seen: dict = field(default_factory=dict)  # child index -> tokens delivered
-    last_token_time: dict = field(default_factory=dict)  # child index -> time of its last token
-
-    def deliver(self, item) -> None:
-        """Engine thread -> event loop. A closed loop (server shutting down) has nobody left to tell."""
-        deliver_all([(self, item)])
-
-    def put(self, item) -> None:
-        """On the event loop: queue an output and wake the waiting handler."""
-        self.items.append(item)
-        _wake(self._waiter)
-
-    async def get(self, timeout: float | None = None):
-        """On the event loop: the next output, or None after `timeout` seconds without one (None: no limit)."""
-        if not self.items:
-            waiter = self._waiter = self.loop.create_future()
-            timer = None if timeout is None else self.loop.call_later(timeout, _wake, waiter)
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-                if timer is not None:
-                    timer.cancel()
-            if not self.items:
-                return None
-        return self.items.popleft()
+    done: asyncio.Future
 
 
-def _wake(waiter: asyncio.Future | None) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
+@dataclass
+class Drain:
+    """Take nothing new; abort what still runs at `deadline` (time.monotonic())."""
+    deadline: float
 
 
-def deliver_all(deliveries: list[tuple[RequestStream, object]]) -> None:
-    """Hand a whole step's outputs to the event loop in one call per loop (each call wakes the loop and takes
-    its lock: once per step, not once per request)."""
-    by_loop: dict = {}
-    for stream, item in deliveries:
-        by_loop.setdefault(stream.loop, []).append((stream, item))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # a closed loop (server shutting down) has nobody left to tell
-            pass
-
-
-def _put_all(items: list[tuple[RequestStream, object]]) -> None:
-    for stream, item in items:
-        stream.put(item)
+class Stop:
+    """Abort what is left and end the engine thread."""
 
 
 class EngineLoop:
-    def __init__(self, generator, metrics: ServerMetrics, max_queue: int = 256, num_threads: int | None = None):
+    def __init__(self, generator: EngineFace, metrics: ServerMetrics, max_queue: int = 256,
+                 num_threads: int | None = None):
         """`num_threads`: torch's intra-op threads on the engine thread (see `reserve_torch_threads`); None:
         torch's setting for a new thread."""
         self.generator = generator
+        self.limits: EngineLimits = generator.limits  # fixed: read from any thread
         self.num_threads = num_threads
         self.metrics = metrics
         self.max_queue = max_queue
@@ -135,9 +105,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         # Snapshots the engine thread refreshes, so other threads never call the generator themselves.
         self.stats: dict = generator.stats()
-        self.adapter_names: tuple[str, ...] = _adapter_names(generator)
-        # the engine serves every adapter folder under it by name (read on first use); fixed at construction
-        self.lora_root: str | None = getattr(getattr(generator, "config", None), "lora_root", None)
+        self.adapter_names: tuple[str, ...] = tuple(generator.adapter_names())
 
     # --- event-loop side ---------------------------------------------------------------------------------
     @property
@@ -152,7 +120,7 @@ class EngineLoop:
         """Abort what is left, free its blocks and end the thread."""
         if self._thread is None:
             return
-        self._commands.put(_STOP)
+        self._commands.put(Stop())
         self._thread.join(timeout)
         self._thread = None
 
@@ -174,7 +142,7 @@ class EngineLoop:
         """Thread-safe (a signal handler calls it): take no new request; what runs may finish for `grace_s`
         seconds, then it is aborted and each request's last output says finish_reason "abort"."""
         self.draining = True
-        self._commands.put(("drain", time.monotonic() + grace_s))
+        self._commands.put(Drain(time.monotonic() + grace_s))
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params, adapter: str | None,
                      arrival_time: float, reserved: bool = False, cache_salt: str | None = None, priority: int = 0,
@@ -186,8 +154,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, arrival_time, tenant=tenant or adapter or "", tenant_owner=owner)
         accepted = loop.create_future()
-        self._commands.put(("add", stream, prompt_token_ids, params, adapter, cache_salt, accepted,
-                            {"priority": priority, "tenant": tenant}))
+        self._commands.put(Add(stream, prompt_token_ids, params, adapter, cache_salt, priority, tenant, accepted))
         try:
             await accepted
         except asyncio.CancelledError:  # the client left while we waited: the add still happens, undo it
@@ -196,16 +163,16 @@ class EngineLoop:
         return stream
 
     async def call(self, fn):
-        """`fn(generator)` on the engine thread, between two steps (the generator is not thread-safe): its
-        result, or the exception it raised (e.g. loading or unloading an adapter)."""
+        """`fn(engine)` on the engine thread, between two steps (the engine is not thread-safe): its result, or
+        the exception it raised (e.g. loading or unloading an adapter)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._commands.put(("call", fn, loop, done))
+        self._commands.put(Call(fn, loop, done))
         return await done
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for a request that already finished."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort(request_id))
 
     # --- engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -242,44 +209,45 @@ class EngineLoop:
         except queue.Empty:
             return True
         while True:
-            if command is _STOP:
+            if isinstance(command, Stop):
                 return False
-            if command[0] == "add":
-                self._add(*command[1:])
-            elif command[0] == "drain":
-                self._abort_at = min(command[1], self._abort_at or command[1])
-            elif command[0] == "call":
-                self._call(*command[1:])
+            if isinstance(command, Add):
+                self._add(command)
+            elif isinstance(command, Drain):
+                self._abort_at = min(command.deadline, self._abort_at or command.deadline)
+            elif isinstance(command, Call):
+                self._call(command)
             else:
-                self._abort(command[1])
+                self._abort(command.request_id)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
 
-    def _add(self, stream: RequestStream, prompt_token_ids, params, adapter, cache_salt,
-             accepted: asyncio.Future, scheduling: dict) -> None:
+    def _add(self, add: Add) -> None:
+        stream = add.stream
         try:
             if self._abort_at is not None:  # prepared while the server began to drain: answer it now
                 raise QueueFullError("the server is shutting down")
-            self.generator.add_request(prompt_token_ids, params, adapter=adapter, request_id=stream.request_id,
-                                       cache_salt=cache_salt, **scheduling)
+            self.generator.add_request(add.prompt_token_ids, add.params, adapter=add.adapter,
+                                       request_id=stream.request_id, cache_salt=add.cache_salt,
+                                       priority=add.priority, tenant=add.tenant)
         except Exception as exc:  # noqa: BLE001 - ValueError is the client's, anything else goes back too
             self._release(1)
-            _resolve(stream.loop, accepted, exc)
+            _resolve(stream.loop, add.accepted, exc)
             return
-        stream.num_sequences = params.n
+        stream.num_sequences = add.params.n
         self._streams[stream.request_id] = stream
-        _resolve(stream.loop, accepted, None)
+        _resolve(stream.loop, add.accepted, None)
 
-    def _call(self, fn, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+    def _call(self, call: Call) -> None:
         try:
-            result = fn(self.generator)
+            result = call.fn(self.generator)
         except Exception as exc:  # noqa: BLE001 - goes back to the caller
-            _resolve(loop, done, exc)
+            _resolve(call.loop, call.done, exc)
             return
         self._refresh_snapshots()  # e.g. /v1/models lists a new adapter as soon as the call returns
-        _resolve(loop, done, None, result)
+        _resolve(call.loop, call.done, None, result)
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -314,15 +282,11 @@ class EngineLoop:
         deliver_all(deliveries)
 
     def _mark_started(self, now: float) -> None:
-        """Queue time ends when the engine first computes any of the request's tokens. The public API has no
-        'scheduled' event, so this looks at the engine's request state (best effort: skipped if it moved)."""
-        groups = getattr(self.generator, "groups", None)
+        """Queue time ends when the engine first computes any of the request's tokens (`has_started`)."""
         for request_id, stream in self._streams.items():
             if stream.started:
                 continue
-            group = groups.get(request_id) if groups is not None else None
-            children = getattr(group, "children", None)
-            if children is None or getattr(children[0], "num_computed_tokens", 1) > 0:
+            if self.generator.has_started(request_id):
                 stream.started = True
                 self.metrics.observe(queue_time=now - stream.arrival_time)
                 self.metrics.observe_tenant(stream.tenant, queue_time=now - stream.arrival_time,
@@ -375,13 +339,7 @@ class EngineLoop:
 
     def _refresh_snapshots(self) -> None:
         self.stats = self.generator.stats()
-        self.adapter_names = _adapter_names(self.generator)
-
-
-def _adapter_names(generator) -> tuple[str, ...]:
-    """LoRA adapters the engine serves; engines without LoRA support serve none."""
-    names = getattr(generator, "adapter_names", None)
-    return tuple(names()) if callable(names) else ()
+        self.adapter_names = tuple(self.generator.adapter_names())
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: Exception | None, result=None) -> None:

@@ -1,7 +1,7 @@
 """vLLM's routes beside the OpenAI ones: /tokenize, /detokenize, /version, /ping, and runtime LoRA loading.
 
 `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` exist only when the server was started with a LoRA
-root (`--lora-root DIR`, ServerSettings.lora_root), and load only folders inside it: a path that leaves the root
+root (`--lora-root DIR`, the engine's `lora_root`), and load only folders inside it: a path that leaves the root
 (`..`, an absolute path elsewhere, a symlink out) is a 400. vLLM had a path-traversal hole here; the generator
 itself would read any folder the server process can. Loading runs on the engine thread between two steps.
 On a server with named API keys, an adapter a key loads belongs to that key (tenancy.py).
@@ -88,7 +88,7 @@ def add_extra_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await until_disconnected(asyncio.to_thread(_detokenize, ctx, body, owner), http_request,
                                         threading.Event())
 
-    if ctx.settings.lora_root is not None:
+    if ctx.engine.limits.lora_root is not None:
         _add_lora_routes(app, ctx)
 
 
@@ -116,7 +116,7 @@ def _bounded(body: DetokenizeRequest, limit: int) -> DetokenizeRequest:
 def _detokenize(ctx: ServerContext, body: DetokenizeRequest, owner: str | None = None) -> Response:
     ctx.resolve_model(body.model, owner)
     tokenizer = _tokenizer(ctx)
-    vocab_size = ctx.engine.generator.info.vocab_size
+    vocab_size = ctx.engine.limits.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:
         raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "invalid_tokens",
@@ -185,7 +185,7 @@ def _add_lora_routes(app: FastAPI, ctx: ServerContext) -> None:
         if owner is not None:
             owners.add(body.lora_name, owner)  # before the engine has it: no moment where it is nobody's
         try:
-            path = resolve_lora_path(ctx.settings.lora_root, body.lora_path)
+            path = resolve_lora_path(ctx.engine.limits.lora_root, body.lora_path)
             await ctx.engine.call(lambda generator: generator.load_adapter(name, path))
         except ValueError as exc:
             if not known:

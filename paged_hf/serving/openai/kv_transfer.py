@@ -32,9 +32,10 @@ MAX_HEADER_BYTES = 1 << 20  # a block file's safetensors header is a few KB; a l
 class KVTransfer:
     """The server's side of one engine's `kv_transfer_config`: answers (producer), receives (consumer), counts."""
 
-    def __init__(self, generator):
-        self.config = generator.config.kv_transfer_config
-        self.tier = generator.runner.kv_tier
+    def __init__(self, config, tier):
+        """`config`: the engine's KVTransferConfig; `tier`: its KV tier, whose directory holds the block files."""
+        self.config = config
+        self.tier = tier
         self.disk = self.tier.store.disk
         self.block_size = self.tier.block_size
         self.folder = os.path.realpath(self.disk.folder)

@@ -33,7 +33,6 @@ class ServerSettings:
     chat_template: str | None = None  # a Jinja chat template that replaces the tokenizer's
     sampling_defaults: dict = field(default_factory=dict)  # request field -> default (generation_config.json)
     cors_origins: tuple[str, ...] = ()  # browsers on these origins may call the API (CORS); "*" for any
-    lora_root: str | None = None  # enables /v1/load_lora_adapter, for folders under this one only
     engine_threads: int | None = None  # torch threads of the engine thread (engine_loop.reserve_torch_threads)
     trust_request_chat_template: bool = False  # else a request's chat_template is a 400 (a template is a program)
     escape_special_tokens: bool = False  # special tokens in chat content are tokenized as text (chat_template.py)

@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.serving.openai.chat_template import chat_prompt_ids
 from paged_hf.serving.openai.context import Prepared, ServerContext
-from paged_hf.serving.openai.engine_loop import EngineError, QueueFullError, RequestStream
+from paged_hf.serving.openai.engine_loop import EngineError, QueueFullError
+from paged_hf.serving.openai.request_stream import RequestStream
 from paged_hf.serving.openai.errors import ApiError
 from paged_hf.serving.openai.memory import trim_if_large
 from paged_hf.serving.openai.protocol import CompletionRequest, PromptTokensDetails, Usage
@@ -248,17 +249,14 @@ async def ready(ctx: ServerContext, prepared: Prepared) -> None:
     """Do the request's slow engine-side work before it is queued, off the engine thread: its bad_words
     tokenized (in a worker thread) and its grammar compiled (on the compiler's pool, within its time limit).
     The engine then finds both ready. A 400 for a grammar that is too large, too slow or invalid."""
-    builder = getattr(ctx.engine.generator, "request_builder", None)
-    if builder is None:  # e.g. a tensor-parallel engine: the engine does it all at submission
-        return
     try:
-        future = await asyncio.to_thread(builder.prepare, prepared.params)
-        if future is None:
+        preparation = await asyncio.to_thread(ctx.engine.generator.prepare, prepared.params)
+        if preparation is None:
             return
-        waiter = asyncio.wrap_future(future)
-        done, _ = await asyncio.wait({waiter}, timeout=builder.grammar_limits.compile_timeout_s)
+        waiter = asyncio.wrap_future(preparation.future)
+        done, _ = await asyncio.wait({waiter}, timeout=preparation.timeout_s)
         if not done:  # the compile goes on in its pool thread (it cannot be stopped); its result is dropped
-            raise builder.compiler().timed_out(prepared.params.structured_outputs)
+            raise preparation.timed_out()
         waiter.result()
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_request", "structured_outputs") from None

@@ -40,8 +40,7 @@ class EngineReplica:
             yield item
 
     def record_routing_stats(self) -> dict:
-        lora = getattr(getattr(self.generator, "runner", None), "lora", None)
-        resident = sorted(lora.resident_names) if lora is not None else []  # not `resident`: the engine's
+        resident = self.generator.resident_adapter_names()  # read off the engine thread: a snapshot may lag a step
         return {"adapters": list(self.engine.adapter_names), "resident_adapters": resident,
                 "num_in_flight": self.engine.num_in_flight}
 
