@@ -80,7 +80,7 @@ def test_the_flags_spell_the_config_they_give():
               "adapters": {"x": "/adapters/x", "y": "/adapters/y"}, "max_loras": 2, "max_lora_rank": 16,
               "max_cpu_loras": 3, "lora_root": "/adapters", "max_stop_strings": 3, "max_stop_string_chars": 9,
               "max_grammar_bytes": 100, "max_grammar_depth": 5, "grammar_compile_timeout_s": 2.5,
-              "grammar_cache_bytes": 1000, "max_bad_words": 7, "quantization": "w4a16",
+              "grammar_cache_bytes": 1000, "max_bad_words": 7, "max_logprobs": 30, "quantization": "w4a16",
               "speculative": dataclasses.asdict(PagedConfig(speculative={"method": "ngram"}).speculative)}
     flagged = {name for name, (_, field) in DECLARED.items() if field.metadata["flags"]}
     assert set(config) == flagged - {"kv_transfer_config"}  # (its own test: tests/serving/test_disaggregated.py)

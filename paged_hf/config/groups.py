@@ -145,6 +145,8 @@ class RequestLimits(OptionGroup):
                                       (Flag(("--grammar-cache-bytes",), int),))
     max_bad_words: int = option(1024, "most bad_words per request (each tokenized twice at submission)", integer(),
                                 (Flag(("--max-bad-words",), int),))
+    max_logprobs: int = option(20, "most logprobs (and prompt_logprobs) a request may ask for, vLLM's; -1: no limit",
+                               integer(minimum=-1), (Flag(("--max-logprobs",), int),))
 
 
 @dataclass

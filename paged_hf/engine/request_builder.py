@@ -58,6 +58,11 @@ class RequestBuilder:
         if params.bad_words and len(params.bad_words) > self.limits.max_bad_words:
             raise ValueError(f"SamplingParams.bad_words has {len(params.bad_words)} entries; at most max_bad_words="
                              f"{self.limits.max_bad_words} are accepted (a PagedConfig field)")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and -1 < self.limits.max_logprobs < asked:
+                raise ValueError(f"SamplingParams.{name}={asked} is more than max_logprobs={self.limits.max_logprobs} "
+                                 "(a PagedConfig field; -1 lifts the limit)")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to wrap()")
         return params

@@ -142,6 +142,20 @@ def test_stop_lists_are_bounded_by_the_config(llama):
     assert PagedConfig().max_stop_strings == 64 and PagedConfig().max_stop_string_chars == 512
 
 
+def test_logprobs_are_bounded_by_max_logprobs(llama):
+    """vLLM's max_logprobs (20): a request asking for more top logprobs, or prompt logprobs, is refused at
+    submission; -1 lifts the limit."""
+    generator = paged_hf.ContinuousBatchGenerator(llama, PagedConfig(num_blocks=16, block_size=4, max_logprobs=3))
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}=4 is more than max_logprobs=3"):
+            generator.add_request([1, 2], SamplingParams(max_new_tokens=2, **{field: 4}))
+    assert not generator.has_unfinished_requests()
+    generator.add_request([1, 2], SamplingParams(max_new_tokens=2, logprobs=3, prompt_logprobs=3))
+    unlimited = paged_hf.ContinuousBatchGenerator(llama, PagedConfig(num_blocks=16, block_size=4, max_logprobs=-1))
+    unlimited.add_request([1, 2], SamplingParams(max_new_tokens=2, logprobs=50))
+    assert PagedConfig().max_logprobs == 20
+
+
 def test_a_token_budget_below_max_num_seqs_is_refused():
     """Every running request needs one token of each step's budget, or the tail of the running list starves."""
     with pytest.raises(ValueError, match="max_num_batched_tokens=8 is smaller than max_num_seqs=16"):
