@@ -1,9 +1,9 @@
 """Families whose attention is their own code, served by stand-ins (worker/families/), against HF's greedy
 tokens and top-5 logprobs with chunked prefill, preemption and `n = 2`: Inkling and Inkling 2 (a learned bias by
 query-key distance, per-token sinks, log scaling by position, the loop's second pass on cache layers of its own),
-BLOOM and MPT (ALiBi) and XGLM (BART's attention). Random tiny models (weights of std 0.02) leave these terms far
-below what tokens notice, so each model's are scaled up until dropping one, or getting a scale, slope or position
-10% wrong, changes the answer."""
+BLOOM and MPT (ALiBi), XGLM (BART's attention) and GIT (BERT's, inline). Random tiny models (weights of std 0.02)
+leave these terms far below what tokens notice, so each model's are scaled up until dropping one, or getting a
+scale, slope or position 10% wrong, changes the answer."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ MODELS = {
     "bloom": (torch.float64, {"query_key_value.weight": 8.0}),  # scores far from 0: a softmax far from uniform
     "mpt": (torch.float64, {"Wqkv.weight": 8.0}),
     "xglm": (torch.float32, {"q_proj.weight": 8.0, "k_proj.weight": 8.0}),
+    "git": (torch.float64, {"self.query.weight": 8.0, "self.key.weight": 8.0}),  # as a text decoder
 }
 
 
@@ -47,7 +48,7 @@ def test_own_attention_families_equal_hf_under_pressure(model_type):
     expected = hf_oracle(model, prompts)
     engine = paged_hf.wrap(model, num_blocks=12, block_size=4, max_num_batched_tokens=8, max_num_seqs=4).generator
     assert engine.runner.family_stand_ins.sites
-    if model_type != "xglm":  # the compiled kernels have no bias by distance, per-token sinks or ALiBi
+    if model_type not in ("xglm", "git"):  # the compiled kernels have no bias by distance, per-token sinks or ALiBi
         assert isinstance(engine.runner.kernel, TorchKernel)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP_LOGPROBS,
                             n=2)

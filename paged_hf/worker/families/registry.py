@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from paged_hf.worker.families import alibi, falcon, gpt_neo, indexed, inkling, own_states, xglm
+from paged_hf.worker.families import alibi, falcon, git, gpt_neo, indexed, inkling, own_states, xglm
 from paged_hf.worker.families.base import Family
 from paged_hf.worker.families.own_states import OwnStates
 from paged_hf.worker.hybrid.recurrent_state import StateLayer
 from paged_hf.worker.stand_ins import ModuleSwaps
 
 #: every family, in the order their rules are asked (a module is served by the first that recognises it)
-FAMILIES: tuple[Family, ...] = (gpt_neo.FAMILY, falcon.FAMILY, xglm.FAMILY, alibi.FAMILY, inkling.FAMILY,
-                                indexed.FAMILY, own_states.FAMILY)
+FAMILIES: tuple[Family, ...] = (gpt_neo.FAMILY, falcon.FAMILY, xglm.FAMILY, git.FAMILY, alibi.FAMILY,
+                                inkling.FAMILY, indexed.FAMILY, own_states.FAMILY)
 
 
 def refusal(model: torch.nn.Module, config) -> str | None:
