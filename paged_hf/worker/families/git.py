@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 
+from paged_hf.integrations.transformers import step_cache
 from paged_hf.worker.families.base import Family, Recognised
 from paged_hf.worker.families.own_code import computes_attention_inline
-from paged_hf.integrations.transformers import step_cache
 from paged_hf.worker.stand_ins import StandIn
 
 
