@@ -1,5 +1,5 @@
 """Builds the compiled kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `csrc/lora_sgmv.cpp`,
-`csrc/layer_ops.cpp`, `csrc/quant_gemm.cpp`) for this machine and loads them with ctypes.
+`csrc/layer_ops.cpp`, `csrc/quant_gemm.cpp`, `csrc/small_gemm.cpp`) for this machine and loads them with ctypes.
 
 Why at run time: the kernel is specialized to the model's head_dim and compiled with `-march=native`, so it
 cannot ship prebuilt. A build takes ~2 s with the system C++ compiler and is cached on disk, keyed by the
@@ -33,6 +33,7 @@ PREFILL_SOURCE = CSRC / "paged_prefill.cpp"
 LORA_SOURCE = CSRC / "lora_sgmv.cpp"
 LAYER_OPS_SOURCE = CSRC / "layer_ops.cpp"
 QUANT_GEMM_SOURCE = CSRC / "quant_gemm.cpp"
+SMALL_GEMM_SOURCE = CSRC / "small_gemm.cpp"
 #: included by the sources: part of every build's cache key
 HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h", CSRC / "quant_gemm_avx512.h", CSRC / "quant_gemm_bf16.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
@@ -134,6 +135,14 @@ def load_quant_gemm(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     `extra_flags`: e.g. ("-mno-avx2",) builds the portable loops on an AVX2 machine (tests). Raises
     NativeBuildError when it cannot be built."""
     return _load(QUANT_GEMM_SOURCE, None, extra_flags)
+
+
+@functools.lru_cache(maxsize=None)
+def load_small_gemm(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The linears at a few rows (float32 and bf16 weights as the model has them), built on first use; typed by
+    `kernels.small_gemm`. `extra_flags`: e.g. ("-mno-avx512bf16",) builds the loop for CPUs without AVX512-BF16
+    (tests). Raises NativeBuildError when it cannot be built."""
+    return _load(SMALL_GEMM_SOURCE, None, extra_flags)
 
 
 def _load(source: Path, head_dim: int | None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:

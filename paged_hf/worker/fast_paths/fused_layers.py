@@ -36,6 +36,7 @@ from paged_hf.integrations.lora import updates_over
 from paged_hf.integrations.transformers import check_step_call, paged_attention_forward, step_cache
 from paged_hf.kernels import layer_ops
 from paged_hf.kernels.quant_linear import QuantizedLinear, linear_dtype, stack_linears, stackable
+from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.code_match import forward_globals, runs_forward_of, runs_own_class_code, same_code
 from paged_hf.worker.fast_paths.lean_layers import LeanDecodes
@@ -60,6 +61,7 @@ class ProjectionGroup:
         self.quantized = isinstance(linears[0], QuantizedLinear)
         self.packable = pack and not self.quantized and self.dtype in packable_dtypes()
         self._built_from: list | None = None
+        self.small: SmallLinear | None = None  # the group at a few rows (kernels/small_gemm.py), where it serves
         self._input: torch.Tensor | None = None  # the input whose outputs wait for the other projections
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._served: set[int] = set()
@@ -73,6 +75,8 @@ class ProjectionGroup:
         if self.quantized:  # switched as the linears are now (the engine probe computes W8A8 as W8A16)
             self.stack.take_modes(self.linears[0])
             return self.stack(x)
+        if self.small is not None and self.small.serves(x):  # a few rows: the weights as they are, read once
+            return self.small(x)
         if self.packable:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -85,8 +89,9 @@ class ProjectionGroup:
         if self.quantized:
             self.stack = stack_linears(self.linears)
             return
-        weight = torch.cat([linear.weight.detach() for linear in self.linears])
-        biases = [linear.bias for linear in self.linears]
+        weights, biases = [linear.weight.detach() for linear in self.linears], [linear.bias for linear in self.linears]
+        self.small = SmallLinear(weights, biases) if SmallLinear.usable(weights, biases) else None
+        weight = torch.cat(weights)
         self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT) if self.packable else weight
 

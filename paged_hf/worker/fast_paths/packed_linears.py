@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
 
 # the batch size the weights are laid out for; oneDNN runs any batch on them (measured: no slower at 1-512)
@@ -34,16 +35,24 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 class PackedLinear(StandIn):
-    """`base`'s forward on a oneDNN-packed copy of its weight (packed again when the weight changes)."""
+    """`base`'s forward on a oneDNN-packed copy of its weight (packed again when the weight changes); at a few
+    rows, on the weight itself through the small-row loops (kernels/small_gemm.py) where this CPU has them."""
 
     def __init__(self, base: torch.nn.Linear):
         super().__init__(base)
         object.__setattr__(self, "base", base)
         self._packed_from: tuple[torch.Tensor, int | None] | None = None
         self.packed: torch.Tensor | None = None
+        self._small: tuple[torch.Tensor, torch.Tensor | None, SmallLinear | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.base.weight
+        weight, bias = self.base.weight, self.base.bias
+        if self._small is None or self._small[0] is not weight or self._small[1] is not bias:
+            usable = SmallLinear.usable([weight], [bias])
+            self._small = (weight, bias, SmallLinear([weight.detach()], [bias]) if usable else None)
+        small = self._small[2]
+        if small is not None and small.serves(x):
+            return small(x)
         source = (weight, weight_version(weight))
         if self._packed_from is None or self._packed_from[0] is not weight or self._packed_from[1] != source[1]:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)

@@ -1,0 +1,79 @@
+"""Linears at one to a few rows, `csrc/small_gemm.cpp`: the weights read in place (row-major, as the model has
+them: no copy, no repacking), each once, at the read limit.
+
+A decode step of one request reads every weight for one row of activations. oneDNN's matmul, which the engine
+runs on packed weights for larger batches, spends most of such a call on work sized for blocks of rows: on an
+Intel Xeon with AMX (`amx_bf16`, `avx512_bf16`), the default model's bf16 linears at one row ran 1.6-2.7x faster
+here (q/k/v 576 -> 960: 45 -> 91 GB/s; o_proj 576 -> 576: 29 -> 80; the 1B shape's 2048 -> 16384: 50 -> 54) and
+float32's 1.0-2.3x; at two rows bf16 1.1-1.9x. From `MAX_ROWS` rows on, oneDNN's blocking wins and keeps them.
+The sums are float32 in another order than oneDNN's (as oneDNN's differs from MKL's): float32 results differ in
+their last bits, bf16 results round once from float32 as oneDNN's do.
+
+Built only for CPUs with AVX-512 (the library says so: `small_gemm_available`); elsewhere the engine's linears
+are what they were.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from paged_hf.kernels import native
+
+#: rows of x up to which these loops beat oneDNN (measured on the shapes above), by dtype
+MAX_ROWS = {torch.bfloat16: 2, torch.float32: 4}
+_ENTRY = {torch.bfloat16: "small_gemm_bf16", torch.float32: "small_gemm_f32"}
+
+
+@functools.lru_cache(maxsize=None)
+def functions(extra_flags: tuple[str, ...] = ()) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """dtype -> the typed entry point; {} where the library is not built for this CPU (no AVX-512, no compiler)."""
+    library = native.load_or_warn(lambda: native.load_small_gemm(extra_flags), "linears at a few rows")
+    if library is None or not library.small_gemm_available():
+        return {}
+    V, I = ctypes.c_void_p, ctypes.c_int64  # noqa: N806
+    argtypes = [V, I, I, I, V, V, V, I, V, I, ctypes.c_int]
+    return {dtype: native.entry_point(library, name, argtypes) for dtype, name in _ENTRY.items()}
+
+
+class SmallLinear:
+    """y = x [W_1; W_2; ...]^T + [b_1; b_2; ...] for x of a few rows: the weights' outputs side by side, in one
+    call. Holds the weights' addresses: made again when a weight is replaced (an in-place change is read as is)."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], extra_flags=()):
+        self.weights, self.biases = weights, biases
+        self.dtype, self.in_features = weights[0].dtype, weights[0].shape[1]
+        self.out_features = sum(w.shape[0] for w in weights)
+        self.function = functions(extra_flags).get(self.dtype)
+        count = len(weights)
+        self._pointers = (ctypes.c_void_p * count)(*[w.data_ptr() for w in weights])
+        self._rows = (ctypes.c_int64 * count)(*[w.shape[0] for w in weights])
+        self._biases = (ctypes.c_void_p * count)(*[None if b is None else b.data_ptr() for b in biases])
+
+    @staticmethod
+    def usable(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
+        """Contiguous CPU weights of one dtype this library computes, one in_features, biases of that dtype."""
+        first = weights[0]
+        return (first.dtype in MAX_ROWS and bool(functions().get(first.dtype)) and all(
+            w.device.type == "cpu" and w.dtype == first.dtype and w.dim() == 2 and w.is_contiguous()
+            and w.shape[1] == first.shape[1] for w in weights) and all(
+            b is None or (b.dtype == first.dtype and b.is_contiguous() and b.device.type == "cpu") for b in biases))
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """x [..., in_features] of this dtype, rows of unit stride, at most MAX_ROWS of them."""
+        return (x.dtype == self.dtype and x.shape[-1] == self.in_features and x.stride(-1) == 1
+                and x.numel() <= MAX_ROWS[self.dtype] * self.in_features and x.numel() > 0
+                and (x.dim() == 2 or x.is_contiguous()))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] (`serves`) -> [..., out_features]."""
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=self.dtype)
+        status = self.function(rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features, self._pointers,
+                               self._rows, self._biases, len(self.weights), out.data_ptr(), out.stride(0),
+                               torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"small_gemm failed (status {status})")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
