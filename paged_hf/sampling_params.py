@@ -44,6 +44,10 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never completed: a word's last token is masked once the rest is there
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     skip_special_tokens: bool = True  # in the decoded text
+    # A thinking model's marker that ends its thinking (token ids: Qwen3's and DeepSeek-R1's `</think>`): the
+    # grammar holds from the token after it (the thinking is free), and thinking_token_budget closes it.
+    thinking_end_token_ids: list[int] | None = None
+    thinking_token_budget: int | None = None  # (vLLM's) past this many tokens of thinking the marker is forced
     # Not in the public contract: extra token ids that end the request like EOS (HF's eos_token_id list).
     eos_token_ids: list[int] | None = field(default=None, repr=False)
 
@@ -69,6 +73,13 @@ class SamplingParams:
                "structured_outputs", self.structured_outputs, "a StructuredOutputsParams, a dict of its fields or None")
         _check(self.structured_outputs is None or self.min_new_tokens == 0, "min_new_tokens", self.min_new_tokens,
                "0 with structured_outputs (the grammar decides where the output ends)")
+        _check(self.thinking_end_token_ids is None or (isinstance(self.thinking_end_token_ids, (list, tuple))
+               and self.thinking_end_token_ids and all(is_int(t) and t >= 0 for t in self.thinking_end_token_ids)),
+               "thinking_end_token_ids", self.thinking_end_token_ids, "a non-empty list of token ids or None")
+        _check(self.thinking_token_budget is None or (is_int(self.thinking_token_budget)
+               and self.thinking_token_budget >= 0 and self.thinking_end_token_ids is not None),
+               "thinking_token_budget", self.thinking_token_budget,
+               "an int >= 0, with thinking_end_token_ids (the marker that closes the thinking)")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs", self.logprobs, "an int >= 0 or None")
         _check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0), "prompt_logprobs", self.prompt_logprobs, "an int >= 0 or None")
         _check_token_constraints(self)

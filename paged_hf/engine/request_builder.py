@@ -26,6 +26,7 @@ from paged_hf.engine.detokenizer import IncrementalDetokenizer
 from paged_hf.engine.request_group import RequestGroup
 from paged_hf.sample.sampler import make_rng
 from paged_hf.sample.structured_output import GrammarCompiler, GrammarLimits, grammar_compiler
+from paged_hf.sample.thinking import ThinkingGate
 from paged_hf.sample.token_constraints import bad_words_token_ids
 from paged_hf.sampling_params import SamplingParams, check_stop_limits
 
@@ -110,7 +111,14 @@ class RequestBuilder:
                        detokenizer=None if self.tokenizer is None else
                        IncrementalDetokenizer(self.tokenizer, params.stop, params.min_new_tokens,
                                               params.skip_special_tokens, params.include_stop_str_in_output),
-                       grammar=None if grammar is None else self.grammar_compiler.matcher(grammar))  # own per child
+                       grammar=self._constraint(params, grammar))  # own per child
+
+    def _constraint(self, params: SamplingParams, compiled):
+        """What masks the child's tokens: its grammar's matcher, behind a thinking gate for a thinking model."""
+        state = None if compiled is None else self.grammar_compiler.matcher(compiled)
+        if params.thinking_end_token_ids is None or (state is None and params.thinking_token_budget is None):
+            return state
+        return ThinkingGate(params.thinking_end_token_ids, params.thinking_token_budget, state, self.vocab_size)
 
     def prepare(self, sampling_params: SamplingParams | None) -> Future | None:
         """Thread-safe: check the params, tokenize their bad_words and start compiling their grammar; -> the

@@ -28,8 +28,9 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """logit_bias and allowed_token_ids name token ids: one outside the vocabulary is a mistake, not a no-op."""
-    for name in ("logit_bias", "allowed_token_ids"):
+    """logit_bias, allowed_token_ids and thinking_end_token_ids name token ids: one outside the vocabulary is a
+    mistake, not a no-op."""
+    for name in ("logit_bias", "allowed_token_ids", "thinking_end_token_ids"):
         bad = [t for t in getattr(params, name) or () if t >= vocab_size]
         if bad:
             raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")

@@ -93,6 +93,7 @@ def serve_settings(args: argparse.Namespace, model):
                           max_tokens_cap=args.max_tokens_cap or None, max_queue=args.max_queue,
                           chat_template=read_chat_template(args.chat_template), sampling_defaults=defaults,
                           cors_origins=tuple(_origins(args.allowed_origins)), tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
                           escape_special_tokens=args.escape_special_tokens_in_content,
                           chat_template_timeout_s=args.chat_template_timeout,

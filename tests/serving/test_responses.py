@@ -143,13 +143,14 @@ def test_get_delete_and_store_false(server, client):
 
 
 @pytest.mark.parametrize("fields, named", [
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # (this chat template has no reasoning_effort)
+    ({"reasoning": {"summary": "detailed"}}, "no summaries"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "encrypted"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),
     ({"bogus": 1}, "bogus"),

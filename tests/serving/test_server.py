@@ -77,6 +77,7 @@ CHAT = [{"role": "system", "content": "you are a good man"}, {"role": "user", "c
 def test_models_list(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]  # no adapter loaded: just the base model
+    assert models.data[0].model_extra["max_model_len"] == 512  # (Open WebUI and Continue size chats by it)
 
 
 def test_chat_streamed_text_equals_non_streamed(client):
@@ -279,7 +280,8 @@ def test_adapters_are_served_under_their_own_model_names(tmp_path):
     prompt = [1, 7, 40, 10, 22]
     with serving(create_app(generator, tokenizer, MODEL, ServerSettings())) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == [MODEL, "tenant-a"]
+        assert [(m.id, m.model_extra["max_model_len"]) for m in client.models.list().data] == [
+            (MODEL, 256), ("tenant-a", 256)]
         texts = {}
         for name, reference in ((MODEL, base), ("tenant-a", oracle.eval())):
             out = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0,

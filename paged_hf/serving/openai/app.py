@@ -45,6 +45,7 @@ from paged_hf.serving.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from paged_hf.serving.openai.reasoning import request_outputs
 from paged_hf.serving.openai.request_body import read_body
 from paged_hf.serving.openai.responses import add_responses_routes
 from paged_hf.serving.openai.server_settings import ServerSettings
@@ -176,8 +177,10 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/v1/models")
     async def models(http_request: Request):
         owner = owner_of(ctx.settings, request_key_name(http_request))
-        cards = [ModelCard(id=name, root=ctx.model_name) for name in ctx.served_names]
-        cards += [ModelCard(id=name, root=name, parent=ctx.model_name) for name in ctx.adapters_seen_by(owner)]
+        length = ctx.max_model_len
+        cards = [ModelCard(id=name, root=ctx.model_name, max_model_len=length) for name in ctx.served_names]
+        cards += [ModelCard(id=name, root=name, parent=ctx.model_name, max_model_len=length)
+                  for name in ctx.adapters_seen_by(owner)]
         return ModelList(data=cards)
 
     @app.post("/v1/completions")
@@ -249,11 +252,16 @@ def _json_answer(ctx: ServerContext, prepared: Prepared, finals: list, chat: boo
 def _chat_response(ctx: ServerContext, prepared: Prepared, output) -> ChatCompletionResponse:
     k = prepared.params.logprobs
     parser = parser_for(ctx.settings.tool_call_parser)
+    thinking = request_outputs(prepared, ctx.tokenizer)
     choices = []
     for c in output.outputs:
-        content, calls = parse_output(prepared.tools, parser, ctx.tokenizer, c)
+        reasoning, answer = thinking.split(c) if thinking is not None else (None, c)
+        content, calls = parse_output(prepared.tools, parser, ctx.tokenizer, answer)
+        if thinking is not None:  # (all thinking: no content, as vLLM's)
+            content, reasoning = content or None, reasoning if prepared.include_reasoning else None
         choices.append(ChatChoice(
-            index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None),
+            index=c.index, message=ChatMessageOut(content=content, reasoning=reasoning, reasoning_content=reasoning,
+                                                  tool_calls=calls or None),
             finish_reason=finish_reason(c, calls), stop_reason=c.stop_reason,
             logprobs=None if k is None else chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], k)))
     return ChatCompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices,
@@ -305,15 +313,21 @@ async def _chat_events(ctx: ServerContext, prepared: Prepared, source):
     tools = None
     if prepared.tools.kind != "none":
         tools = ToolCallStreamer(prepared.tools, parser_for(ctx.settings.tool_call_parser), ctx.tokenizer)
+    thinking = request_outputs(prepared, ctx.tokenizer)
     output = None
     async for output in source:
         choices = []
         for c, text, token_ids, entries in deltas.new_pieces(output):
             logprobs = None if k is None else chat_logprobs(ctx.tokenizer, token_ids, entries, k)
-            delta, finish = ChatDelta(content=text), c.finish_reason
+            reasoning, content, answer, calls, finish = None, text, c, None, c.finish_reason
+            if thinking is not None:
+                reasoning, content, answer = thinking.delta(c, text)
+                reasoning = reasoning if prepared.include_reasoning else None
             if tools is not None:
-                content, calls, finish = tools.delta(c, text)
-                delta = ChatDelta(content=content, tool_calls=calls)
+                content, calls, finish = tools.delta(answer, content or "")
+            if not (reasoning or content or calls or finish or logprobs):  # (a marker held back)
+                continue
+            delta = ChatDelta(content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls)
             choices.append(ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish,
                                            stop_reason=c.stop_reason))
         if choices:

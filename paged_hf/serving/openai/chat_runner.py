@@ -1,10 +1,10 @@
 """Runs a request of another API (Responses, Anthropic Messages) through the chat-completions path.
 
 Those routes translate their request into a `ChatCompletionRequest` and hand it here: the same chat template
-rendering off the event loop, the same sampling-field checks, tool-call parsers and grammar engine as
-/v1/chat/completions, so the same conversation gets the same tokens. What comes back is a list of output
-blocks (text, tool calls) that each route writes in its own wire format; a stream gets the blocks as they
-open, grow and close (`BlockStream`).
+rendering off the event loop, the same sampling-field checks, reasoning and tool-call parsers and grammar engine
+as /v1/chat/completions, so the same conversation gets the same tokens. What comes back is a list of output
+blocks (thinking, text, tool calls) that each route writes in its own wire format; a stream gets the blocks as
+they open, grow and close (`BlockStream`).
 """
 
 from __future__ import annotations
@@ -22,15 +22,17 @@ from paged_hf.serving.openai.errors import ApiError, validation_message
 from paged_hf.serving.openai.lifecycle import AbortingStreamingResponse
 from paged_hf.serving.openai.logprobs import Deltas
 from paged_hf.serving.openai.protocol import ChatCompletionRequest
+from paged_hf.serving.openai.reasoning import request_outputs
 from paged_hf.serving.openai.serving import Prepared, ServerContext, outputs, prepare_off_loop, submit
 from paged_hf.serving.openai.tool_calls import ToolCallStreamer, parse_output, parser_for
 
 
 @dataclass
 class Block:
-    """One piece of the answer: text, or one tool call (`call_id`, `name`, JSON `text` of its arguments)."""
+    """One piece of the answer: the thinking (with --reasoning-parser), text, or one tool call (`call_id`,
+    `name`, JSON `text` of its arguments)."""
 
-    kind: str  # "text" | "tool"
+    kind: str  # "reasoning" | "text" | "tool"
     index: int
     text: str = ""
     call_id: str | None = None
@@ -74,9 +76,11 @@ async def final_blocks(ctx: ServerContext, prepared: Prepared, source) -> tuple[
     if output is None:  # the client went away; nobody reads this
         raise ApiError(499, "client disconnected", "client_disconnected")
     completion = output.outputs[0]
-    content, calls = parse_output(prepared.tools, parser_for(ctx.settings.tool_call_parser), ctx.tokenizer,
-                                  completion)
-    blocks = [Block("text", 0, content)] if content else []
+    thinking = request_outputs(prepared, ctx.tokenizer)
+    reasoning, answer = thinking.split(completion) if thinking is not None else (None, completion)
+    content, calls = parse_output(prepared.tools, parser_for(ctx.settings.tool_call_parser), ctx.tokenizer, answer)
+    blocks = [Block("reasoning", 0, reasoning)] if reasoning and prepared.include_reasoning else []
+    blocks += [Block("text", len(blocks), content)] if content else []
     blocks += [Block("tool", len(blocks) + i, call.function.arguments, call.id, call.function.name)
                for i, call in enumerate(calls)]
     reason = "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason
@@ -97,6 +101,7 @@ class BlockStream:
         self.tools = None
         if prepared.tools.kind != "none":
             self.tools = ToolCallStreamer(prepared.tools, parser_for(ctx.settings.tool_call_parser), ctx.tokenizer)
+        self.thinking = request_outputs(prepared, ctx.tokenizer)
         self.prepared = prepared
         self.blocks: list[Block] = []
         self.result: Finished | None = None
@@ -104,9 +109,13 @@ class BlockStream:
     def feed(self, output) -> list[tuple[str, Block, str]]:
         events = []
         for c, text, _, _ in self.deltas.new_pieces(output):
-            content, calls, reason = text, None, c.finish_reason
+            reasoning, content, answer, calls, reason = None, text, c, None, c.finish_reason
+            if self.thinking is not None:
+                reasoning, content, answer = self.thinking.delta(c, text)
+            if reasoning and self.prepared.include_reasoning:
+                events += self._grow("reasoning", reasoning)
             if self.tools is not None:
-                content, calls, reason = self.tools.delta(c, text)
+                content, calls, reason = self.tools.delta(answer, content or "")
             if content:
                 events += self._grow("text", content)
             for call in calls or []:

@@ -62,8 +62,9 @@ def chat_prompt_ids(request, tokenizer, tools: ToolMode | None = None, tool_call
     if request.add_generation_prompt and request.continue_final_message:
         raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
                        "invalid_request", "continue_final_message")
+    options = reasoning_options(request, template)
     try:
-        messages = [{**message.model_dump(exclude_none=True), "content": message.text()}
+        messages = [with_reasoning_content({**message.model_dump(exclude_none=True), "content": message.text()})
                     for message in request.messages]
         messages, extra = template_messages(messages, tools or ToolMode(), parser_for(tool_call_parser), template)
         with render_bounds(policy.render_timeout_s, cancel):
@@ -71,7 +72,7 @@ def chat_prompt_ids(request, tokenizer, tools: ToolMode | None = None, tool_call
                 messages, chat_template=template, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, tokenize=policy.escape_special_tokens,
                 sanitize_control_tokens=policy.escape_special_tokens, return_dict=False,
-                **extra, **(request.chat_template_kwargs or {}))
+                **extra, **options, **(request.chat_template_kwargs or {}))
     except ApiError:
         raise
     except RenderLimitError as exc:
@@ -89,6 +90,27 @@ def chat_prompt_ids(request, tokenizer, tools: ToolMode | None = None, tool_call
         ids = list(rendered)
         return list(tokenizer.build_inputs_with_special_tokens(ids)) if request.add_special_tokens else ids
     return list(tokenizer(rendered, add_special_tokens=bool(request.add_special_tokens))["input_ids"])
+
+
+def reasoning_options(request, template: str) -> dict:
+    """`reasoning_effort` as a template variable, where the template reads it (else a 400: it would change
+    nothing)."""
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is None:
+        return {}
+    if "reasoning_effort" not in template:
+        raise ApiError(400, f"reasoning_effort={effort!r}: this model's chat template has no reasoning_effort "
+                       "setting", "invalid_request", "reasoning_effort")
+    return {"reasoning_effort": effort}
+
+
+def with_reasoning_content(message: dict) -> dict:
+    """An earlier answer's thinking under both names templates read it by (`reasoning_content`: Qwen3's,
+    DeepSeek's; `reasoning`: vLLM's and OpenAI's newer one)."""
+    for name, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+        if message.get(name) is not None and message.get(other) is None:
+            message[other] = message[name]
+    return message
 
 
 @contextlib.contextmanager

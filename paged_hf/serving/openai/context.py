@@ -8,6 +8,7 @@ from paged_hf.integrations.peft import adapter_folder_under
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.serving.openai.chat_template import TemplatePolicy
 from paged_hf.serving.openai.errors import ApiError
+from paged_hf.serving.openai.reasoning import ReasoningParser
 from paged_hf.serving.openai.tenancy import AdapterOwners
 from paged_hf.serving.openai.tool_calls import ToolMode
 
@@ -26,6 +27,8 @@ class Prepared:
     chat: bool
     arrival_time: float
     tools: ToolMode = field(default_factory=ToolMode)
+    reasoning: ReasoningParser | None = None  # chat with --reasoning-parser: tells the thinking from the answer
+    include_reasoning: bool = True  # false: the thinking is left out of the answer
     cache_salt: str | None = None
     echo: bool = False  # /v1/completions: the prompt comes back before the completion
     echo_only: bool = False  # echo with max_tokens=0: the prompt alone (one token is computed and dropped)

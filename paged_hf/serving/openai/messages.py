@@ -1,9 +1,11 @@
 """`/v1/messages` (Anthropic's Messages API) on the chat-completions path, with Anthropic's errors.
 
 A request becomes a chat request (chat_runner.py): `system` the system message, text blocks the content,
-`tool_use` blocks an assistant's tool calls, `tool_result` blocks tool messages, `stop_sequences` stop,
-`tool_choice` any/tool the chat route's required/named (enforced by the grammar). The answer's text and tool
-calls become content blocks; streamed, they arrive as Anthropic's events (message_start ... message_stop).
+`tool_use` blocks an assistant's tool calls, `tool_result` blocks tool messages, an assistant's `thinking`
+blocks its reasoning_content, `stop_sequences` stop, `tool_choice` any/tool the chat route's required/named
+(enforced by the grammar), `thinking` include_reasoning and `budget_tokens` thinking_token_budget. The answer's
+thinking, text and tool calls become content blocks; streamed, they arrive as Anthropic's events
+(message_start ... message_stop).
 Every error on this route, the request's validation included, is `{"type": "error", "error": {"type",
 "message"}}` with Anthropic's error types.
 """
@@ -63,6 +65,9 @@ def translate(body: MessagesRequest):
 
 
 async def _create(ctx: ServerContext, body: MessagesRequest, request, http_request: Request):
+    if request.include_reasoning and ctx.settings.reasoning_parser is None:
+        raise ApiError(400, f"thinking {body.thinking.type!r} needs a server started with --reasoning-parser (it "
+                       "tells the model's thinking from its answer)", "invalid_request", "thinking")
     prepared, source = await start(ctx, request, http_request)
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:
@@ -85,10 +90,13 @@ def chat_fields(body: MessagesRequest) -> dict:
             raise ApiError(400, f"tool_choice {choice.type!r} needs tools", "invalid_request", "tool_choice")
         tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
             {"type": "function", "function": {"name": choice.name}}
+    thinking = body.thinking if body.thinking is not None and body.thinking.type != "disabled" else None
     return {"model": body.model, "messages": chat_messages(body), "max_tokens": body.max_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k or None,
             "stop": body.stop_sequences, "tools": tools or None, "tool_choice": tool_choice if tools else None,
-            "stream": body.stream, "user": (body.metadata or {}).get("user_id")}
+            "stream": body.stream, "user": (body.metadata or {}).get("user_id"),
+            "include_reasoning": thinking is not None,
+            "thinking_token_budget": thinking.budget_tokens if thinking is not None else None}
 
 
 def chat_messages(body: MessagesRequest) -> list[dict]:
@@ -99,11 +107,13 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
         messages.append({"role": "system", "content": _texts(body.system, "system")})
     for i, message in enumerate(body.messages):
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
-        text, calls = [], []
+        text, calls, thinking = [], [], []
         for j, block in enumerate(blocks):
             where, kind = f"messages[{i}].content[{j}]", block.get("type")
             if kind == "text" and isinstance(block.get("text"), str):
                 text.append(block["text"])
+            elif kind == "thinking" and message.role == "assistant":
+                thinking.append(_string(block, "thinking", where))
             elif kind == "tool_use" and message.role == "assistant":
                 calls.append({"id": _string(block, "id", where), "type": "function", "function": {
                     "name": _string(block, "name", where), "arguments": json.dumps(block.get("input") or {})}})
@@ -113,9 +123,11 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
                                  "content": _texts(content if content is not None else "", where)})
             else:
                 raise ApiError(400, f"{where}: content blocks of type {kind!r} are not supported in a "
-                               f"{message.role} message (text, tool_use and tool_result are)", "invalid_request")
-        if text or calls or not blocks:
+                               f"{message.role} message (text, tool_use, tool_result and an assistant's thinking "
+                               "are)", "invalid_request")
+        if text or calls or thinking or not blocks:
             extra = {"tool_calls": calls} if calls else {}
+            extra |= {"reasoning_content": "".join(thinking)} if thinking else {}
             messages.append({"role": message.role, "content": "".join(text), **extra})
     return messages
 
@@ -152,6 +164,8 @@ def tool_use_id(block: Block) -> str:
 
 
 def content_block(block: Block) -> dict:
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": block.text, "signature": ""}  # (no signature: not Claude's)
     if block.kind == "text":
         return {"type": "text", "text": block.text}
     return {"type": "tool_use", "id": tool_use_id(block), "name": block.name, "input": tool_arguments(block)}
@@ -181,12 +195,17 @@ async def _events(ctx: ServerContext, prepared, source, message_id: str):
 
 def _block_event(kind: str, block: Block, text: str) -> str:
     if kind == "open":
-        start_block = {"type": "text", "text": ""} if block.kind == "text" else \
-            {"type": "tool_use", "id": tool_use_id(block), "name": block.name, "input": {}}
+        if block.kind == "reasoning":
+            start_block = {"type": "thinking", "thinking": "", "signature": ""}
+        elif block.kind == "text":
+            start_block = {"type": "text", "text": ""}
+        else:
+            start_block = {"type": "tool_use", "id": tool_use_id(block), "name": block.name, "input": {}}
         return sse_event("content_block_start", {"type": "content_block_start", "index": block.index,
                                                  "content_block": start_block})
     if kind == "delta":
-        delta = {"type": "text_delta", "text": text} if block.kind == "text" else \
-            {"type": "input_json_delta", "partial_json": text}
+        delta = {"reasoning": {"type": "thinking_delta", "thinking": text},
+                 "text": {"type": "text_delta", "text": text},
+                 "tool": {"type": "input_json_delta", "partial_json": text}}[block.kind]
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": block.index, "delta": delta})
     return sse_event("content_block_stop", {"type": "content_block_stop", "index": block.index})

@@ -19,7 +19,6 @@ IGNORED = frozenset({"service_tier", "cache_control", "inference_geo", "speed", 
 
 #: field -> the values that mean "off".
 REFUSED_UNLESS = {
-    "thinking": (None, {"type": "disabled"}),
     "container": (None,),
     "mcp_servers": (None, []),
     "context_management": (None,),
@@ -54,6 +53,16 @@ class AnthropicToolChoice(BaseModel):
     disable_parallel_tool_use: bool | None = None  # accepted; a model may always write several calls
 
 
+class AnthropicThinking(BaseModel):
+    """`enabled` (with a budget) and `adaptive` give thinking blocks (the server's --reasoning-parser tells them
+    from the answer); `disabled` leaves the thinking out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)  # enabled: past this many tokens the thinking is closed
+
+
 class MessagesRequest(refusable("_MessagesRefused", REFUSED_UNLESS, IGNORED)):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -67,6 +76,7 @@ class MessagesRequest(refusable("_MessagesRefused", REFUSED_UNLESS, IGNORED)):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None  # its `user_id` is passed to the chat path as `user`; the rest ignored
+    thinking: AnthropicThinking | None = None
 
     @field_validator("stop_sequences")
     @classmethod

@@ -153,6 +153,10 @@ class ChatCompletionRequest(SamplingFields, _with_refused("_ChatRefused", CHAT_R
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # to the chat template as `reasoning_effort` (a template that does not read it: 400)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    include_reasoning: bool = True  # false: the reasoning (--reasoning-parser) is left out of the answer
+    thinking_token_budget: int | None = Field(None, ge=0)  # past this many tokens the thinking is closed
 
 
 # --- responses ------------------------------------------------------------------------------------------------
@@ -219,6 +223,8 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None  # the thinking, with --reasoning-parser
+    reasoning_content: str | None = None  # the same under its older name (DeepSeek's API; vLLM's until 2026)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -244,6 +250,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # as in ChatMessageOut
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -271,6 +279,7 @@ class ModelCard(BaseModel):
     owned_by: str = "paged_hf"
     root: str | None = None  # the base model an adapter applies to
     parent: str | None = None
+    max_model_len: int | None = None  # vLLM's: prompt and completion tokens together (clients size chats by it)
 
 
 class ModelList(BaseModel):

@@ -36,14 +36,11 @@ _SHARED = {
     "ec_transfer_params": _NONE,
     "vllm_xargs": _NONE,
     "repetition_detection": _NONE,
-    "thinking_token_budget": _NONE,
 }
-COMPLETION_REFUSED_UNLESS = {**_SHARED, "prompt_embeds": _NONE, "suffix": (None, "")}
+COMPLETION_REFUSED_UNLESS = {**_SHARED, "prompt_embeds": _NONE, "suffix": (None, ""), "thinking_token_budget": _NONE}
 CHAT_REFUSED_UNLESS = {
     **_SHARED,
     "echo": _FALSE,
-    "reasoning_effort": _NONE,
-    "include_reasoning": (None, True),
     "documents": _NONE,
     "media_io_kwargs": _NONE,
     "mm_processor_kwargs": _NONE,

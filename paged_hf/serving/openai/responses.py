@@ -1,10 +1,12 @@
 """`/v1/responses` (OpenAI's Responses API) on the chat-completions path, and its response store.
 
 A request becomes a chat request (chat_runner.py): `instructions` the system message, `input` items the
-messages (`function_call` items an assistant's tool calls, `function_call_output` items tool messages),
-`previous_response_id` the stored conversation before them (its tool calls and their outputs included),
-`text.format` the response_format, `max_output_tokens` max_tokens. The answer's text and tool calls become
-output items; streamed, they arrive as the Responses event types (response.created ... response.completed).
+messages (`function_call` items an assistant's tool calls, `function_call_output` items tool messages,
+`reasoning` items the thinking of the assistant message after them), `previous_response_id` the stored
+conversation before them (its tool calls, their outputs and the thinking included), `text.format` the
+response_format, `max_output_tokens` max_tokens, `reasoning.effort` reasoning_effort. The answer's thinking
+(with --reasoning-parser), text and tool calls become output items; streamed, they arrive as the Responses event
+types (response.created ... response.completed).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from paged_hf.serving.openai.tenancy import owner_of
 
 #: The chat request's field names that a Responses client knows by another name (a 400's `param`).
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
-          "structured_outputs": "text.format"}
+          "structured_outputs": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 def add_responses_routes(app: FastAPI, ctx: ServerContext) -> ResponseStore:
@@ -112,7 +114,8 @@ def chat_fields(body: ResponsesRequest, messages: list[dict]) -> dict:
             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
             "repetition_penalty": body.repetition_penalty, "seed": body.seed, "tools": tools or None,
             "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls,
-            "response_format": response_format(body), "stream": body.stream, "user": body.user}
+            "response_format": response_format(body), "stream": body.stream, "user": body.user,
+            "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None}
 
 
 def response_format(body: ResponsesRequest) -> dict | None:
@@ -131,9 +134,12 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
+    thinking = []  # reasoning items: the thinking of the assistant message that follows them
     for i, item in enumerate(items):
         kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
+        if kind == "reasoning":
+            thinking.append(_reasoning_text(item, i))
+        elif kind == "message":
             role = {"developer": "system"}.get(item.get("role"), item.get("role"))
             if role not in ("user", "assistant", "system"):
                 raise ApiError(400, f"input[{i}].role {item.get('role')!r} is not one of user, assistant, system, "
@@ -143,7 +149,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             call = {"id": _field(item, "call_id", i), "type": "function",
                     "function": {"name": _field(item, "name", i), "arguments": _field(item, "arguments", i)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and not thinking:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -151,9 +157,25 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", i),
                              "content": _text(item.get("output"), f"input[{i}].output")})
         else:
-            raise ApiError(400, f"input[{i}] of type {kind!r} is not supported (message, function_call and "
-                           "function_call_output are)", "invalid_request", "input")
+            raise ApiError(400, f"input[{i}] of type {kind!r} is not supported (message, reasoning, function_call "
+                           "and function_call_output are)", "invalid_request", "input")
+        if thinking and kind != "reasoning" and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = "".join(thinking)
+            thinking = []
     return messages
+
+
+def _reasoning_text(item: dict, i: int) -> str:
+    """A reasoning item's thinking: its reasoning_text parts (an encrypted one cannot be read here: a 400)."""
+    if item.get("encrypted_content"):
+        raise ApiError(400, f"input[{i}].encrypted_content: this server keeps no encrypted thinking",
+                       "invalid_request", "input")
+    parts = item.get("content") or []
+    if not isinstance(parts, list) or any(not isinstance(p, dict) or p.get("type") != "reasoning_text"
+                                          or not isinstance(p.get("text"), str) for p in parts):
+        raise ApiError(400, f"input[{i}].content: a reasoning item's content is reasoning_text parts",
+                       "invalid_request", "input")
+    return "".join(p["text"] for p in parts)
 
 
 def _field(item: dict, name: str, i: int) -> str:
@@ -210,6 +232,7 @@ class Answer:
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
             if body.text is not None and body.text.format is not None else {"format": {"type": "text"}},
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning is not None else None, "summary": None},
             "store": body.store, "truncation": "disabled", "metadata": {}, "error": None,
             "incomplete_details": incomplete, "usage": usage,
         }
@@ -256,11 +279,15 @@ class Answer:
                 events.append(self.event("response.content_part.added", **where, content_index=0,
                                          part={**part, "text": ""}))
             return events
+        if kind == "delta" and block.kind == "reasoning":
+            return [self.event("response.reasoning_text.delta", **where, content_index=0, delta=text)]
         if kind == "delta" and block.kind == "text":
             return [self.event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[])]
         if kind == "delta":
             return [self.event("response.function_call_arguments.delta", **where, delta=text)]
-        if block.kind == "text":
+        if block.kind == "reasoning":
+            done = [self.event("response.reasoning_text.done", **where, content_index=0, text=block.text)]
+        elif block.kind == "text":
             done = [self.event("response.output_text.done", **where, content_index=0, text=block.text, logprobs=[]),
                     self.event("response.content_part.done", **where, content_index=0, part=part)]
         else:
@@ -271,10 +298,13 @@ class Answer:
 
 
 def item_id(block: Block) -> str:
-    return ("msg_" if block.kind == "text" else "fc_") + block.item_id
+    return {"reasoning": "rs_", "text": "msg_", "tool": "fc_"}[block.kind] + block.item_id
 
 
 def output_item(block: Block, status: str) -> dict:
+    if block.kind == "reasoning":  # (the thinking whole, as OpenAI gives an open model's; no summary)
+        content = [{"type": "reasoning_text", "text": block.text}] if status == "completed" else []
+        return {"type": "reasoning", "id": item_id(block), "summary": [], "content": content, "status": status}
     if block.kind == "text":
         text = block.text if status == "completed" else ""
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else []
@@ -288,6 +318,8 @@ def assistant_messages(blocks: list[Block]) -> list[dict]:
     if not blocks:
         return [{"role": "assistant", "content": ""}]
     text = "".join(b.text for b in blocks if b.kind == "text")
+    thinking = "".join(b.text for b in blocks if b.kind == "reasoning")
     calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
              for b in blocks if b.kind == "tool"]
-    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {}),
+             **({"reasoning_content": thinking} if thinking else {})}]

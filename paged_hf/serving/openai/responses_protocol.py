@@ -24,8 +24,7 @@ REFUSED_UNLESS = {
     "background": _FALSE,
     "conversation": _NONE,
     "prompt": _NONE,
-    "reasoning": _NONE,
-    "include": (None, []),
+    "include": (None, []),  # e.g. reasoning.encrypted_content: this server keeps no encrypted thinking
     "top_logprobs": (None, 0),
     "max_tool_calls": _NONE,
     "truncation": (None, "disabled"),
@@ -111,6 +110,26 @@ class TextConfig(BaseModel):
         return value
 
 
+class ReasoningConfig(BaseModel):
+    """`reasoning`: `effort` goes to the chat template (as the chat route's reasoning_effort); summaries are
+    not written, so `summary` is accepted only as "auto" (OpenAI's answer may have none: here it has none)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: str | None = None
+    generate_summary: str | None = None  # the older name of summary
+
+    @field_validator("summary", "generate_summary", mode="before")
+    @classmethod
+    def _no_summaries(cls, value, info):
+        if value not in (None, "auto"):
+            raise ValueError(f"reasoning.{info.field_name}={value!r} is not supported: this server writes no "
+                             "summaries of the thinking (accepted: null or 'auto'; the thinking itself comes back "
+                             "as the reasoning item's content)")
+        return value
+
+
 class ResponsesRequest(refusable("_ResponsesRefused", REFUSED_UNLESS, IGNORED)):
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(min_length=1)
@@ -126,6 +145,7 @@ class ResponsesRequest(refusable("_ResponsesRefused", REFUSED_UNLESS, IGNORED)):
     parallel_tool_calls: bool | None = None  # accepted; a model may always write several calls
     text: TextConfig | None = None
     user: str | None = None  # the end user: passed to the chat path as its `user`
+    reasoning: ReasoningConfig | None = None
     # vLLM's extensions, as on the chat route
     seed: int | None = None
     top_k: int | None = Field(None, ge=-1)

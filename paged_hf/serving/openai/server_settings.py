@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paged_hf.serving.openai.api_keys import has_tenants, named_api_keys
+from paged_hf.serving.openai.reasoning import PARSER_NAMES
 from paged_hf.serving.openai.tenancy import PREFIX_CACHE_ISOLATION
 
 
@@ -30,6 +31,7 @@ class ServerSettings:
     max_tokens_cap: int | None = 4096  # 400 above; also caps the default max_tokens
     max_queue: int = 8192  # unfinished requests at once; 503 above (vLLM's benchmark sends 1000 at once)
     tool_call_parser: str = "hermes"  # how tool calls are found in the output: hermes, llama3_json, mistral
+    reasoning_parser: str | None = None  # how the thinking is told from the answer (reasoning.py); None: not
     chat_template: str | None = None  # a Jinja chat template that replaces the tokenizer's
     sampling_defaults: dict = field(default_factory=dict)  # request field -> default (generation_config.json)
     cors_origins: tuple[str, ...] = ()  # browsers on these origins may call the API (CORS); "*" for any
@@ -57,6 +59,8 @@ class ServerSettings:
                              f"{', '.join(PREFIX_CACHE_ISOLATION)}")
         if self.prefix_cache_isolation == "key" and not self.named_keys:
             raise ValueError("--prefix-cache-isolation key needs API keys (--api-key NAME=KEY)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSER_NAMES:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r}: choose one of {', '.join(PARSER_NAMES)}")
         self.metrics_keys = tuple(self.metrics_keys)
         unknown = [name for name in self.metrics_keys if name not in self.named_keys]
         if unknown:

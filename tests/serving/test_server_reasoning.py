@@ -1,0 +1,272 @@
+"""--reasoning-parser through the server and the real `openai` client: a scripted model (a Llama whose weights
+make each token follow from the one before, so it writes a thinking model's output: `<think> ... </think>` and
+a hermes tool call) answers chat requests; the thinking comes back as `reasoning` (and `reasoning_content`),
+whole and streamed, apart from the content and the tool calls."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from conftest import assert_no_leak  # noqa: E402
+from tiny_server import serving  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
+from paged_hf.serving.openai.chat_template import chat_prompt_ids  # noqa: E402
+from paged_hf.serving.openai.protocol import ChatCompletionRequest  # noqa: E402
+
+CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+# what the model writes after each token (the prompt's last token starts it); every other token: </s>
+SCRIPT = {"weather": "<think>", "<think>": "need", "need": "city", "city": "</think>", "</think>": "<tool_call>",
+          "<tool_call>": CALL, CALL: "</tool_call>", "hello": "it", "it": "is", "is": "sunny"}
+WORDS = ["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>", "<system>", "<tool_call>", "</tool_call>",
+         "<think>", "</think>", CALL, "need", "city", "weather", "hello", "it", "is", "sunny", "low", '"Paris"']
+VOCAB = 32  # the hidden size too: a token's embedding is its one-hot vector
+# DeepSeek-R1's kind of template: earlier answers without their thinking; the prompt ends with the user's words
+DEEPSEEK_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ (m['content'] or '').split('</think>')[-1] }} "
+                     "{% endfor %}")
+# Qwen3's kind: `enable_thinking: false` closes an empty thinking at the end of the prompt
+QWEN3_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% if m.reasoning_content %}"
+                  "{{ m.reasoning_content }} {% endif %}{% endfor %}"
+                  "{% if enable_thinking is defined and not enable_thinking %}<think> </think>{% endif %}"
+                  "{% if reasoning_effort %}{{ reasoning_effort }}{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def scripted_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", pad_token="<pad>")
+    tokenizer.chat_template = DEEPSEEK_TEMPLATE
+    return tokenizer
+
+
+def scripted_model(tokenizer) -> torch.nn.Module:
+    """A real LlamaForCausalLM that is a bigram table: its layers add nothing (zero output projections), so the
+    final norm sees the token's one-hot embedding and the head's column for it points at SCRIPT's next token."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=VOCAB, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(VOCAB))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.zeros(VOCAB, VOCAB)
+        for token in range(VOCAB):
+            word = WORDS[token] if token < len(WORDS) else None
+            head[tokenizer.convert_tokens_to_ids(SCRIPT[word]) if word in SCRIPT else eos, token] = 1.0
+        model.lm_head.weight.copy_(head)
+    model.generation_config.eos_token_id = eos
+    return model
+
+
+@pytest.fixture(scope="module")
+def server():
+    tokenizer = scripted_tokenizer()
+    generator = paged_hf.wrap(scripted_model(tokenizer), tokenizer, num_blocks=64, max_num_seqs=4).generator
+    settings = ServerSettings(reasoning_parser="auto", trust_request_chat_template=True)
+    with serving(create_app(generator, tokenizer, "scripted", settings)) as url:
+        yield url, tokenizer
+    assert_no_leak(generator)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def ask(client, word: str, **fields):
+    return client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": word}],
+                                          max_tokens=20, temperature=0, **fields)
+
+
+def streamed(client, word: str, **fields) -> dict:
+    """The deltas joined: reasoning, reasoning_content, content, tool call names and arguments, finish reason."""
+    joined = {"reasoning": "", "reasoning_content": "", "content": "", "calls": [], "finish": None}
+    for chunk in ask(client, word, stream=True, **fields):
+        for choice in chunk.choices:
+            delta = choice.delta
+            for name in ("reasoning", "reasoning_content"):
+                joined[name] += (delta.model_extra or {}).get(name) or ""
+            joined["content"] += delta.content or ""
+            joined["calls"] += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+            joined["finish"] = choice.finish_reason or joined["finish"]
+    return joined
+
+
+def test_the_thinking_comes_back_as_reasoning_whole_and_streamed(client):
+    """deepseek_r1 (the template's markers): `<think> need city </think>` is the reasoning, the rest the content."""
+    choice = ask(client, "weather").choices[0]
+    message = choice.message
+    assert message.model_extra["reasoning"] == " need city "
+    assert message.model_extra["reasoning_content"] == " need city "
+    assert message.content == f" <tool_call> {CALL} </tool_call>"
+    assert choice.finish_reason == "stop"
+    assert streamed(client, "weather") == {"reasoning": " need city ", "reasoning_content": " need city ",
+                                           "content": message.content, "calls": [], "finish": "stop"}
+
+
+def test_a_tool_call_after_the_thinking(client):
+    """With tools, the call is found in the answer; the thinking stays reasoning."""
+    choice = ask(client, "weather", tools=[WEATHER]).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning"] == " need city "
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
+    assert streamed(client, "weather", tools=[WEATHER]) == {
+        "reasoning": " need city ", "reasoning_content": " need city ", "content": "",
+        "calls": [("get_weather", '{"city": "Paris"}')], "finish": "tool_calls"}
+
+
+def test_include_reasoning_false_leaves_it_out(client):
+    choice = ask(client, "weather", extra_body={"include_reasoning": False}).choices[0]
+    assert choice.message.model_extra.get("reasoning") is None
+    assert choice.message.content == f" <tool_call> {CALL} </tool_call>"
+    joined = streamed(client, "weather", extra_body={"include_reasoning": False})
+    assert (joined["reasoning"], joined["content"]) == ("", choice.message.content)
+
+
+def test_without_the_end_marker_deepseek_r1_reads_it_all_as_thinking(client):
+    """DeepSeek-R1's templates open the thinking in the prompt, so an output that never closes it is thinking."""
+    message = ask(client, "hello").choices[0].message
+    assert (message.model_extra["reasoning"], message.content) == ("it is sunny", None)
+
+
+def test_qwen3_with_the_thinking_off_is_all_content(client):
+    """A template with `enable_thinking` is Qwen3's; turned off, the prompt ends with a closed thinking and
+    the model's `</think>` after it is content."""
+    off = {"chat_template": QWEN3_TEMPLATE, "chat_template_kwargs": {"enable_thinking": False}}
+    message = ask(client, "weather", extra_body=off).choices[0].message
+    assert message.model_extra.get("reasoning") is None
+    assert message.content == f"<tool_call> {CALL} </tool_call>"
+    on = ask(client, "weather", extra_body={"chat_template": QWEN3_TEMPLATE}).choices[0].message
+    assert (on.model_extra["reasoning"], on.content) == (" need city ", f" <tool_call> {CALL} </tool_call>")
+
+
+def test_the_grammar_holds_after_the_thinking(client):
+    """The thinking is free, the answer follows the grammar (a JSON schema: a city, one token of this vocabulary)."""
+    schema = {"type": "string", "enum": ["Paris", "Rome"]}
+    fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}}
+    message = ask(client, "weather", **fields).choices[0].message
+    assert message.model_extra["reasoning"] == " need city "
+    assert json.loads(message.content) in ("Paris", "Rome")
+    joined = streamed(client, "weather", **fields)
+    assert (joined["reasoning"], joined["content"]) == (" need city ", message.content)
+    choice = ask(client, "weather", extra_body={"structured_outputs": {"choice": ["sunny"]}}).choices[0].message
+    assert (choice.model_extra["reasoning"], choice.content) == (" need city ", " sunny")
+
+
+def test_the_thinking_budget_closes_the_thinking(client):
+    """A budget of 2: `<think> need`, then the engine writes `</think>` and the answer follows."""
+    choice = ask(client, "weather", extra_body={"thinking_token_budget": 2}).choices[0]
+    assert choice.message.model_extra["reasoning"] == " need "
+    assert choice.message.content == f" <tool_call> {CALL} </tool_call>" and choice.finish_reason == "stop"
+
+
+def test_where_the_thinking_may_not_come_first_a_grammar_holds_from_the_first_token(server, client):
+    """mistral's [THINK] is optional: with a grammar the whole output is the answer; a budget is a 400."""
+    mistral = {"chat_template": "{# [THINK] [/THINK] #}{% for m in messages %}{{ m['content'] }} {% endfor %}"}
+    message = ask(client, "hello", extra_body={**mistral, "structured_outputs": {"choice": ["sunny"]}}
+                  ).choices[0].message
+    assert (message.model_extra.get("reasoning"), message.content) == (None, "sunny")
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
+        "model": "scripted", "messages": [{"role": "user", "content": "weather"}], "thinking_token_budget": 4,
+        **mistral})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(server):
+    """...and is a 400 where the template has no such setting (it would change nothing)."""
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
+        "model": "scripted", "messages": [{"role": "user", "content": "weather"}], "reasoning_effort": "low"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+    request = ChatCompletionRequest(model="scripted", messages=[{"role": "user", "content": "hello"}],
+                                    reasoning_effort="low")
+    assert server[1].decode(chat_prompt_ids(request, server[1], chat_template=QWEN3_TEMPLATE)).endswith("hello low")
+
+
+def test_an_earlier_answers_reasoning_reaches_the_template_as_reasoning_content(server):
+    request = ChatCompletionRequest(model="scripted", messages=[
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "sunny", "reasoning": "need city"},
+        {"role": "user", "content": "weather"}])
+    prompt = server[1].decode(chat_prompt_ids(request, server[1], chat_template=QWEN3_TEMPLATE))
+    assert "<assistant> sunny need city <user> weather" in prompt
+
+
+def test_an_unknown_parser_is_refused_at_start():
+    with pytest.raises(ValueError, match="--reasoning-parser 'nope': choose one of auto, deepseek_r1"):
+        ServerSettings(reasoning_parser="nope")
+
+
+# --- the other APIs: Responses' reasoning items, Anthropic's thinking blocks ---------------------------------
+
+def test_responses_give_the_thinking_as_a_reasoning_item(client):
+    response = client.responses.create(model="scripted", input="weather", max_output_tokens=20, temperature=0)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.summary == []
+    assert [part.text for part in reasoning.content] == [" need city "]
+    assert message.type == "message" and response.output_text == f" <tool_call> {CALL} </tool_call>"
+    events = list(client.responses.create(model="scripted", input="weather", max_output_tokens=20, temperature=0,
+                                          stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    (done,) = [e.text for e in events if e.type == "response.reasoning_text.done"]
+    assert deltas == done == " need city "
+    assert events[-1].response.output[0].content[0].text == " need city "
+
+
+def test_responses_carry_the_thinking_into_the_next_turn(client):
+    """A reasoning item passed back (or recalled by previous_response_id) is the next assistant message's
+    reasoning_content, which Qwen3's kind of template writes."""
+    first = client.responses.create(model="scripted", input="weather", max_output_tokens=20, temperature=0)
+    items = [{"role": "user", "content": "weather"}, *[item.model_dump() for item in first.output],
+             {"role": "user", "content": "hello"}]
+    from paged_hf.serving.openai.responses import input_messages  # noqa: PLC0415
+
+    assert input_messages(items)[1]["reasoning_content"] == " need city "
+    follow = client.responses.create(model="scripted", input="hello", previous_response_id=first.id,
+                                     max_output_tokens=20, temperature=0)
+    assert follow.output[0].type == "reasoning"
+
+
+def test_messages_give_thinking_blocks_to_the_anthropic_sdk(server):
+    anthropic = pytest.importorskip("anthropic")
+    sdk = anthropic.Anthropic(base_url=server[0], api_key="none", max_retries=0, timeout=60)
+    ask_messages = dict(model="scripted", max_tokens=20, messages=[{"role": "user", "content": "weather"}],
+                        extra_body={"temperature": 0})  # (recent SDKs dropped the argument)
+    thinking, text = sdk.messages.create(thinking={"type": "enabled", "budget_tokens": 2}, **ask_messages).content
+    assert (thinking.type, thinking.thinking) == ("thinking", " need ")  # (the budget closed it)
+    assert (text.type, text.text) == ("text", f" <tool_call> {CALL} </tool_call>")
+    with sdk.messages.stream(thinking={"type": "adaptive"}, **ask_messages) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == [
+        ("thinking", " need city "), ("text", f" <tool_call> {CALL} </tool_call>")]
+    (plain,) = sdk.messages.create(**ask_messages).content  # no thinking asked for: none given
+    assert plain.text == text.text
+
+
+def test_an_assistants_thinking_block_is_its_reasoning_content():
+    from paged_hf.serving.openai.messages import chat_messages  # noqa: PLC0415
+    from paged_hf.serving.openai.messages_protocol import MessagesRequest  # noqa: PLC0415
+
+    body = MessagesRequest(max_tokens=4, messages=[
+        {"role": "user", "content": "weather"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "need city", "signature": ""},
+                                          {"type": "text", "text": "sunny"}]},
+        {"role": "user", "content": "hello"}])
+    assert chat_messages(body)[1] == {"role": "assistant", "content": "sunny", "reasoning_content": "need city"}
