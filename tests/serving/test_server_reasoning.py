@@ -118,6 +118,11 @@ def test_the_thinking_comes_back_as_reasoning_whole_and_streamed(client):
     assert message.model_extra["reasoning_content"] == " need city "
     assert message.content == f" <tool_call> {CALL} </tool_call>"
     assert choice.finish_reason == "stop"
+    whole = ask(client, "weather")
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 4  # <think> need city </think>
+    assert whole.usage.completion_tokens == 8  # and <tool_call> CALL </tool_call> </s>
+    last = list(ask(client, "weather", stream=True, stream_options={"include_usage": True}))[-1]
+    assert last.usage.completion_tokens_details.reasoning_tokens == 4
     assert streamed(client, "weather") == {"reasoning": " need city ", "reasoning_content": " need city ",
                                            "content": message.content, "calls": [], "finish": "stop"}
 
@@ -228,6 +233,8 @@ def test_responses_give_the_thinking_as_a_reasoning_item(client):
     (done,) = [e.text for e in events if e.type == "response.reasoning_text.done"]
     assert deltas == done == " need city "
     assert events[-1].response.output[0].content[0].text == " need city "
+    assert response.usage.output_tokens_details.reasoning_tokens == 4
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 4
 
 
 def test_responses_carry_the_thinking_into_the_next_turn(client):

@@ -265,7 +265,7 @@ def _chat_response(ctx: ServerContext, prepared: Prepared, output) -> ChatComple
             finish_reason=finish_reason(c, calls), stop_reason=c.stop_reason,
             logprobs=None if k is None else chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], k)))
     return ChatCompletionResponse(id=prepared.request_id, model=prepared.model, choices=choices,
-                                  usage=usage(prepared, output),
+                                  usage=usage(prepared, output, thinking=thinking),
                                   prompt_logprobs=prompt_logprob_entries(ctx.tokenizer, output.prompt_logprobs))
 
 
@@ -333,4 +333,4 @@ async def _chat_events(ctx: ServerContext, prepared: Prepared, source):
         if choices:
             yield chunk(choices)
     if prepared.include_usage and output is not None:
-        yield chunk([], usage=usage(prepared, output))
+        yield chunk([], usage=usage(prepared, output, thinking=thinking))

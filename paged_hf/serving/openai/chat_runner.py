@@ -49,6 +49,7 @@ class Finished:
     stop_string: str | None
     prompt_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0  # of completion_tokens, the thinking's (with --reasoning-parser)
 
 
 def chat_request(fields: dict) -> ChatCompletionRequest:
@@ -84,12 +85,13 @@ async def final_blocks(ctx: ServerContext, prepared: Prepared, source) -> tuple[
     blocks += [Block("tool", len(blocks) + i, call.function.arguments, call.id, call.function.name)
                for i, call in enumerate(calls)]
     reason = "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason
-    return blocks, finished(prepared, completion, reason)
+    return blocks, finished(prepared, completion, reason, thinking)
 
 
-def finished(prepared: Prepared, completion, reason: str | None) -> Finished:
+def finished(prepared: Prepared, completion, reason: str | None, thinking=None) -> Finished:
     stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
-    return Finished(reason, stop, len(prepared.prompt_token_ids), len(completion.token_ids))
+    reasoning = thinking.num_reasoning_tokens(completion) if thinking is not None else 0
+    return Finished(reason, stop, len(prepared.prompt_token_ids), len(completion.token_ids), reasoning)
 
 
 class BlockStream:
@@ -124,7 +126,7 @@ class BlockStream:
                 events += self._grow("tool", call.function.arguments or "")
             if c.finish_reason is not None:
                 events += self._close()
-                self.result = finished(self.prepared, c, reason)
+                self.result = finished(self.prepared, c, reason, self.thinking)
         return events
 
     def _grow(self, kind: str, text: str) -> list:

@@ -165,11 +165,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # found in the prefix cache or the KV tier, not computed
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # the thinking's, with --reasoning-parser
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class PromptLogprob(BaseModel):

@@ -275,12 +275,14 @@ class ReasoningOutputs:
         self.parser, self.tokenizer, self.tool_ids = parser, tokenizer, tool_ids
         self.streams: dict[int, ReasoningStream] = {}
         self.answers: dict[int, str] = {}  # index -> the answer's text so far
-        self.answer_from: dict[int, int] = {}  # index -> its first token after the thinking, once seen
+        self.reasoned: dict[int, bool] = {}  # index -> the sequence has thought
+        self.thinking_ends: dict[int, int] = {}  # index -> its first token after the thinking, once written
 
     def split(self, completion) -> tuple[str | None, object]:
         """(reasoning, the answer as a completion) of a finished sequence."""
         reasoning, content = self.parser.split(completion.text or "")
-        return reasoning, self._answer(completion, content or "", reasoning is not None)
+        self.reasoned[completion.index] = reasoning is not None
+        return reasoning, self._answer(completion, content or "")
 
     def delta(self, completion, text: str) -> tuple[str | None, str | None, object]:
         """(reasoning delta, answer delta, the answer so far as a completion) for a sequence's new text."""
@@ -290,26 +292,32 @@ class ReasoningOutputs:
             rest = stream.finish()
             reasoning, content = _joined(reasoning, rest[0]), _joined(content, rest[1])
         answer = self.answers[completion.index] = self.answers.get(completion.index, "") + (content or "")
-        return reasoning, content, self._answer(completion, answer, bool(stream.reasoning))
+        self.reasoned[completion.index] = bool(stream.reasoning)
+        return reasoning, content, self._answer(completion, answer)
 
-    def _answer(self, completion, text: str, reasoned: bool):
-        ids = self._answer_ids(completion, reasoned) if self.tool_ids else completion.token_ids
+    def num_reasoning_tokens(self, completion) -> int:
+        """The sequence's tokens up to the end of its thinking (usage's reasoning_tokens), after split/delta."""
+        return self._answer_start(completion)
+
+    def _answer(self, completion, text: str):
+        ids = completion.token_ids[self._answer_start(completion):] if self.tool_ids else completion.token_ids
         return dataclasses.replace(completion, text=text, token_ids=ids)
 
-    def _answer_ids(self, completion, reasoned: bool) -> list[int]:
+    def _answer_start(self, completion) -> int:
+        """Where the answer's tokens start: after the thinking's end marker; all thinking: the end; none: 0."""
         ids, index = completion.token_ids, completion.index
-        if self.parser.prompt_ends_thinking:
-            return ids
-        start = self.answer_from.get(index)
+        if self.parser.prompt_ends_thinking or not self.reasoned.get(index):
+            return 0
+        start = self.thinking_ends.get(index)
         if start is None:
             if not self.parser.thinking_over(self._text(ids)):
-                return [] if reasoned else ids
+                return len(ids)
             low, high = 1, len(ids)  # the shortest prefix that holds the end of the thinking
             while low < high:
                 middle = (low + high) // 2
                 low, high = (low, middle) if self.parser.thinking_over(self._text(ids[:middle])) else (middle + 1, high)
-            start = self.answer_from[index] = low
-        return ids[start:]
+            start = self.thinking_ends[index] = low
+        return start
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -21,7 +21,7 @@ from paged_hf.serving.openai.engine_loop import EngineError, QueueFullError
 from paged_hf.serving.openai.request_stream import RequestStream
 from paged_hf.serving.openai.errors import ApiError
 from paged_hf.serving.openai.memory import trim_if_large
-from paged_hf.serving.openai.protocol import CompletionRequest, PromptTokensDetails, Usage
+from paged_hf.serving.openai.protocol import CompletionRequest, CompletionTokensDetails, PromptTokensDetails, Usage
 from paged_hf.serving.openai.reasoning import parser_for
 from paged_hf.serving.openai.request_body import too_deep
 from paged_hf.serving.openai.schema_limits import check_request_schemas
@@ -368,10 +368,15 @@ async def outputs(ctx: ServerContext, http_request, stream: RequestStream, strea
             ctx.engine.abort(stream.request_id)
 
 
-def usage(prepared: Prepared, *outputs) -> Usage:
-    """Over every prompt of the request (an echo-only completion generated nothing)."""
+def usage(prepared: Prepared, *outputs, thinking=None) -> Usage:
+    """Over every prompt of the request (an echo-only completion generated nothing); `thinking`: the request's
+    ReasoningOutputs (after it split every sequence), which counts the reasoning tokens."""
     num_generated = 0 if prepared.echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt = sum(len(ids) for ids in prepared.prompts)
     cached = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
+    details = None
+    if thinking is not None:
+        details = CompletionTokensDetails(reasoning_tokens=sum(thinking.num_reasoning_tokens(c)
+                                                               for o in outputs for c in o.outputs))
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated,
-                 prompt_tokens_details=cached)
+                 prompt_tokens_details=cached, completion_tokens_details=details)
