@@ -60,7 +60,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                         help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: none")
     parser.add_argument("--allowed-origins", nargs="+", default=[], help="CORS origins ('*' for any)")
-    parser.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
+    parser.add_argument("--tool-call-parser", default="hermes",
+                        choices=["deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "kimi_k2", "llama3_json",
+                                 "mistral", "pythonic", "qwen3_coder"],
                         help="how tool calls are found in the model's output (tool_choice auto)")
     parser.add_argument("--reasoning-parser", default=None, help="how a thinking model's reasoning is told from "
                         "its answer (the message's `reasoning` field): deepseek_r1, qwen3, mistral, granite, or auto "

@@ -9,11 +9,11 @@ import json
 
 import httpx
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 
 from conftest import assert_no_leak  # noqa: E402
+from scripted_model import scripted_model, scripted_tokenizer  # noqa: E402
 from tiny_server import serving  # noqa: E402
 
 import paged_hf  # noqa: E402
@@ -25,9 +25,8 @@ CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 # what the model writes after each token (the prompt's last token starts it); every other token: </s>
 SCRIPT = {"weather": "<think>", "<think>": "need", "need": "city", "city": "</think>", "</think>": "<tool_call>",
           "<tool_call>": CALL, CALL: "</tool_call>", "hello": "it", "it": "is", "is": "sunny"}
-WORDS = ["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>", "<system>", "<tool_call>", "</tool_call>",
-         "<think>", "</think>", CALL, "need", "city", "weather", "hello", "it", "is", "sunny", "low", '"Paris"']
-VOCAB = 32  # the hidden size too: a token's embedding is its one-hot vector
+WORDS = ["<user>", "<assistant>", "<system>", "<tool_call>", "</tool_call>", "<think>", "</think>", CALL, "need",
+         "city", "weather", "hello", "it", "is", "sunny", "low", '"Paris"']
 # DeepSeek-R1's kind of template: earlier answers without their thinking; the prompt ends with the user's words
 DEEPSEEK_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ (m['content'] or '').split('</think>')[-1] }} "
                      "{% endfor %}")
@@ -40,46 +39,10 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
-def scripted_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>", pad_token="<pad>")
-    tokenizer.chat_template = DEEPSEEK_TEMPLATE
-    return tokenizer
-
-
-def scripted_model(tokenizer) -> torch.nn.Module:
-    """A real LlamaForCausalLM that is a bigram table: its layers add nothing (zero output projections), so the
-    final norm sees the token's one-hot embedding and the head's column for it points at SCRIPT's next token."""
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=VOCAB, intermediate_size=64,
-                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
-    eos = tokenizer.eos_token_id
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(torch.eye(VOCAB))
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        head = torch.zeros(VOCAB, VOCAB)
-        for token in range(VOCAB):
-            word = WORDS[token] if token < len(WORDS) else None
-            head[tokenizer.convert_tokens_to_ids(SCRIPT[word]) if word in SCRIPT else eos, token] = 1.0
-        model.lm_head.weight.copy_(head)
-    model.generation_config.eos_token_id = eos
-    return model
-
-
 @pytest.fixture(scope="module")
 def server():
-    tokenizer = scripted_tokenizer()
-    generator = paged_hf.wrap(scripted_model(tokenizer), tokenizer, num_blocks=64, max_num_seqs=4).generator
+    tokenizer = scripted_tokenizer(WORDS, DEEPSEEK_TEMPLATE)
+    generator = paged_hf.wrap(scripted_model(tokenizer, SCRIPT), tokenizer, num_blocks=64, max_num_seqs=4).generator
     settings = ServerSettings(reasoning_parser="auto", trust_request_chat_template=True)
     with serving(create_app(generator, tokenizer, "scripted", settings)) as url:
         yield url, tokenizer

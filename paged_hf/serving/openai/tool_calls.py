@@ -4,8 +4,10 @@
   instead, written in the format the tool-call parser reads, so the model still sees them.
 - `tool_choice` "required" or a named function is enforced with a JSON schema (structured outputs): a list of
   calls, or the named function's arguments. "auto" lets the model write; the parser chosen with
-  `--tool-call-parser` (hermes, llama3_json, mistral) finds the calls in its output.
-- Parsers are in tool_parsers.py; the streaming side (deltas in OpenAI's shape) in `ToolCallStreamer`.
+  `--tool-call-parser` (hermes, llama3_json, pythonic, mistral, granite, qwen3_coder, glm45, deepseek_v3,
+  deepseek_v31, kimi_k2) finds the calls in its output.
+- Parsers are in tool_parsers.py (formats in tool_formats/); the streaming side (deltas in OpenAI's shape) in
+  `ToolCallStreamer`.
 """
 
 from __future__ import annotations
@@ -98,6 +100,12 @@ class ToolMode:
         return None
 
 
+    def parameters_of(self, name: str) -> dict | None:
+        """The JSON schema of the parameters of the tool called `name`; None for a tool the request has not."""
+        tool = next((t for t in self.tools if t.function.name == name), None)
+        return None if tool is None else _parameters(tool)
+
+
 def _parameters(tool: ChatTool) -> dict:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
@@ -176,6 +184,7 @@ def parse_output(mode: ToolMode, parser: ToolParser, tokenizer, completion) -> t
         content, calls = parser.parse(tool_text(tokenizer, completion.token_ids, parser))
         if calls:
             text = content
+            calls = [(name, parser.typed(arguments, mode.parameters_of(name))) for name, arguments in calls]
     if not calls:
         return text, []
     return (text or None) if mode.kind == "auto" else None, [

@@ -1,0 +1,112 @@
+"""Every --tool-call-parser through a real server and the `openai` SDK: a scripted model (tests/scripted_model.py)
+writes a call in the format's exact text (the examples of vLLM's parser tests), and the client gets it back as
+OpenAI's `tool_calls`, whole and streamed; a thinking model's call after its thinking too."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from conftest import assert_no_leak  # noqa: E402
+from scripted_model import scripted_model, scripted_tokenizer  # noqa: E402
+from tiny_server import serving  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
+from paged_hf.serving.openai.tool_formats.special_tokens import (  # noqa: E402
+    DEEPSEEK_CALL_BEGIN,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS_BEGIN,
+    DEEPSEEK_CALLS_END,
+    DEEPSEEK_SEP,
+)
+
+PARIS = {"city": "Paris"}
+# each format's text for get_weather(city="Paris"), as its models write it
+CALLS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "pythonic": "[get_weather(city='Paris')]",
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                   "</tool_call>",
+    "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+    "deepseek_v3": f"{DEEPSEEK_CALLS_BEGIN}{DEEPSEEK_CALL_BEGIN}function{DEEPSEEK_SEP}get_weather\n```json\n"
+                   f'{{"city": "Paris"}}\n```{DEEPSEEK_CALL_END}{DEEPSEEK_CALLS_END}',
+    "deepseek_v31": f'{DEEPSEEK_CALLS_BEGIN}{DEEPSEEK_CALL_BEGIN}get_weather{DEEPSEEK_SEP}{{"city": "Paris"}}'
+                    f"{DEEPSEEK_CALL_END}{DEEPSEEK_CALLS_END}",
+    "kimi_k2": '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+               '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+}
+# formats whose calls follow the content: the model says something first
+CONTENT_FIRST = ("hermes", "mistral", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt ends with the user's last word
+
+
+def script_for(name: str) -> tuple[list[str], dict[str, str]]:
+    """The words and the script that make the model answer the prompt word `name` in that format (after
+    "Sure." where the format allows content first) and `think-NAME` with a thinking before it."""
+    call, sure, think = CALLS[name], f"Sure ({name}).", f"think-{name}"
+    script = {name: sure if name in CONTENT_FIRST else call, think: "[THINK]", "[THINK]": "I need the weather.",
+              "I need the weather.": "[/THINK]", "[/THINK]": call}
+    if name in CONTENT_FIRST:
+        script[sure] = call
+    return [name, think, sure, call, "[THINK]", "I need the weather.", "[/THINK]"], script
+
+
+@pytest.fixture(params=sorted(CALLS))
+def format_client(request):
+    name = request.param
+    words, script = script_for(name)
+    tokenizer = scripted_tokenizer(words, TEMPLATE, exact=True)
+    assert tokenizer.decode(tokenizer(CALLS[name])["input_ids"]) == CALLS[name]  # one token, written as is
+    generator = paged_hf.wrap(scripted_model(tokenizer, script), tokenizer, num_blocks=32, max_num_seqs=2).generator
+    settings = ServerSettings(tool_call_parser=name, reasoning_parser="mistral")  # (its thinking is optional)
+    with serving(create_app(generator, tokenizer, "scripted", settings)) as url:
+        yield name, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    assert_no_leak(generator)
+
+
+def ask(client, word: str, **fields):
+    return client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": word}],
+                                          tools=[WEATHER], max_tokens=8, temperature=0, **fields)
+
+
+def test_the_format_comes_back_as_tool_calls_whole_and_streamed(format_client):
+    name, client = format_client
+    choice = ask(client, name).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", PARIS)]
+    assert choice.message.content == (f"Sure ({name})." if name in CONTENT_FIRST else None)
+    content, calls, finish = "", [], None
+    for chunk in ask(client, name, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += [(d.function.name, json.loads(d.function.arguments)) for d in c.delta.tool_calls or []]
+            finish = c.finish_reason or finish
+    assert (content or None, calls, finish) == (choice.message.content, [("get_weather", PARIS)], "tool_calls")
+
+
+def test_a_call_after_the_thinking(format_client):
+    """A reasoning parser first (mistral's [THINK] ... [/THINK]): the thinking is reasoning, the call after it is
+    found."""
+    name, client = format_client
+    message = ask(client, f"think-{name}").choices[0].message
+    assert message.model_extra["reasoning"] == "I need the weather."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", PARIS)]
+
+
+def test_without_tools_the_call_is_text(format_client):
+    name, client = format_client
+    reply = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": name}],
+                                           max_tokens=8, temperature=0)
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content.endswith(CALLS[name]) and reply.choices[0].finish_reason == "stop"
