@@ -11,10 +11,11 @@ import torch
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 
-def scripted_tokenizer(words: list[str], chat_template: str, exact: bool = False):
+def scripted_tokenizer(words: list[str], chat_template: str, exact: bool = False, specials: tuple[str, ...] = ()):
     """A word-level tokenizer over SPECIALS + `words`. Default: words split at whitespace, decoded joined by
     spaces. `exact`: the text is cut at the words wherever they are (a word may hold spaces and newlines) and
-    decoded as written, so a word can be a whole tool call in a model's format."""
+    decoded as written, so a word can be a whole tool call in a model's format. `specials`: words that are
+    special tokens (left out of a decode that skips them), as a format's markers are in its model's tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -27,7 +28,8 @@ def scripted_tokenizer(words: list[str], chat_template: str, exact: bool = False
     else:
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>", pad_token="<pad>")
+                                        unk_token="<unk>", pad_token="<pad>",
+                                        additional_special_tokens=list(specials))
     tokenizer.chat_template = chat_template
     return tokenizer
 

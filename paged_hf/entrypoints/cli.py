@@ -62,11 +62,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-origins", nargs="+", default=[], help="CORS origins ('*' for any)")
     parser.add_argument("--tool-call-parser", default="hermes",
                         choices=["deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "kimi_k2", "llama3_json",
-                                 "mistral", "pythonic", "qwen3_coder"],
+                                 "mistral", "openai", "pythonic", "qwen3_coder"],
                         help="how tool calls are found in the model's output (tool_choice auto)")
     parser.add_argument("--reasoning-parser", default=None, help="how a thinking model's reasoning is told from "
-                        "its answer (the message's `reasoning` field): deepseek_r1, qwen3, mistral, granite, or auto "
-                        "(by the chat template's markers); default: none, the thinking stays in the content")
+                        "its answer (the message's `reasoning` field): deepseek_r1, qwen3, mistral, granite, "
+                        "openai_gptoss, or auto (by the chat template's markers); default: none, the thinking stays in "
+                        "the content")
     parser.add_argument("--log-level", "--uvicorn-log-level", default="info", help="uvicorn log level")
     parser.add_argument("--shutdown-grace", type=float, default=5.0, help="on SIGTERM, seconds running requests "
                         "may finish before they are aborted (default: 5; a second SIGTERM exits at once)")

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from paged_hf.serving.openai.reasoning import Granite, Mistral, Qwen3, ThinkTags, auto_name, parser_for
+from paged_hf.serving.openai.reasoning import GptOss, Granite, Mistral, Qwen3, ThinkTags, auto_name, parser_for
 
 TOKENS = re.compile(r"<think>|</think>|\[THINK\]|\[/THINK\]|\s+|[^\s<\[]+|.", re.DOTALL)
 
@@ -139,3 +139,24 @@ def test_auto_picks_from_the_chat_template():
     assert auto_name("{{ messages }}") is None and parser_for("auto", "{{ messages }}") is None
     with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
         parser_for("nope", None)
+
+
+# gpt-oss's harmony output (OpenAI's harmony format guide): thinking in `analysis`, the answer in `final`
+HARMONY = [
+    ("<|channel|>analysis<|message|>User asks a simple question.<|end|><|start|>assistant<|channel|>final<|message|>"
+     "The answer is 4.<|return|>", ("User asks a simple question.", "The answer is 4.")),
+    ("<|channel|>final<|message|>Hi!<|return|>", (None, "Hi!")),
+    ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', ("Need the weather.", None)),
+    ("<|channel|>analysis<|message|>Plan.<|end|><|start|>assistant<|channel|>commentary<|message|>Let me look."
+     "<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>", ("Plan.", "Let me look.Done.")),
+    ("<|channel|>analysis<|message|>Cut here", ("Cut here", None)),
+]
+
+
+@pytest.mark.parametrize("output, whole", HARMONY)
+@pytest.mark.parametrize("size", [1, 4, 9])
+def test_gpt_oss_channels_whole_and_streamed(output, whole, size):
+    assert GptOss().split(output) == whole
+    assert streamed(GptOss(), [output[i:i + size] for i in range(0, len(output), size)]) == whole
+    assert auto_name("{{ '<|start|>assistant<|channel|>final<|message|>' }}") == "openai_gptoss"

@@ -328,3 +328,21 @@ def test_tool_text_keeps_every_marker_of_the_format():
 def test_required_answers():
     assert parse_required('[{"name": "f", "arguments": {"a": 1}}]') == [("f", '{"a": 1}')]
     assert parse_required('[{"name": "f", "arguments": {"a"') == [] and parse_required('{"name": "f"}') == []
+
+
+# gpt-oss (OpenAI's harmony format guide): a commentary message to functions.NAME, its body the arguments
+GPT_OSS_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"location": "Tokyo"}<|call|>')
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (GPT_OSS_CALL, "", [("get_weather", '{"location": "Tokyo"}')]),
+    ("<|channel|>commentary<|message|>Checking both.<|end|><|start|>assistant to=functions.get_weather"
+     '<|channel|>commentary json<|message|>{"location": "Tokyo"}<|call|>', "Checking both.",
+     [("get_weather", '{"location": "Tokyo"}')]),  # the recipient in the header's role part
+    (GPT_OSS_CALL.replace("}<|call|>", ""), None, []),  # cut before <|call|>
+    (GPT_OSS_CALL.replace('{"location": "Tokyo"}', "Tokyo"), None, []),  # arguments that are not a JSON object
+    ("<|channel|>final<|message|>Hi!<|return|>", None, []),
+])
+def test_openai_harmony(text, content, calls):
+    assert PARSERS["openai"].parse(text) == (text if content is None else content, calls)

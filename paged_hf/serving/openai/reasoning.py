@@ -13,6 +13,7 @@ with the beginning of a marker is held back until the next one says which it is.
   is off. (vLLM's lookahead that ends the thinking at a `<tool_call>` without `</think>` is not done here.)
 - `mistral`: `[THINK]` ... `[/THINK]`; without `[THINK]` the output is content.
 - `granite`: "Here is my thought process:" ... "Here is my response:" (or "Here's"); anything else is content.
+- `openai_gptoss`: gpt-oss's harmony channels (harmony.py): `analysis` is the thinking, `final` the answer.
 - `auto`: picked from the chat template's markers, where it names one.
 """
 
@@ -22,7 +23,9 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-NAMES = ("deepseek_r1", "qwen3", "mistral", "granite")
+from paged_hf.serving.openai import harmony
+
+NAMES = ("deepseek_r1", "qwen3", "mistral", "granite", "openai_gptoss")
 PARSER_NAMES = ("auto", *NAMES)  # what --reasoning-parser accepts
 
 
@@ -35,6 +38,7 @@ class ReasoningParser:
     # the thinking always comes first and ends with `end`: the engine can hold a grammar until after it, and
     # close a thinking that runs past its budget (else a grammar holds from the first token: no thinking)
     thinks_first = False
+    keeps_special_tokens = False  # the markers are special tokens: the request's text must keep them
     markers: tuple[str, ...] = ()  # what a stream holds back the beginnings of
 
     def __init__(self, prompt_ends_thinking: bool = False):
@@ -187,6 +191,27 @@ class Granite(ReasoningParser):
         return reasoning or None, current[max(answer_from, before):] or None
 
 
+class GptOss(ReasoningParser):
+    """gpt-oss's harmony channels (harmony.py): `analysis` is the thinking, `final` (and commentary preambles) the
+    answer; tool calls are the `openai` tool parser's. The markers are special tokens, so such a request's text
+    keeps them (`keeps_special_tokens`)."""
+
+    name = "openai_gptoss"
+    markers = harmony.MARKERS
+    keeps_special_tokens = True
+
+    def _split(self, text):
+        return harmony.thinking_and_answer(text)
+
+    def delta(self, previous, delta):
+        """What the new text adds to each side (a message's body only grows; a header is read once whole)."""
+        before, after = harmony.thinking_and_answer(previous), harmony.thinking_and_answer(previous + delta)
+        return tuple((now or "")[len(then or ""):] or None for then, now in zip(before, after))
+
+    def thinking_over(self, text):
+        return harmony.END in text or harmony.CALL in text  # (the first message, the analysis, ended)
+
+
 @dataclass
 class ReasoningStream:
     """One sequence's deltas split as they come; a delta's tail that may begin a marker waits for the next."""
@@ -251,12 +276,17 @@ def parser_for(name: str | None, chat_template: str | None, prompt_text: str = "
         return Mistral()
     if name == "granite":
         return Granite()
+    if name == "openai_gptoss":
+        return GptOss()
     raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(PARSER_NAMES)}")
 
 
 def auto_name(chat_template: str | None) -> str | None:
-    """The parser a chat template's markers name: Qwen3's switch, DeepSeek-R1's tags, Mistral's, Granite's."""
+    """The parser a chat template's markers name: gpt-oss's channels, Qwen3's switch, DeepSeek-R1's tags, Mistral's,
+    Granite's."""
     template = chat_template or ""
+    if "<|channel|>" in template:
+        return "openai_gptoss"
     if "</think>" in template:
         return "qwen3" if "enable_thinking" in template else "deepseek_r1"
     if "[THINK]" in template:

@@ -217,7 +217,8 @@ class Answer:
         usage = None
         if result is not None:
             usage = {"input_tokens": result.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                     "output_tokens": result.completion_tokens, "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens},
+                     "output_tokens": result.completion_tokens,
+                     "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens},
                      "total_tokens": result.prompt_tokens + result.completion_tokens}
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         choice = body.tool_choice

@@ -61,6 +61,9 @@ class ServerSettings:
             raise ValueError("--prefix-cache-isolation key needs API keys (--api-key NAME=KEY)")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSER_NAMES:
             raise ValueError(f"--reasoning-parser {self.reasoning_parser!r}: choose one of {', '.join(PARSER_NAMES)}")
+        if self.tool_call_parser == "openai" and self.reasoning_parser not in ("openai_gptoss", "auto"):
+            raise ValueError("--tool-call-parser openai (gpt-oss's harmony) needs --reasoning-parser openai_gptoss: "
+                             "it reads the channels, whose markers are special tokens")
         self.metrics_keys = tuple(self.metrics_keys)
         unknown = [name for name in self.metrics_keys if name not in self.named_keys]
         if unknown:

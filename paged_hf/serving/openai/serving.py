@@ -211,8 +211,11 @@ def reasoning_parser(ctx: ServerContext, request, prompt: list[int], params: Sam
 
 
 def thinking_params(ctx: ServerContext, request, parser, params: SamplingParams) -> SamplingParams:
-    """The engine told where the thinking ends (its grammar holds from there) and the request's budget."""
+    """The engine told where the thinking ends (its grammar holds from there) and the request's budget; a format
+    whose markers are special tokens keeps them in the text."""
     budget = request.thinking_token_budget
+    if parser is not None and parser.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
     if parser is None or parser.prompt_ends_thinking or not parser.thinks_first:
         if budget is not None and (parser is None or not parser.prompt_ends_thinking):
             raise ApiError(400, "thinking_token_budget needs --reasoning-parser deepseek_r1 or qwen3 (a thinking "

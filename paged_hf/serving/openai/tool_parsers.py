@@ -12,6 +12,7 @@
   blocks after content.
 - deepseek_v3, deepseek_v31 (DeepSeek V3, V3.1) and kimi_k2 (Kimi K2): a section of calls in the model's
   special tokens after content.
+- openai (gpt-oss): harmony messages to `functions.NAME` (with --reasoning-parser openai_gptoss).
 
 Each parser also writes calls in its own format (for templates that cannot render tools) and says how much
 of a running text is surely content (a stream holds back what may be the start of a call). The formats live in
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 
 from paged_hf.serving.openai.tool_formats.base import ToolParser, json_call
+from paged_hf.serving.openai.tool_formats.harmony_calls import HarmonyParser
 from paged_hf.serving.openai.tool_formats.json_calls import (
     GraniteParser,
     HermesParser,
@@ -37,7 +39,7 @@ PARSERS: dict[str, ToolParser] = {
     "hermes": HermesParser(), "llama3_json": Llama3JsonParser(), "mistral": MistralParser(),
     "granite": GraniteParser(), "pythonic": PythonicParser(), "qwen3_coder": Qwen3CoderParser(),
     "glm45": Glm45Parser(), "deepseek_v3": DeepSeekV3Parser(), "deepseek_v31": DeepSeekV31Parser(),
-    "kimi_k2": KimiK2Parser(),
+    "kimi_k2": KimiK2Parser(), "openai": HarmonyParser(),
 }
 
 
