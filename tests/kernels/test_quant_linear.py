@@ -178,7 +178,8 @@ def test_w4a16_on_bf16_activations_gives_a_row_the_same_outputs_in_any_batch():
 
 
 @needs_vnni
-@pytest.mark.parametrize("m, k, n", [(3, 2064, 45), (64, 1040, 100), (25, 4096, 64)])
+@pytest.mark.parametrize("m, k, n", [(3, 2064, 45), (64, 1040, 100), (25, 4096, 64),
+                                     (1, 2064, 45), (1, 48, 7), (2, 80, 13), (2, 576, 1541)])  # (1-2 rows: 4 at a step)
 def test_w8a8_on_vnni_equals_the_avx2_loops_exactly(m, k, n):
     """vpdpbusd's u8 x s8 with the +128 shift taken off per row: the same integers as the AVX2 build's int16
     pairs, on full-range weights (-128..127) and activations that reach +-127, over long sums."""
@@ -190,7 +191,7 @@ def test_w8a8_on_vnni_equals_the_avx2_loops_exactly(m, k, n):
     linear = Int8Linear(q, torch.rand(n) / 100, torch.randn(n), torch.float32, act_quant=True)
     x = torch.randn(m, k) * torch.logspace(-4, 4, m)[:, None]
     x[0, :] = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0)  # every q_x at +-127
-    x[1] = 0
+    x[1:2] = 0  # (a zero row where there are two)
     got = quant_gemm.w8a8(x, linear.qweight, linear.weight_scale, linear.bias32(), k)
     assert torch.equal(got, quant_gemm.w8a8(x, linear.qweight, linear.weight_scale, linear.bias32(), k,
                                             BUILDS["avx2"]))
