@@ -1,6 +1,7 @@
 """Every --tool-call-parser through a real server and the `openai` SDK: a scripted model (tests/scripted_model.py)
 writes a call in the format's exact text (the examples of vLLM's parser tests), and the client gets it back as
-OpenAI's `tool_calls`, whole and streamed; a thinking model's call after its thinking too."""
+OpenAI's `tool_calls`, whole and streamed; a thinking model's call after its thinking too; and an agent's two
+turns (the call, the tool's result, the answer)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def script_for(name: str) -> tuple[list[str], dict[str, str]]:
               "I need the weather.": "[/THINK]", "[/THINK]": call}
     if name in CONTENT_FIRST:
         script[sure] = call
-    return [name, think, sure, call, "[THINK]", "I need the weather.", "[/THINK]"], script
+    script["sunny"] = "It is sunny in Paris."  # the tool's result -> the final answer
+    return [name, think, sure, call, "[THINK]", "I need the weather.", "[/THINK]", "sunny",
+            "It is sunny in Paris."], script
 
 
 @pytest.fixture(params=sorted(CALLS))
@@ -110,3 +113,17 @@ def test_without_tools_the_call_is_text(format_client):
                                            max_tokens=8, temperature=0)
     assert reply.choices[0].message.tool_calls is None
     assert reply.choices[0].message.content.endswith(CALLS[name]) and reply.choices[0].finish_reason == "stop"
+
+
+def test_an_agents_two_turns(format_client):
+    """The call, the tool's result in a tool message, then the answer: the conversation an agent runs."""
+    name, client = format_client
+    question = [{"role": "user", "content": name}]
+    first = ask(client, question[0]["content"]).choices[0].message
+    (call,) = first.tool_calls
+    history = [*question, first.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    answer = client.chat.completions.create(model="scripted", messages=history, tools=[WEATHER], max_tokens=8,
+                                            temperature=0).choices[0]
+    assert (answer.finish_reason, answer.message.content, answer.message.tool_calls) == (
+        "stop", "It is sunny in Paris.", None)
