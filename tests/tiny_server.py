@@ -78,3 +78,23 @@ def serving(app):
         uv.should_exit = True
         thread.join(20)
         assert not thread.is_alive()
+
+
+class StreamedCalls:
+    """Tool calls from streamed deltas as OpenAI clients join them: per `index`, the id and name of its first
+    delta, the arguments of every delta concatenated."""
+
+    def __init__(self):
+        self.calls: dict[int, list] = {}
+
+    def add(self, deltas) -> None:
+        for delta in deltas or []:
+            call = self.calls.setdefault(delta.index, [None, None, ""])
+            if delta.id is not None:
+                assert call[0] is None, f"call {delta.index} announced twice"
+                call[0], call[1] = delta.id, delta.function.name
+            call[2] += delta.function.arguments or ""
+
+    def joined(self) -> list[tuple[str, str]]:
+        """(name, arguments JSON text) per call, in index order."""
+        return [(name, arguments) for _, name, arguments in (self.calls[i] for i in sorted(self.calls))]

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 
 from conftest import assert_no_leak  # noqa: E402
 from scripted_model import scripted_model, scripted_tokenizer  # noqa: E402
-from tiny_server import serving  # noqa: E402
+from tiny_server import StreamedCalls, serving  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
@@ -55,14 +55,14 @@ def chat(client, messages, **fields):
 
 
 def streamed(client, messages) -> tuple[str, str, list, str | None]:
-    reasoning, content, calls, finish = "", "", [], None
+    reasoning, content, calls, finish = "", "", StreamedCalls(), None
     for chunk in chat(client, messages, stream=True):
         for c in chunk.choices:
             reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
             content += c.delta.content or ""
-            calls += [(d.function.name, json.loads(d.function.arguments)) for d in c.delta.tool_calls or []]
+            calls.add(c.delta.tool_calls)
             finish = c.finish_reason or finish
-    return reasoning, content, calls, finish
+    return reasoning, content, [(name, json.loads(arguments)) for name, arguments in calls.joined()], finish
 
 
 def test_an_agents_two_turns(client):

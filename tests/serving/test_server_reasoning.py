@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 
 from conftest import assert_no_leak  # noqa: E402
 from scripted_model import scripted_model, scripted_tokenizer  # noqa: E402
-from tiny_server import serving  # noqa: E402
+from tiny_server import StreamedCalls, serving  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
@@ -61,16 +61,16 @@ def ask(client, word: str, **fields):
 
 def streamed(client, word: str, **fields) -> dict:
     """The deltas joined: reasoning, reasoning_content, content, tool call names and arguments, finish reason."""
-    joined = {"reasoning": "", "reasoning_content": "", "content": "", "calls": [], "finish": None}
+    joined, calls = {"reasoning": "", "reasoning_content": "", "content": "", "finish": None}, StreamedCalls()
     for chunk in ask(client, word, stream=True, **fields):
         for choice in chunk.choices:
             delta = choice.delta
             for name in ("reasoning", "reasoning_content"):
                 joined[name] += (delta.model_extra or {}).get(name) or ""
             joined["content"] += delta.content or ""
-            joined["calls"] += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+            calls.add(delta.tool_calls)
             joined["finish"] = choice.finish_reason or joined["finish"]
-    return joined
+    return {**joined, "calls": calls.joined()}
 
 
 def test_the_thinking_comes_back_as_reasoning_whole_and_streamed(client):
@@ -96,10 +96,10 @@ def test_a_tool_call_after_the_thinking(client):
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.model_extra["reasoning"] == " need city "
     (call,) = choice.message.tool_calls
-    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city":"Paris"}')  # as written
     assert streamed(client, "weather", tools=[WEATHER]) == {
         "reasoning": " need city ", "reasoning_content": " need city ", "content": "",
-        "calls": [("get_weather", '{"city": "Paris"}')], "finish": "tool_calls"}
+        "calls": [("get_weather", '{"city":"Paris"}')], "finish": "tool_calls"}
 
 
 def test_include_reasoning_false_leaves_it_out(client):

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 openai = pytest.importorskip("openai")
 
 from conftest import assert_no_leak, real_tokenizer, tiny_model_for  # noqa: E402
-from tiny_server import serving  # noqa: E402
+from tiny_server import StreamedCalls, serving  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
@@ -147,13 +147,14 @@ def test_auto_finds_hermes_calls_streamed_and_not(client):
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
     assert choice.message.tool_calls[0].function.name == "get_weather"
-    content, names, finish = "", [], None
+    content, calls, finish = "", StreamedCalls(), None
     for chunk in chat(client, tools=[WEATHER], extra_body=force, stream=True):
         for c in chunk.choices:
             content += c.delta.content or ""
-            names += [d.function.name for d in c.delta.tool_calls or []]
+            calls.add(c.delta.tool_calls)
             finish = c.finish_reason or finish
-    assert (content, names, finish) == ("Sure.", ["get_weather"], "tool_calls")
+    whole = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert (content, calls.joined(), finish) == ("Sure.", whole, "tool_calls")
 
 
 def test_tools_and_tool_messages_reach_the_template(server):

@@ -1,7 +1,8 @@
 """Every --tool-call-parser through a real server and the `openai` SDK: a scripted model (tests/scripted_model.py)
-writes a call in the format's exact text (the examples of vLLM's parser tests), and the client gets it back as
-OpenAI's `tool_calls`, whole and streamed; a thinking model's call after its thinking too; and an agent's two
-turns (the call, the tool's result, the answer)."""
+writes a call in the format's exact text (the examples of vLLM's parser tests) over several tokens, and the
+client gets it back as OpenAI's `tool_calls`, whole and streamed (the arguments as the model writes them, where
+they are its own JSON text); a thinking model's call after its thinking too; and an agent's two turns (the call,
+the tool's result, the answer)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ openai = pytest.importorskip("openai")
 
 from conftest import assert_no_leak  # noqa: E402
 from scripted_model import scripted_model, scripted_tokenizer  # noqa: E402
-from tiny_server import serving  # noqa: E402
+from tiny_server import StreamedCalls, serving  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf.serving.openai import ServerSettings, create_app  # noqa: E402
@@ -50,16 +51,28 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt ends with the user's last word
 
 
+# formats whose arguments are the model's own JSON text: they stream as the model writes them
+ARGUMENTS_STREAM = ("hermes", "llama3_json", "mistral", "granite", "deepseek_v3", "deepseek_v31", "kimi_k2")
+
+
+def pieces(text: str, size: int = 6) -> list[str]:
+    """`text` cut into tokens of about `size` characters, each one different (a token has one successor)."""
+    cut = [text[i:i + size] for i in range(0, len(text), size)]
+    while len(set(cut)) < len(cut):
+        i = next(i for i in range(1, len(cut)) if cut[i] in cut[:i])
+        cut[i - 1:i + 1] = [cut[i - 1] + cut[i]]
+    return cut
+
+
 def script_for(name: str) -> tuple[list[str], dict[str, str]]:
-    """The words and the script that make the model answer the prompt word `name` in that format (after
-    "Sure." where the format allows content first) and `think-NAME` with a thinking before it."""
-    call, sure, think = CALLS[name], f"Sure ({name}).", f"think-{name}"
-    script = {name: sure if name in CONTENT_FIRST else call, think: "[THINK]", "[THINK]": "I need the weather.",
-              "I need the weather.": "[/THINK]", "[/THINK]": call}
-    if name in CONTENT_FIRST:
-        script[sure] = call
-    script["sunny"] = "It is sunny in Paris."  # the tool's result -> the final answer
-    return [name, think, sure, call, "[THINK]", "I need the weather.", "[/THINK]", "sunny",
+    """The words and the script that make the model answer the prompt word `name` in that format, its call
+    written over several tokens (after "Sure." where the format allows content first), `think-NAME` with a
+    thinking before it, and the tool's result `sunny` with the final answer."""
+    call, sure, think = pieces(CALLS[name]), f"Sure ({name}).", f"think-{name}"
+    script = {name: sure if name in CONTENT_FIRST else call[0], think: "[THINK]", "[THINK]": "I need the weather.",
+              "I need the weather.": "[/THINK]", "[/THINK]": call[0], sure: call[0],
+              "sunny": "It is sunny in Paris.", **dict(zip(call, call[1:]))}
+    return [name, think, sure, *call, "[THINK]", "I need the weather.", "[/THINK]", "sunny",
             "It is sunny in Paris."], script
 
 
@@ -68,7 +81,7 @@ def format_client(request):
     name = request.param
     words, script = script_for(name)
     tokenizer = scripted_tokenizer(words, TEMPLATE, exact=True)
-    assert tokenizer.decode(tokenizer(CALLS[name])["input_ids"]) == CALLS[name]  # one token, written as is
+    assert tokenizer.decode(tokenizer(CALLS[name])["input_ids"]) == CALLS[name]  # written as is
     generator = paged_hf.wrap(scripted_model(tokenizer, script), tokenizer, num_blocks=32, max_num_seqs=2).generator
     settings = ServerSettings(tool_call_parser=name, reasoning_parser="mistral")  # (its thinking is optional)
     with serving(create_app(generator, tokenizer, "scripted", settings)) as url:
@@ -78,7 +91,7 @@ def format_client(request):
 
 def ask(client, word: str, **fields):
     return client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": word}],
-                                          tools=[WEATHER], max_tokens=8, temperature=0, **fields)
+                                          tools=[WEATHER], max_tokens=40, temperature=0, **fields)
 
 
 def test_the_format_comes_back_as_tool_calls_whole_and_streamed(format_client):
@@ -88,13 +101,16 @@ def test_the_format_comes_back_as_tool_calls_whole_and_streamed(format_client):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
         ("get_weather", PARIS)]
     assert choice.message.content == (f"Sure ({name})." if name in CONTENT_FIRST else None)
-    content, calls, finish = "", [], None
+    content, calls, finish, argument_deltas = "", StreamedCalls(), None, 0
     for chunk in ask(client, name, stream=True):
         for c in chunk.choices:
             content += c.delta.content or ""
-            calls += [(d.function.name, json.loads(d.function.arguments)) for d in c.delta.tool_calls or []]
+            calls.add(c.delta.tool_calls)
+            argument_deltas += sum(bool(d.function.arguments) for d in c.delta.tool_calls or [])
             finish = c.finish_reason or finish
-    assert (content or None, calls, finish) == (choice.message.content, [("get_weather", PARIS)], "tool_calls")
+    whole = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert (content or None, calls.joined(), finish) == (choice.message.content, whole, "tool_calls")
+    assert (argument_deltas > 1) == (name in ARGUMENTS_STREAM)  # as the model writes them, or whole at the end
 
 
 def test_a_call_after_the_thinking(format_client):
@@ -110,7 +126,7 @@ def test_a_call_after_the_thinking(format_client):
 def test_without_tools_the_call_is_text(format_client):
     name, client = format_client
     reply = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": name}],
-                                           max_tokens=8, temperature=0)
+                                           max_tokens=40, temperature=0)
     assert reply.choices[0].message.tool_calls is None
     assert reply.choices[0].message.content.endswith(CALLS[name]) and reply.choices[0].finish_reason == "stop"
 
@@ -123,7 +139,7 @@ def test_an_agents_two_turns(format_client):
     (call,) = first.tool_calls
     history = [*question, first.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
-    answer = client.chat.completions.create(model="scripted", messages=history, tools=[WEATHER], max_tokens=8,
+    answer = client.chat.completions.create(model="scripted", messages=history, tools=[WEATHER], max_tokens=40,
                                             temperature=0).choices[0]
     assert (answer.finish_reason, answer.message.content, answer.message.tool_calls) == (
         "stop", "It is sunny in Paris.", None)

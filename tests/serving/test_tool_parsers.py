@@ -346,3 +346,21 @@ GPT_OSS_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>
 ])
 def test_openai_harmony(text, content, calls):
     assert PARSERS["openai"].parse(text) == (text if content is None else content, calls)
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_calls_so_far_grow_into_the_parsed_calls(name):
+    """Cut anywhere, a format that streams arguments reports each call's arguments as a prefix of what the whole
+    text parses to, and the whole text's calls exactly: the deltas a stream sends add up to the answer."""
+    parser = PARSERS[name]
+    text = "Let me check. " * (name in ("hermes", "mistral")) + parser.format_calls(CALLS)
+    if parser.calls_so_far(text) is None:  # (its calls go out whole)
+        assert all(parser.calls_so_far(text[:cut]) is None for cut in range(len(text)))
+        return
+    content, calls = parser.parse(text)
+    assert [(c.name, c.arguments, c.complete) for c in parser.calls_so_far(text)] == [(n, a, True) for n, a in calls]
+    for cut in range(len(text)):
+        so_far = parser.calls_so_far(text[:cut])
+        assert len(so_far) <= len(calls)
+        for call, (name_, arguments) in zip(so_far, calls):
+            assert call.name == name_ and arguments.startswith(call.arguments)

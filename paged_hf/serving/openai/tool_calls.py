@@ -199,14 +199,18 @@ def finish_reason(completion, calls: list[ToolCall]) -> str | None:
 class ToolCallStreamer:
     """Streams one request's sequences: content as it comes until a tool call may be starting, then the calls.
 
-    A named function's arguments stream as they are generated; "required" and "auto" send their calls whole
-    when the sequence ends (each call in one delta: id, name and all of its arguments).
+    A named function's arguments stream as they are generated. In "auto", a call goes out (id, name) once its
+    name is written and its arguments as the model writes them (OpenAI's deltas: their concatenation is the
+    call's `arguments`), where the format's arguments are the model's own JSON text (`calls_so_far`); the
+    other formats' calls, and "required"'s, go out whole when the sequence ends. What the final parse finds is
+    the answer: a call it does not confirm has had deltas that cannot be taken back (a malformed call).
     """
 
     def __init__(self, mode: ToolMode, parser: ToolParser, tokenizer):
         self.mode, self.parser, self.tokenizer = mode, parser, tokenizer
         self.content_sent: dict[int, int] = {}  # index -> characters of content sent
         self.started: set[int] = set()  # indexes whose named call's header went out
+        self.calls_sent: dict[int, list[list[str]]] = {}  # index -> [call id, arguments sent] per call announced
 
     def delta(self, completion, new_text: str) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
         """(content, tool call deltas, finish_reason) to send for this sequence's new text."""
@@ -214,15 +218,43 @@ class ToolCallStreamer:
         if self.mode.kind == "named":
             named_finish = "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
             return None, self._named(completion.index, new_text), named_finish
+        raw = tool_text(self.tokenizer, completion.token_ids, self.parser)
         if not done:
-            return self._content(completion), None, None
+            calls = self.parser.calls_so_far(raw) if self.mode.kind == "auto" else None
+            return self._content(completion, raw), self._growing(completion.index, calls or []) or None, None
         content, calls = parse_output(self.mode, self.parser, self.tokenizer, completion)
         if not calls:
-            return self._content(completion, final=True), None, completion.finish_reason
-        deltas = [DeltaToolCall(index=i, id=call.id, type="function",
-                                function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
-                  for i, call in enumerate(calls)]
-        return self._rest(completion.index, content or ""), deltas, finish_reason(completion, calls)
+            return self._content(completion, raw, final=True), None, completion.finish_reason
+        return (self._rest(completion.index, content or ""), self._final(completion.index, calls),
+                finish_reason(completion, calls))
+
+    def _growing(self, index: int, calls) -> list[DeltaToolCall]:
+        """Deltas for the calls written so far: a new call's id and name, then its arguments' new text."""
+        sent, deltas = self.calls_sent.setdefault(index, []), []
+        for i, call in enumerate(calls):
+            if i == len(sent):
+                sent.append([new_call_id(), ""])
+                deltas.append(DeltaToolCall(index=i, id=sent[i][0], type="function",
+                                            function=DeltaFunctionCall(name=call.name, arguments="")))
+            if call.arguments.startswith(sent[i][1]) and len(call.arguments) > len(sent[i][1]):
+                deltas.append(DeltaToolCall(index=i, function=DeltaFunctionCall(
+                    arguments=call.arguments[len(sent[i][1]):])))
+                sent[i][1] = call.arguments
+        return deltas
+
+    def _final(self, index: int, calls: list[ToolCall]) -> list[DeltaToolCall]:
+        """The rest of each call (all of one not announced yet); the calls keep the ids their deltas had."""
+        sent, deltas = self.calls_sent.get(index, []), []
+        for i, call in enumerate(calls):
+            if i < len(sent):
+                call.id, already = sent[i]
+                rest = call.function.arguments[len(already):] if call.function.arguments.startswith(already) else ""
+                if rest:
+                    deltas.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=rest)))
+            else:
+                deltas.append(DeltaToolCall(index=i, id=call.id, type="function", function=DeltaFunctionCall(
+                    name=call.function.name, arguments=call.function.arguments)))
+        return deltas
 
     def _named(self, index: int, new_text: str) -> list[DeltaToolCall] | None:
         if index not in self.started:
@@ -231,13 +263,12 @@ class ToolCallStreamer:
                                   function=DeltaFunctionCall(name=self.mode.name, arguments=new_text))]
         return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new_text))] if new_text else None
 
-    def _content(self, completion, final: bool = False) -> str | None:
+    def _content(self, completion, raw: str, final: bool = False) -> str | None:
         if self.mode.kind == "required":
             return None
         text = completion.text or ""
         if not final:
-            text = text[: self.parser.safe_content_end(text, tool_text(self.tokenizer, completion.token_ids,
-                                                                        self.parser))]
+            text = text[: self.parser.safe_content_end(text, raw)]
         return self._rest(completion.index, text)
 
     def _rest(self, index: int, text: str) -> str | None:

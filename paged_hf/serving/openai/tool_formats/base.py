@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 
 def args_text(arguments) -> str:
@@ -84,6 +85,104 @@ def may_open_with(raw: str, openings: tuple[str, ...]) -> bool:
     return not stripped or any(stripped.startswith(o) or o.startswith(stripped) for o in openings)
 
 
+@dataclass
+class CallSoFar:
+    """A call as far as it is written: its name (known once written whole) and its arguments' raw text so far."""
+
+    name: str
+    arguments: str
+    complete: bool  # the arguments' JSON value is closed
+
+
+def skip_space(text: str, position: int, also: str = "") -> int:
+    while position < len(text) and (text[position].isspace() or text[position] in also):
+        position += 1
+    return position
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """The index after the JSON value that starts at `start`, or None while it is still open (brackets are
+    counted outside strings; a number or literal may still grow until something follows it)."""
+    if start >= len(text):
+        return None
+    if text[start] == '"':
+        return _string_end(text, start)
+    if text[start] not in "{[":
+        end = start
+        while end < len(text) and text[end] not in ",}] \t\r\n;<":
+            end += 1
+        return end if end < len(text) else None
+    depth, position = 0, start
+    while position < len(text):
+        char = text[position]
+        if char == '"':
+            end = _string_end(text, position)
+            if end is None:
+                return None
+            position = end
+            continue
+        depth += 1 if char in "{[" else -1 if char in "}]" else 0
+        position += 1
+        if depth == 0:
+            return position
+    return None
+
+
+def _string_end(text: str, start: int) -> int | None:
+    position = start + 1
+    while position < len(text):
+        if text[position] == "\\":
+            position += 2
+        elif text[position] == '"':
+            return position + 1
+        else:
+            position += 1
+    return None
+
+
+def object_calls(text: str, start: int, args_keys=("arguments", "parameters"), between: str = ",;"
+                 ) -> list[CallSoFar]:
+    """The `{"name": ..., "arguments": {...}}` objects written from `start` on (separated by whitespace and
+    `between`), as far as they are written: the scan stops at anything else, and at a call whose name is not
+    whole yet (it cannot be announced)."""
+    calls, position = [], skip_space(text, start, between)
+    while position < len(text) and text[position] == "{":
+        call, end = _object_call(text, position, args_keys)
+        if call is None:
+            break
+        calls.append(call)
+        if end is None:
+            break
+        position = skip_space(text, end, between)
+    return calls
+
+
+def _object_call(text: str, start: int, args_keys) -> tuple[CallSoFar | None, int | None]:
+    """(the call in the object at `start` so far, None before its name is whole; the object's end, or None)."""
+    name, arguments, complete, position = None, "", False, start + 1
+    while True:
+        position = skip_space(text, position, ",")
+        if position >= len(text) or text[position] != '"':
+            if position < len(text) and text[position] == "}":
+                arguments, complete = (arguments, complete) if complete else ("{}", True)
+                return (None if name is None else CallSoFar(name, arguments, complete)), position + 1
+            break  # still open (or not a call's object: the final parse decides)
+        key_end = json_value_end(text, position)
+        colon = skip_space(text, key_end) if key_end is not None else len(text)
+        if colon >= len(text) or text[colon] != ":":
+            break
+        key, value_at = json.loads(text[position:key_end]), skip_space(text, colon + 1)
+        end = json_value_end(text, value_at)
+        if key == "name" and end is not None and text[value_at] == '"':
+            name = json.loads(text[value_at:end])
+        elif key in args_keys:
+            arguments, complete = text[value_at:len(text) if end is None else end], end is not None
+        if end is None:
+            break
+        position = end
+    return (None if name is None else CallSoFar(name, arguments, complete)), None
+
+
 class ToolParser:
     marker = ""  # where the calls start (kept by tool_text even where it is a special token)
     inner_markers: tuple[str, ...] = ()  # the format's other markers, kept by tool_text likewise
@@ -106,6 +205,11 @@ class ToolParser:
     def typed(self, arguments: str, schema: dict | None) -> str:
         """A call's arguments JSON typed by the tool's parameters `schema` (formats that write values as text)."""
         return arguments
+
+    def calls_so_far(self, raw: str) -> list[CallSoFar] | None:
+        """The calls written so far in a running text (`tool_text`), for streaming their arguments as they are
+        written; None for a format whose arguments are not the model's own JSON text (its calls go out whole)."""
+        return None
 
     def safe_content_end(self, text: str, raw: str) -> int:
         """How much of `text` (the sequence's text so far) is surely content, not the start of a call."""

@@ -5,7 +5,14 @@ reasoning parser's (which this parser needs: it keeps the format's special token
 from __future__ import annotations
 
 from paged_hf.serving.openai import harmony
-from paged_hf.serving.openai.tool_formats.base import ToolParser, args_text, json_object_text
+from paged_hf.serving.openai.tool_formats.base import (
+    CallSoFar,
+    ToolParser,
+    args_text,
+    json_object_text,
+    json_value_end,
+    skip_space,
+)
 
 
 class HarmonyParser(ToolParser):
@@ -26,6 +33,19 @@ class HarmonyParser(ToolParser):
     def instructions(self):
         return ("To call a function, write a commentary message to it: <|start|>assistant<|channel|>commentary "
                 "to=functions.<function-name> <|constrain|>json<|message|><args-json-object><|call|>")
+
+    def calls_so_far(self, raw):
+        calls = []
+        for message in harmony.messages(raw):
+            if message.recipient is None or not message.recipient.startswith("functions."):
+                continue
+            value_at = skip_space(message.body, 0)
+            end = json_value_end(message.body, value_at)
+            calls.append(CallSoFar(message.recipient.removeprefix("functions."),
+                                   message.body[value_at:len(message.body) if end is None else end], end is not None))
+            if end is None:
+                break
+        return calls
 
     def safe_content_end(self, text, raw):
         return len(text)  # the answer's text holds no call: calls are messages of their own

@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 import re
 
-from paged_hf.serving.openai.tool_formats.base import ToolParser, json_call, json_values, may_open_with
+from paged_hf.serving.openai.tool_formats.base import (
+    CallSoFar,
+    ToolParser,
+    json_call,
+    json_values,
+    may_open_with,
+    object_calls,
+    skip_space,
+)
 
 
 class HermesParser(ToolParser):
@@ -24,7 +32,15 @@ class HermesParser(ToolParser):
             if not values or None in parsed:
                 return text, []
             calls += parsed
-        return text[:start].strip(), calls
+        return text[:start].strip(), as_written(calls, self.calls_so_far(text))
+
+    def calls_so_far(self, raw):
+        calls = []
+        for opened in re.finditer(re.escape(self.marker), raw):
+            calls += object_calls(raw, opened.end())
+            if not calls or not calls[-1].complete:
+                break
+        return calls
 
     def format_calls(self, calls):
         return "".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
@@ -47,7 +63,12 @@ class Llama3JsonParser(ToolParser):
         parsed = [json_call(v, ("parameters", "arguments")) for v in values or []]
         if not values or None in parsed:
             return text, []
-        return "", parsed
+        return "", as_written(parsed, self.calls_so_far(text))
+
+    def calls_so_far(self, raw):
+        start = skip_space(raw, 0)
+        start = start + len(self.marker) if raw.startswith(self.marker, start) else start
+        return object_calls(raw, start)
 
     def format_calls(self, calls):
         return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
@@ -74,7 +95,10 @@ class MistralParser(ToolParser):
         parsed = [json_call(item) for item in items]
         if not parsed or None in parsed:
             return text, []
-        return text[:start].strip(), parsed
+        return text[:start].strip(), as_written(parsed, self.calls_so_far(text))
+
+    def calls_so_far(self, raw):
+        return _listed_calls(raw, raw.find(self.marker), self.marker)
 
     def format_calls(self, calls):
         return self.marker + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
@@ -102,7 +126,13 @@ class GraniteParser(ToolParser):
         parsed = [_granite_call(v) for v in values]
         if not parsed or None in parsed:
             return text, []
-        return "", parsed
+        return "", as_written(parsed, self.calls_so_far(text))
+
+    def calls_so_far(self, raw):
+        start = skip_space(raw, 0)
+        for marker in (self.marker, self._string_marker):
+            start = skip_space(raw, start + len(marker)) if raw.startswith(marker, start) else start
+        return _listed_calls(raw, start, "")
 
     def format_calls(self, calls):
         return self.marker + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
@@ -120,3 +150,19 @@ def _granite_call(value) -> tuple[str, str] | None:
     if not isinstance(value, dict) or not isinstance(value.get("arguments", {}), dict):
         return None
     return json_call(value, ("arguments",))
+
+
+def _listed_calls(raw: str, at: int, marker: str) -> list[CallSoFar]:
+    """The calls of a JSON list `[{...}, ...]` that starts after `marker` at `at` (-1: not written yet)."""
+    if at < 0:
+        return []
+    start = skip_space(raw, at + len(marker))
+    return object_calls(raw, start + 1) if raw.startswith("[", start) else []
+
+
+def as_written(calls: list[tuple[str, str]], written: list[CallSoFar]) -> list[tuple[str, str]]:
+    """The calls with their arguments as the model wrote them (what a stream sends piece by piece), where the
+    scan of the text found the same calls whole; else as parsed."""
+    if len(written) != len(calls) or any(not w.complete or w.name != name for w, (name, _) in zip(written, calls)):
+        return calls
+    return [(w.name, w.arguments) for w in written]

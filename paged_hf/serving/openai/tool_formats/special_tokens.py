@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import re
 
-from paged_hf.serving.openai.tool_formats.base import ToolParser, args_text, json_object_text, whole_matches
+from paged_hf.serving.openai.tool_formats.base import (
+    CallSoFar,
+    ToolParser,
+    args_text,
+    json_object_text,
+    json_value_end,
+    skip_space,
+    whole_matches,
+)
 
 
 def _deepseek_token(words: str) -> str:
@@ -25,6 +33,19 @@ KIMI_CALL_BEGIN, KIMI_ARGUMENTS_BEGIN, KIMI_CALL_END = (
 class _SectionParser(ToolParser):
     end = ""
     _call_pattern: re.Pattern  # groups "name" and "arguments"
+    _call_header: re.Pattern  # a call up to its arguments (group "name")
+
+    def calls_so_far(self, raw):
+        start = raw.find(self.marker)
+        calls = []
+        for header in self._call_header.finditer(raw, start + len(self.marker)) if start >= 0 else ():
+            value_at = skip_space(raw, header.end())
+            end = json_value_end(raw, value_at)
+            calls.append(CallSoFar(self._name(header["name"]), raw[value_at:len(raw) if end is None else end],
+                                   end is not None))
+            if end is None:
+                break
+        return calls
 
     def parse(self, text):
         start = text.find(self.marker)
@@ -54,6 +75,8 @@ class DeepSeekV3Parser(_SectionParser):
     _call_pattern = re.compile(
         rf"{re.escape(DEEPSEEK_CALL_BEGIN)}function{re.escape(DEEPSEEK_SEP)}(?P<name>[^<>\n]+)\n"
         rf"```json\s*(?P<arguments>.*?)\s*```\s*{re.escape(DEEPSEEK_CALL_END)}", re.S)
+    _call_header = re.compile(
+        rf"{re.escape(DEEPSEEK_CALL_BEGIN)}function{re.escape(DEEPSEEK_SEP)}(?P<name>[^<>\n]+)\n```json")
 
     def format_calls(self, calls):
         written = "\n".join(f"{DEEPSEEK_CALL_BEGIN}function{DEEPSEEK_SEP}{name}\n```json\n{args_text(arguments)}"
@@ -74,6 +97,7 @@ class DeepSeekV31Parser(_SectionParser):
     _call_pattern = re.compile(
         rf"{re.escape(DEEPSEEK_CALL_BEGIN)}(?P<name>[^<>]+?){re.escape(DEEPSEEK_SEP)}(?P<arguments>.*?)"
         rf"{re.escape(DEEPSEEK_CALL_END)}", re.S)
+    _call_header = re.compile(rf"{re.escape(DEEPSEEK_CALL_BEGIN)}(?P<name>[^<>]+?){re.escape(DEEPSEEK_SEP)}")
 
     def format_calls(self, calls):
         written = "".join(f"{DEEPSEEK_CALL_BEGIN}{name}{DEEPSEEK_SEP}{args_text(arguments)}{DEEPSEEK_CALL_END}"
@@ -94,6 +118,8 @@ class KimiK2Parser(_SectionParser):
     _call_pattern = re.compile(
         rf"{re.escape(KIMI_CALL_BEGIN)}\s*(?P<name>[^<>\s]+):\d+\s*{re.escape(KIMI_ARGUMENTS_BEGIN)}"
         rf"(?P<arguments>.*?){re.escape(KIMI_CALL_END)}", re.S)
+    _call_header = re.compile(
+        rf"{re.escape(KIMI_CALL_BEGIN)}\s*(?P<name>[^<>\s]+):\d+\s*{re.escape(KIMI_ARGUMENTS_BEGIN)}")
 
     def _name(self, written):
         return written.removeprefix("functions.")
