@@ -32,8 +32,8 @@ KIMI_CALL_BEGIN, KIMI_ARGUMENTS_BEGIN, KIMI_CALL_END = (
 
 class _SectionParser(ToolParser):
     end = ""
-    _call_pattern: re.Pattern  # groups "name" and "arguments"
     _call_header: re.Pattern  # a call up to its arguments (group "name")
+    _call_pattern: re.Pattern  # a whole call: the header, then group "arguments"
 
     def calls_so_far(self, raw):
         start = raw.find(self.marker)
@@ -72,11 +72,10 @@ class DeepSeekV3Parser(_SectionParser):
 
     marker, end = DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END
     inner_markers = (DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END, DEEPSEEK_SEP)
-    _call_pattern = re.compile(
-        rf"{re.escape(DEEPSEEK_CALL_BEGIN)}function{re.escape(DEEPSEEK_SEP)}(?P<name>[^<>\n]+)\n"
-        rf"```json\s*(?P<arguments>.*?)\s*```\s*{re.escape(DEEPSEEK_CALL_END)}", re.S)
     _call_header = re.compile(
         rf"{re.escape(DEEPSEEK_CALL_BEGIN)}function{re.escape(DEEPSEEK_SEP)}(?P<name>[^<>\n]+)\n```json")
+    _call_pattern = re.compile(
+        rf"{_call_header.pattern}\s*(?P<arguments>.*?)\s*```\s*{re.escape(DEEPSEEK_CALL_END)}", re.S)
 
     def format_calls(self, calls):
         written = "\n".join(f"{DEEPSEEK_CALL_BEGIN}function{DEEPSEEK_SEP}{name}\n```json\n{args_text(arguments)}"
@@ -94,10 +93,8 @@ class DeepSeekV31Parser(_SectionParser):
 
     marker, end = DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END
     inner_markers = (DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END, DEEPSEEK_SEP)
-    _call_pattern = re.compile(
-        rf"{re.escape(DEEPSEEK_CALL_BEGIN)}(?P<name>[^<>]+?){re.escape(DEEPSEEK_SEP)}(?P<arguments>.*?)"
-        rf"{re.escape(DEEPSEEK_CALL_END)}", re.S)
     _call_header = re.compile(rf"{re.escape(DEEPSEEK_CALL_BEGIN)}(?P<name>[^<>]+?){re.escape(DEEPSEEK_SEP)}")
+    _call_pattern = re.compile(rf"{_call_header.pattern}(?P<arguments>.*?){re.escape(DEEPSEEK_CALL_END)}", re.S)
 
     def format_calls(self, calls):
         written = "".join(f"{DEEPSEEK_CALL_BEGIN}{name}{DEEPSEEK_SEP}{args_text(arguments)}{DEEPSEEK_CALL_END}"
@@ -115,11 +112,9 @@ class KimiK2Parser(_SectionParser):
 
     marker, end = KIMI_SECTION_BEGIN, KIMI_SECTION_END
     inner_markers = (KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_ARGUMENTS_BEGIN, KIMI_CALL_END)
-    _call_pattern = re.compile(
-        rf"{re.escape(KIMI_CALL_BEGIN)}\s*(?P<name>[^<>\s]+):\d+\s*{re.escape(KIMI_ARGUMENTS_BEGIN)}"
-        rf"(?P<arguments>.*?){re.escape(KIMI_CALL_END)}", re.S)
     _call_header = re.compile(
         rf"{re.escape(KIMI_CALL_BEGIN)}\s*(?P<name>[^<>\s]+):\d+\s*{re.escape(KIMI_ARGUMENTS_BEGIN)}")
+    _call_pattern = re.compile(rf"{_call_header.pattern}(?P<arguments>.*?){re.escape(KIMI_CALL_END)}", re.S)
 
     def _name(self, written):
         return written.removeprefix("functions.")
