@@ -48,6 +48,7 @@ class SamplingParams:
     # grammar holds from the token after it (the thinking is free), and thinking_token_budget closes it.
     thinking_end_token_ids: list[int] | None = None
     thinking_token_budget: int | None = None  # (vLLM's) past this many tokens of thinking the marker is forced
+    thinking_start_token_id: int | None = None  # the thinking is optional: it is one only if it opens with this
     # Not in the public contract: extra token ids that end the request like EOS (HF's eos_token_id list).
     eos_token_ids: list[int] | None = field(default=None, repr=False)
 
@@ -76,6 +77,10 @@ class SamplingParams:
         _check(self.thinking_end_token_ids is None or (isinstance(self.thinking_end_token_ids, (list, tuple))
                and self.thinking_end_token_ids and all(is_int(t) and t >= 0 for t in self.thinking_end_token_ids)),
                "thinking_end_token_ids", self.thinking_end_token_ids, "a non-empty list of token ids or None")
+        _check(self.thinking_start_token_id is None or (is_int(self.thinking_start_token_id)
+               and self.thinking_start_token_id >= 0 and self.thinking_end_token_ids is not None),
+               "thinking_start_token_id", self.thinking_start_token_id,
+               "a token id, with thinking_end_token_ids (the marker that closes the thinking)")
         _check(self.thinking_token_budget is None or (is_int(self.thinking_token_budget)
                and self.thinking_token_budget >= 0 and self.thinking_end_token_ids is not None),
                "thinking_token_budget", self.thinking_token_budget,

@@ -118,7 +118,8 @@ class RequestBuilder:
         state = None if compiled is None else self.grammar_compiler.matcher(compiled)
         if params.thinking_end_token_ids is None or (state is None and params.thinking_token_budget is None):
             return state
-        return ThinkingGate(params.thinking_end_token_ids, params.thinking_token_budget, state, self.vocab_size)
+        return ThinkingGate(params.thinking_end_token_ids, params.thinking_token_budget, state, self.vocab_size,
+                            params.thinking_start_token_id)
 
     def prepare(self, sampling_params: SamplingParams | None) -> Future | None:
         """Thread-safe: check the params, tokenize their bad_words and start compiling their grammar; -> the

@@ -28,10 +28,11 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """logit_bias, allowed_token_ids and thinking_end_token_ids name token ids: one outside the vocabulary is a
+    """logit_bias, allowed_token_ids and the thinking's markers name token ids: one outside the vocabulary is a
     mistake, not a no-op."""
-    for name in ("logit_bias", "allowed_token_ids", "thinking_end_token_ids"):
-        bad = [t for t in getattr(params, name) or () if t >= vocab_size]
+    for name in ("logit_bias", "allowed_token_ids", "thinking_end_token_ids", "thinking_start_token_id"):
+        value = getattr(params, name)
+        bad = [t for t in ([value] if isinstance(value, int) else value or ()) if t >= vocab_size]
         if bad:
             raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 

@@ -107,3 +107,28 @@ def test_bad_thinking_fields_are_refused(model, tokenizer):
     with pytest.raises(ValueError, match="thinking_end_token_ids: token id 10000000 is outside the vocabulary"):
         gen.add_request("x", SamplingParams(thinking_end_token_ids=[10_000_000]))
     assert not gen.has_unfinished_requests()
+
+
+def test_an_optional_thinking_is_opened_by_its_first_token(model, tokenizer, prompt):
+    """Magistral's kind: with the start marker first the model thinks (free, HF's tokens) until the end marker;
+    without it the grammar holds from the first token. Here the start marker is a token the model writes first
+    (its own greedy choice), or its least likely one."""
+    free = hf_greedy(model, prompt, 3)
+    thinks = engine(model, tokenizer, prompt, max_new_tokens=20, thinking_start_token_id=free[0],
+                    thinking_end_token_ids=free[2:3], structured_outputs={"choice": ["yes", "no"]})
+    assert thinks.token_ids[:3] == free
+    assert tokenizer.decode(thinks.token_ids[3:], skip_special_tokens=True) in ("yes", "no")
+    with torch.no_grad():  # a start marker the model would never write first: its least likely token
+        unlikely = int(model(torch.tensor([prompt])).logits[0, -1].argmin())
+    answers = engine(model, tokenizer, prompt, max_new_tokens=20, thinking_start_token_id=unlikely,
+                     thinking_end_token_ids=free[2:3], structured_outputs={"choice": ["yes", "no"]})
+    assert answers.text in ("yes", "no") and answers.finish_reason == "stop"
+
+
+def test_the_gate_decides_on_the_first_token_and_rolls_back_to_undecided():
+    gate = ThinkingGate([9], budget=None, grammar=None, vocab_size=64, start_id=7)
+    assert gate.undecided and gate.accept(3) and not gate.thinking and gate.answer_from == 0
+    gate.rollback(1)
+    assert gate.undecided and gate.accept(7) and gate.thinking and gate.accept(9) and not gate.thinking
+    with pytest.raises(ValueError, match="thinking_start_token_id"):
+        SamplingParams(thinking_start_token_id=7)

@@ -148,7 +148,9 @@ def test_the_thinking_budget_closes_the_thinking(client):
 
 
 def test_where_the_thinking_may_not_come_first_a_grammar_holds_from_the_first_token(server, client):
-    """mistral's [THINK] is optional: with a grammar the whole output is the answer; a budget is a 400."""
+    """mistral's [THINK] where the tokenizer has no such token (the engine cannot follow the thinking): with a
+    grammar the whole output is the answer; a budget is a 400. (A tokenizer with the token: the tool-format
+    tests.)"""
     mistral = {"chat_template": "{# [THINK] [/THINK] #}{% for m in messages %}{{ m['content'] }} {% endfor %}"}
     message = ask(client, "hello", extra_body={**mistral, "structured_outputs": {"choice": ["sunny"]}}
                   ).choices[0].message

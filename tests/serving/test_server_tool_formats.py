@@ -71,9 +71,9 @@ def script_for(name: str) -> tuple[list[str], dict[str, str]]:
     call, sure, think = pieces(CALLS[name]), f"Sure ({name}).", f"think-{name}"
     script = {name: sure if name in CONTENT_FIRST else call[0], think: "[THINK]", "[THINK]": "I need the weather.",
               "I need the weather.": "[/THINK]", "[/THINK]": call[0], sure: call[0],
-              "sunny": "It is sunny in Paris.", **dict(zip(call, call[1:]))}
+              "sunny": "It is sunny in Paris.", "answer": "sunny", **dict(zip(call, call[1:]))}
     return [name, think, sure, *call, "[THINK]", "I need the weather.", "[/THINK]", "sunny",
-            "It is sunny in Paris."], script
+            "It is sunny in Paris.", "answer"], script
 
 
 @pytest.fixture(params=sorted(CALLS))
@@ -121,6 +121,17 @@ def test_a_call_after_the_thinking(format_client):
     assert message.model_extra["reasoning"] == "I need the weather."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         ("get_weather", PARIS)]
+
+
+def test_a_grammar_holds_after_an_optional_thinking(format_client):
+    """mistral's [THINK] is optional: opened, the model thinks freely and then answers in the grammar; not
+    opened, the grammar holds from the first token."""
+    name, client = format_client
+    sunny = {"structured_outputs": {"choice": ["sunny"]}}
+    thought = ask(client, f"think-{name}", extra_body=sunny).choices[0].message
+    assert (thought.model_extra["reasoning"], thought.content) == ("I need the weather.", "sunny")
+    direct = ask(client, "answer", extra_body=sunny).choices[0].message  # (a prompt it answers at once)
+    assert (direct.model_extra.get("reasoning"), direct.content) == (None, "sunny")
 
 
 def test_without_tools_the_call_is_text(format_client):

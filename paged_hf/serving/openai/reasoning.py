@@ -38,6 +38,7 @@ class ReasoningParser:
     # the thinking always comes first and ends with `end`: the engine can hold a grammar until after it, and
     # close a thinking that runs past its budget (else a grammar holds from the first token: no thinking)
     thinks_first = False
+    thinks_optionally = False  # an output may open with `start` (then it thinks until `end`), or answer at once
     keeps_special_tokens = False  # the markers are special tokens: the request's text must keep them
     markers: tuple[str, ...] = ()  # what a stream holds back the beginnings of
 
@@ -127,6 +128,7 @@ class Mistral(ReasoningParser):
 
     name, start, end = "mistral", "[THINK]", "[/THINK]"
     markers = ("[THINK]", "[/THINK]")
+    thinks_optionally = True
 
     def _split(self, text):
         if not text:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +21,7 @@ from paged_hf.serving.openai.request_stream import RequestStream
 from paged_hf.serving.openai.errors import ApiError
 from paged_hf.serving.openai.memory import trim_if_large
 from paged_hf.serving.openai.protocol import CompletionRequest, CompletionTokensDetails, PromptTokensDetails, Usage
-from paged_hf.serving.openai.reasoning import parser_for
+from paged_hf.serving.openai.reasoning_request import reasoning_parser, thinking_params
 from paged_hf.serving.openai.request_body import too_deep
 from paged_hf.serving.openai.schema_limits import check_request_schemas
 from paged_hf.serving.openai.structured import structured_outputs
@@ -31,8 +30,6 @@ from paged_hf.serving.openai.tool_calls import ToolMode, tool_mode
 
 #: How often a request waiting for tokens checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
-#: How much of the end of a chat prompt is read for a thinking the template opened or closed.
-PROMPT_TAIL_TOKENS = 32
 
 
 def completion_prompts(request: CompletionRequest, tokenizer) -> list[str | list[int]]:
@@ -193,36 +190,6 @@ def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float,
                     cache_salt=request.cache_salt, echo=echo, echo_only=echo and request.max_tokens == 0,
                     prompt_texts=texts, tools=tools, reasoning=reasoning,
                     include_reasoning=not chat or request.include_reasoning)
-
-
-def reasoning_parser(ctx: ServerContext, request, prompt: list[int], params: SamplingParams):
-    """The --reasoning-parser for this chat request, told whether its rendered prompt already closed the
-    thinking (the prompt's last tokens are enough: a template closes it right before the answer). None where a
-    grammar holds from the first token (a parser whose thinking may not come first): the output is the answer."""
-    name = ctx.settings.reasoning_parser
-    if name is None:
-        return None
-    template = request.chat_template or ctx.settings.chat_template or getattr(ctx.tokenizer, "chat_template", None)
-    tail = ctx.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    parser = parser_for(name, template, tail, request.chat_template_kwargs)
-    if params.structured_outputs is not None and not parser.thinks_first and not parser.prompt_ends_thinking:
-        return None
-    return parser
-
-
-def thinking_params(ctx: ServerContext, request, parser, params: SamplingParams) -> SamplingParams:
-    """The engine told where the thinking ends (its grammar holds from there) and the request's budget; a format
-    whose markers are special tokens keeps them in the text."""
-    budget = request.thinking_token_budget
-    if parser is not None and parser.keeps_special_tokens:
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    if parser is None or parser.prompt_ends_thinking or not parser.thinks_first:
-        if budget is not None and (parser is None or not parser.prompt_ends_thinking):
-            raise ApiError(400, "thinking_token_budget needs --reasoning-parser deepseek_r1 or qwen3 (a thinking "
-                           "that comes first and ends with its marker)", "invalid_request", "thinking_token_budget")
-        return params
-    end = list(ctx.tokenizer(parser.end, add_special_tokens=False)["input_ids"])
-    return dataclasses.replace(params, thinking_end_token_ids=end, thinking_token_budget=budget)
 
 
 async def prepare_off_loop(ctx: ServerContext, request, chat: bool, arrival_time: float,
