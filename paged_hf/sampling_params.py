@@ -44,6 +44,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never completed: a word's last token is masked once the rest is there
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     skip_special_tokens: bool = True  # in the decoded text
+    kept_special_tokens: list[str] | None = None  # special tokens the text keeps all the same (a format's markers)
     # A thinking model's marker that ends its thinking (token ids: Qwen3's and DeepSeek-R1's `</think>`): the
     # grammar holds from the token after it (the thinking is free), and thinking_token_budget closes it.
     thinking_end_token_ids: list[int] | None = None
@@ -74,6 +75,9 @@ class SamplingParams:
                "structured_outputs", self.structured_outputs, "a StructuredOutputsParams, a dict of its fields or None")
         _check(self.structured_outputs is None or self.min_new_tokens == 0, "min_new_tokens", self.min_new_tokens,
                "0 with structured_outputs (the grammar decides where the output ends)")
+        _check(self.kept_special_tokens is None or (isinstance(self.kept_special_tokens, (list, tuple))
+               and all(isinstance(t, str) and t for t in self.kept_special_tokens)), "kept_special_tokens",
+               self.kept_special_tokens, "a list of token strings or None")
         _check(self.thinking_end_token_ids is None or (isinstance(self.thinking_end_token_ids, (list, tuple))
                and self.thinking_end_token_ids and all(is_int(t) and t >= 0 for t in self.thinking_end_token_ids)),
                "thinking_end_token_ids", self.thinking_end_token_ids, "a non-empty list of token ids or None")

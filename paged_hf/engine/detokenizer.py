@@ -25,12 +25,16 @@ class IncrementalDetokenizer:
     """The text of one sequence's output tokens, built token by token (equal to `tokenizer.decode(all)`)."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None, min_new_tokens: int = 0,
-                 skip_special_tokens: bool = True, include_stop_str: bool = False):
+                 skip_special_tokens: bool = True, include_stop_str: bool = False,
+                 kept_special_tokens: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.backend = _plain_backend(tokenizer)
         self.stop = list(stop or ())
         self.min_new_tokens = min_new_tokens
         self.skip_special_tokens = skip_special_tokens
+        # special tokens that stay in the text where skip_special_tokens drops the rest (a format's markers)
+        kept = tuple(kept_special_tokens) if skip_special_tokens else ()
+        self.dropped_ids = _special_ids_but(tokenizer, kept) if kept else None
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # every complete character decoded so far (cut before a stop string once one is hit)
@@ -91,9 +95,22 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
+        skip = self.skip_special_tokens
+        if self.dropped_ids is not None:  # skip the special tokens but the kept ones: drop the others' ids first
+            token_ids, skip = [t for t in token_ids if t not in self.dropped_ids], False
         if self.backend is not None:
-            return self.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+            return self.backend.decode(token_ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip)
+
+
+def _special_ids_but(tokenizer, kept: tuple[str, ...]) -> frozenset[int]:
+    """The ids skip_special_tokens drops (the special tokens and the added tokens marked special) but `kept`'s:
+    decoding the rest with skip_special_tokens=False is then the skipping decode, with `kept` left in."""
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special.update(i for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                   if getattr(added, "special", False))
+    kept_ids = {tokenizer.convert_tokens_to_ids(token) for token in kept}
+    return frozenset(special - kept_ids)
 
 
 def _plain_backend(tokenizer):

@@ -110,7 +110,8 @@ class RequestBuilder:
                        rng=make_rng(params.seed, index, self.device) if params.seed is not None else None,
                        detokenizer=None if self.tokenizer is None else
                        IncrementalDetokenizer(self.tokenizer, params.stop, params.min_new_tokens,
-                                              params.skip_special_tokens, params.include_stop_str_in_output),
+                                              params.skip_special_tokens, params.include_stop_str_in_output,
+                                              tuple(params.kept_special_tokens or ())),
                        grammar=self._constraint(params, grammar))  # own per child
 
     def _constraint(self, params: SamplingParams, compiled):

@@ -137,3 +137,24 @@ def test_real_model_tokens_decode_to_the_whole_decode(loaded):
     for output in outputs:
         for c in output.outputs:
             assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_kept_special_tokens_stay_in_the_text_and_the_others_go():
+    """A reasoning parser's markers that are special tokens (Magistral's [THINK], gpt-oss's channels) stay in the
+    text; every other special token goes as skip_special_tokens drops it, token by token as in one decode."""
+    from conftest import real_tokenizer  # noqa: PLC0415
+
+    tokenizer = real_tokenizer()
+    kept = tokenizer.all_special_tokens[0]
+    specials = list(tokenizer.all_special_ids)
+    rng = random.Random(1)
+    for _ in range(30):
+        case = [rng.choice(specials) if rng.random() < 0.3 else rng.randrange(200, 5000) for _ in range(30)]
+        whole = tokenizer.decode(case, skip_special_tokens=False)
+        for special in tokenizer.all_special_tokens:
+            whole = whole.replace(special, "") if special != kept else whole
+        for chunks in (1, 4):
+            assert incremental(tokenizer, case, chunks, kept_special_tokens=(kept,)) == whole
+    with_kept = tokenizer.convert_tokens_to_ids(kept)
+    assert kept in incremental(tokenizer, [300, with_kept, 400], kept_special_tokens=(kept,))
+    assert kept not in incremental(tokenizer, [300, with_kept, 400])

@@ -80,7 +80,7 @@ def script_for(name: str) -> tuple[list[str], dict[str, str]]:
 def format_client(request):
     name = request.param
     words, script = script_for(name)
-    tokenizer = scripted_tokenizer(words, TEMPLATE, exact=True)
+    tokenizer = scripted_tokenizer(words, TEMPLATE, exact=True, specials=("[THINK]", "[/THINK]"))  # (Magistral's)
     assert tokenizer.decode(tokenizer(CALLS[name])["input_ids"]) == CALLS[name]  # written as is
     generator = paged_hf.wrap(scripted_model(tokenizer, script), tokenizer, num_blocks=32, max_num_seqs=2).generator
     settings = ServerSettings(tool_call_parser=name, reasoning_parser="mistral")  # (its thinking is optional)

@@ -39,8 +39,7 @@ class ReasoningParser:
     # close a thinking that runs past its budget (else a grammar holds from the first token: no thinking)
     thinks_first = False
     thinks_optionally = False  # an output may open with `start` (then it thinks until `end`), or answer at once
-    keeps_special_tokens = False  # the markers are special tokens: the request's text must keep them
-    markers: tuple[str, ...] = ()  # what a stream holds back the beginnings of
+    markers: tuple[str, ...] = ()  # what a stream holds back the beginnings of; kept in the text if special
 
     def __init__(self, prompt_ends_thinking: bool = False):
         self.prompt_ends_thinking = prompt_ends_thinking
@@ -195,12 +194,11 @@ class Granite(ReasoningParser):
 
 class GptOss(ReasoningParser):
     """gpt-oss's harmony channels (harmony.py): `analysis` is the thinking, `final` (and commentary preambles) the
-    answer; tool calls are the `openai` tool parser's. The markers are special tokens, so such a request's text
-    keeps them (`keeps_special_tokens`)."""
+    answer; tool calls are the `openai` tool parser's. (The markers are special tokens: the request's text keeps
+    them, as every parser's, reasoning_request.py.)"""
 
     name = "openai_gptoss"
     markers = harmony.MARKERS
-    keeps_special_tokens = True
 
     def _split(self, text):
         return harmony.thinking_and_answer(text)

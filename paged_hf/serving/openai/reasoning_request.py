@@ -32,10 +32,11 @@ def reasoning_parser(ctx, request, prompt: list[int], params: SamplingParams) ->
 
 def thinking_params(ctx, request, parser: ReasoningParser | None, params: SamplingParams) -> SamplingParams:
     """The engine told where the thinking ends (its grammar holds from there), whether it is optional, and the
-    request's budget; a format whose markers are special tokens keeps them in the text."""
+    request's budget; the parser's markers stay in the text even where they are special tokens (Magistral's
+    [THINK], gpt-oss's channels)."""
     budget = request.thinking_token_budget
-    if parser is not None and parser.keeps_special_tokens:
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    if parser is not None and parser.markers:  # where they are special tokens, the text keeps them all the same
+        params = dataclasses.replace(params, kept_special_tokens=list(parser.markers))
     markers = None if parser is None or parser.prompt_ends_thinking else gate(ctx, parser)
     if markers is None:
         if budget is not None and (parser is None or not parser.prompt_ends_thinking):
