@@ -9,8 +9,9 @@ float32's 1.0-2.3x; at two rows bf16 1.1-1.9x. From `MAX_ROWS` rows on, oneDNN's
 The sums are float32 in another order than oneDNN's (as oneDNN's differs from MKL's): float32 results differ in
 their last bits, bf16 results round once from float32 as oneDNN's do.
 
-Built only for CPUs with AVX-512 (the library says so: `small_gemm_available`); elsewhere the engine's linears
-are what they were.
+Built for CPUs with AVX-512 (bf16 products native with AVX512-BF16) or with AVX2 and FMA (AMD Zen 2/3, older
+Intel: 8 floats a step, bf16 widened), whichever the compiler finds (`isa`); elsewhere the engine's linears are
+what they were.
 """
 
 from __future__ import annotations
@@ -29,11 +30,22 @@ _ENTRY = {torch.bfloat16: "small_gemm_bf16", torch.float32: "small_gemm_f32"}
 
 
 @functools.lru_cache(maxsize=None)
-def functions(extra_flags: tuple[str, ...] = ()) -> dict[torch.dtype, ctypes._CFuncPtr]:
-    """dtype -> the typed entry point; {} where the library is not built for this CPU (no AVX-512, no compiler)."""
+def isa(extra_flags: tuple[str, ...] = ()) -> str:
+    """"avx512_bf16", "avx512" or "avx2": what the loops compute with here; "" where they are not built (neither
+    AVX-512 nor AVX2, no compiler)."""
     library = native.load_or_warn(lambda: native.load_small_gemm(extra_flags), "linears at a few rows")
-    if library is None or not library.small_gemm_available():
+    if library is None:
+        return ""
+    library.small_gemm_isa.restype = ctypes.c_char_p
+    return library.small_gemm_isa().decode()
+
+
+@functools.lru_cache(maxsize=None)
+def functions(extra_flags: tuple[str, ...] = ()) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """dtype -> the typed entry point; {} where the library is not built for this CPU (`isa` is "")."""
+    if not isa(extra_flags):
         return {}
+    library = native.load_small_gemm(extra_flags)
     V, I = ctypes.c_void_p, ctypes.c_int64  # noqa: N806
     argtypes = [V, I, I, I, V, V, V, I, V, I, ctypes.c_int]
     return {dtype: native.entry_point(library, name, argtypes) for dtype, name in _ENTRY.items()}

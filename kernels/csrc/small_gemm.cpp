@@ -3,22 +3,26 @@
 //
 // At a few rows a linear reads far more weight bytes than it computes: on the default model's shapes oneDNN's
 // matmul reads a bf16 weight at ~18 GB/s at one row (its per-call work and its blocking for larger batches),
-// where the machine reads ~25-45 GB/s. Here each thread streams its own rows of W: four rows at once, 64 bytes of
-// each per step, every loaded vector used for all `m` rows of x (held in L1), the sums kept in float32 lanes and
-// reduced once per output. bf16 products use AVX512-BF16 (vdpbf16ps) where the CPU has it, else bf16 widened to
-// float32 and FMAs; float32 uses FMAs. Outputs round to bf16 to nearest even, as torch does.
+// where the machine reads ~25-45 GB/s. Here each thread streams its own rows of W: a few rows at once, every
+// loaded vector used for all `m` rows of x (held in L1), the sums kept in float32 lanes and reduced once per
+// output. Outputs round to bf16 to nearest even, as torch does.
+//
+// Two builds of the same loops, chosen by the CPU the library is compiled on (-march=native):
+// - AVX-512: 64 bytes of each row per step; bf16 products use AVX512-BF16 (vdpbf16ps) where the CPU has it, else
+//   bf16 widened to float32 and FMAs; float32 uses FMAs.
+// - AVX2 + FMA (AMD Zen 2/3, Intel before Skylake-X): 8 floats per step, bf16 widened to float32, 16 registers.
 //
 // `segments`: several weights over the same x, their outputs side by side in y (the q/k/v or gate/up
 // projections of one module as one call). Threads split the rows of all segments evenly.
 //
-// Built only with AVX-512 (small_gemm_available() says 0 otherwise): elsewhere the engine keeps oneDNN.
+// Elsewhere small_gemm_isa() says "" and the engine keeps oneDNN.
 
 #include <cstdint>
 #include <cstring>
 
 #include "vec_math.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include <omp.h>
 
@@ -36,6 +40,8 @@ struct Segments {
   const void *const *biases;   // [count] each [rows[s]] or null
   int64_t count;
 };
+
+#if defined(__AVX512F__)  // 64 bytes of each row a step, masked tails
 
 inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
@@ -90,6 +96,63 @@ inline void tile_f32(const float *x, int64_t x_stride, const float *w, int64_t k
     for (int r = 0; r < R; ++r) out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
+#else  // AVX2 + FMA
+
+// acc[i][r] += x[i][kk:kk+8] . w[r][kk:kk+8] as floats (bf16 widened: its bits are a float's top half).
+inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t *p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float reduce8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <int M, int R, typename T>
+inline void step8(const T *x, int64_t x_stride, const T *w, int64_t k, int64_t kk, __m256 (&acc)[M][R]) {
+  __m256 xv[M];
+  for (int i = 0; i < M; ++i) xv[i] = load8(x + i * x_stride + kk);
+  for (int r = 0; r < R; ++r) {
+    if ((kk * sizeof(T)) % 64 == 0) _mm_prefetch(reinterpret_cast<const char *>(w + r * k + kk) + kAhead, _MM_HINT_T1);
+    const __m256 wv = load8(w + r * k + kk);
+    for (int i = 0; i < M; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
+  }
+}
+
+// R rows of W times M rows of x, 8 columns a step; the last k % 8 columns from zero-padded copies.
+template <int M, int R, typename T>
+inline void tile(const T *x, int64_t x_stride, const T *w, int64_t k, float (&out)[M][R]) {
+  __m256 acc[M][R];
+  for (int i = 0; i < M; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  int64_t kk = 0;
+  for (; kk + 8 <= k; kk += 8) step8<M, R>(x, x_stride, w, k, kk, acc);
+  if (kk < k) {
+    T xs[M][8] = {}, ws[R][8] = {};
+    for (int64_t c = kk; c < k; ++c) {
+      for (int i = 0; i < M; ++i) xs[i][c - kk] = x[i * x_stride + c];
+      for (int r = 0; r < R; ++r) ws[r][c - kk] = w[r * k + c];
+    }
+    step8<M, R>(&xs[0][0], 8, &ws[0][0], 8, 0, acc);
+  }
+  for (int i = 0; i < M; ++i)
+    for (int r = 0; r < R; ++r) out[i][r] = reduce8(acc[i][r]);
+}
+
+template <int M, int R>
+inline void tile_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, int64_t k, float (&out)[M][R]) {
+  tile<M, R>(x, x_stride, w, k, out);
+}
+template <int M, int R>
+inline void tile_f32(const float *x, int64_t x_stride, const float *w, int64_t k, float (&out)[M][R]) {
+  tile<M, R>(x, x_stride, w, k, out);
+}
+
+#endif
+
 template <typename T> inline float to_float(T v) {
   if constexpr (sizeof(T) == 2) return paged_hf::bf16_to_float(v); else return v;
 }
@@ -101,7 +164,11 @@ template <typename T> inline T from_float(float v) {
 template <typename T, int M>
 void segment_rows(const T *x, int64_t x_stride, int64_t k, const T *w, const T *bias, int64_t first, int64_t last,
                   T *y, int64_t y_stride, int64_t column) {
+#if defined(__AVX512F__)
   constexpr int R = M <= 4 ? 4 : 2;  // accumulators: M * R (with M of x and one of W) of the 32 registers
+#else
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;  // of the 16 registers
+#endif
   int64_t row = first;
   auto emit = [&](const auto &out, int rows) {
     for (int i = 0; i < M; ++i)
@@ -161,12 +228,14 @@ int gemm(const T *x, int64_t x_stride, int64_t m, int64_t k, const Segments &s, 
 
 extern "C" {
 
-// 1: the AVX-512 loops are built here (2: and bf16 products use AVX512-BF16); 0: none, the caller keeps its GEMM.
-int small_gemm_available() {
+// What the loops compute with: "avx512_bf16" (bf16 products native), "avx512" or "avx2"; "" (not built here).
+const char *small_gemm_isa() {
 #if defined(__AVX512BF16__)
-  return 2;
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
 #else
-  return 1;
+  return "avx2";
 #endif
 }
 
@@ -183,8 +252,8 @@ int small_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
 }
 }
 
-#else  // no AVX-512: nothing here; the engine keeps its GEMM (oneDNN)
+#else  // neither AVX-512 nor AVX2: nothing here; the engine keeps its GEMM (oneDNN)
 
-extern "C" int small_gemm_available() { return 0; }
+extern "C" const char *small_gemm_isa() { return ""; }
 
 #endif

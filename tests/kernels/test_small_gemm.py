@@ -1,6 +1,7 @@
 """Linears at a few rows (kernels/small_gemm.py): the float64 reference's values within each dtype's rounding, for
-every row count, tails of k and of the rows, several weights side by side and biases; the same bits whatever the
-thread count; the loop without AVX512-BF16 too; and the engine's decode steps through it."""
+every row count, tails of k and of the rows, several weights side by side and biases, in this CPU's build and in
+the AVX2 build; the same bits whatever the thread count; the loop without AVX512-BF16 too; and the engine's decode
+steps through it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from paged_hf.kernels import small_gemm
 from paged_hf.kernels.small_gemm import MAX_ROWS, SmallLinear
 from paged_hf.utils import cpu_flags
 
-pytestmark = pytest.mark.skipif(not small_gemm.functions(), reason="the small-row loops need AVX-512")
+pytestmark = pytest.mark.skipif(not small_gemm.functions(), reason="the small-row loops need AVX-512 or AVX2")
+
+#: this CPU's build, and the AVX2 build (AMD Zen 2/3) where the CPU runs AVX2 and FMA
+BUILDS = [pytest.param((), id="native"),
+          pytest.param(("-mno-avx512f",), id="avx2", marks=pytest.mark.skipif(
+              not {"avx2", "fma"} <= cpu_flags(), reason="the AVX2 loops need AVX2 and FMA"))]
 
 
 def _case(dtype, m, k, rows, bias, seed=0):
@@ -35,15 +41,28 @@ def _check(out, expected, dtype):
         assert ((out.double() - expected).abs() <= step).all()
 
 
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", range(1, 9))
 @pytest.mark.parametrize("k, rows, bias", [(576, [576, 192, 192], False), (40, [7], True), (100, [5, 3, 9], True),
                                            (1536, [576], False), (33, [64, 1], False)])
-def test_small_rows_equal_the_reference_within_rounding(dtype, m, k, rows, bias):
+def test_small_rows_equal_the_reference_within_rounding(build, dtype, m, k, rows, bias):
     weights, biases, x, expected = _case(dtype, m, k, rows, bias)
-    linear = SmallLinear(weights, biases)
-    assert SmallLinear.usable(weights, biases)
+    linear = SmallLinear(weights, biases, build)
+    assert SmallLinear.usable(weights, biases) and linear.function is small_gemm.functions(build)[dtype]
     _check(linear(x), expected, dtype)
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="the AVX2 loops need AVX2 and FMA")
+def test_the_build_says_what_it_computes_with():
+    """A CPU with AVX2 but not AVX-512 gets the 8-float loops of its own (the engine no longer falls back to
+    oneDNN at a few rows there); without AVX2 either, nothing is built and the engine keeps its GEMM."""
+    assert small_gemm.isa(("-mno-avx512f",)) == "avx2"
+    neither = ("-mno-avx512f", "-mno-avx2")
+    assert small_gemm.isa(neither) == "" and not small_gemm.functions(neither)
+    native = small_gemm.isa()
+    assert native == ("avx512_bf16" if "avx512_bf16" in cpu_flags() else "avx512" if "avx512f" in cpu_flags()
+                      else "avx2")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

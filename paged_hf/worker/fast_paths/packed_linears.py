@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_hf.kernels import small_gemm
 from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
 
@@ -36,11 +37,15 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 class PackedLinear(StandIn):
     """`base`'s forward on a oneDNN-packed copy of its weight (packed again when the weight changes); at a few
-    rows, on the weight itself through the small-row loops (kernels/small_gemm.py) where this CPU has them."""
+    rows, on the weight itself through the small-row loops (kernels/small_gemm.py) where this CPU has them (the
+    only stand-in of a dtype oneDNN does not pack here: bf16 on AVX2 CPUs)."""
 
-    def __init__(self, base: torch.nn.Linear):
+    def __init__(self, base: torch.nn.Linear, packs: bool = True):
+        """`packs`: whether oneDNN packs this dtype here; else (bf16 on a CPU without AVX-512) only the few-row
+        loops serve and larger batches take `F.linear` as before."""
         super().__init__(base)
         object.__setattr__(self, "base", base)
+        self.packs = packs
         self._packed_from: tuple[torch.Tensor, int | None] | None = None
         self.packed: torch.Tensor | None = None
         self._small: tuple[torch.Tensor, torch.Tensor | None, SmallLinear | None] | None = None
@@ -53,6 +58,8 @@ class PackedLinear(StandIn):
         small = self._small[2]
         if small is not None and small.serves(x):
             return small(x)
+        if not self.packs:
+            return torch.nn.functional.linear(x, weight, bias)
         source = (weight, weight_version(weight))
         if self._packed_from is None or self._packed_from[0] is not weight or self._packed_from[1] != source[1]:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
@@ -67,14 +74,15 @@ class PackedLinears(ModuleSwaps):
 
     def __init__(self, model: torch.nn.Module, skip: set[int] = frozenset()):
         """`skip`: ids of Linears computed elsewhere in a step (the fused projections of `fused_layers`)."""
-        dtypes = packable_dtypes()
+        packed = packable_dtypes()
+        dtypes = (*packed, *(dtype for dtype in small_gemm.functions() if dtype not in packed))
         self.sites = []
         if (getattr(model, "tp_size", None) or 1) > 1:  # weight shards (DTensors): left to torch
             return
         for parent in model.modules():
             for name, child in parent._modules.items():
                 if _packable(child, dtypes) and id(child) not in skip:
-                    self.sites.append((parent, name, child, PackedLinear(child)))
+                    self.sites.append((parent, name, child, PackedLinear(child, child.weight.dtype in packed)))
 
 
 def weight_version(weight: torch.Tensor) -> int | None:

@@ -9,6 +9,8 @@ from conftest import random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import SamplingParams
+from paged_hf.kernels import small_gemm
+from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.worker.fast_paths.packed_linears import PackedLinear, PackedLinears, packable_dtypes
 
 pytestmark = pytest.mark.skipif(torch.float32 not in packable_dtypes(), reason="this torch build has no oneDNN")
@@ -88,3 +90,19 @@ def test_a_model_created_under_inference_mode_is_served():
     runs = [[o.outputs[0].token_ids for o in paged_hf.wrap(model, num_blocks=16, pack_linear_weights=pack)
              .generator.generate(prompts, params, use_tqdm=False)] for pack in (True, False)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.skipif(not small_gemm.functions(), reason="the few-row loops need AVX-512 or AVX2")
+def test_a_dtype_onednn_does_not_pack_takes_the_few_row_loops_and_torchs_linear_above():
+    """bf16 on an AVX2 CPU (oneDNN packs no bf16 there): one row through the few-row loops, many through
+    F.linear exactly as the model's own linear."""
+    linear = torch.nn.Linear(64, 24, dtype=torch.bfloat16)
+    stand_in = PackedLinear(linear, packs=False)
+    calls = []
+    original = SmallLinear.__call__
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SmallLinear, "__call__", lambda self, rows: calls.append(len(rows)) or original(self, rows))
+        torch.testing.assert_close(stand_in(x[:1]), linear(x[:1]), atol=2e-2, rtol=2e-2)
+        assert torch.equal(stand_in(x), linear(x)) and stand_in.packed is None
+    assert calls == [1]
