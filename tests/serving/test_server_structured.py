@@ -126,7 +126,7 @@ def test_required_tool_choice_streams_like_the_whole(client):
     assert whole.choices[0].finish_reason == "tool_calls" and calls
     assert all(c.function.name in ("get_weather", "get_time") for c in calls)
     stream = chat(client, tools=[WEATHER, TIME], tool_choice="required", seed=1, stream=True)
-    streamed, finish = {}, None
+    streamed, finish, pieces = {}, None, 0
     for chunk in stream:
         for choice in chunk.choices:
             finish = choice.finish_reason or finish
@@ -134,9 +134,11 @@ def test_required_tool_choice_streams_like_the_whole(client):
                 entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
                 entry["name"] += delta.function.name or ""
                 entry["arguments"] += delta.function.arguments or ""
+                pieces += bool(delta.function.arguments)
     assert finish == "tool_calls"
     assert [(e["name"], e["arguments"]) for _, e in sorted(streamed.items())] == [
         (c.function.name, c.function.arguments) for c in calls]
+    assert pieces > len(calls)  # the arguments as the model writes them, not each call whole at the end
 
 
 def test_auto_finds_hermes_calls_streamed_and_not(client):

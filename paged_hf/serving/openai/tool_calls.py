@@ -21,7 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from paged_hf.sampling_params import StructuredOutputsParams
 from paged_hf.serving.openai.errors import ApiError
-from paged_hf.serving.openai.tool_parsers import PARSERS, ToolParser, parse_required, tool_text
+from paged_hf.serving.openai.tool_parsers import (
+    PARSERS,
+    ToolParser,
+    parse_required,
+    required_calls_so_far,
+    tool_text,
+)
 
 
 class FunctionDefinition(BaseModel):
@@ -199,11 +205,12 @@ def finish_reason(completion, calls: list[ToolCall]) -> str | None:
 class ToolCallStreamer:
     """Streams one request's sequences: content as it comes until a tool call may be starting, then the calls.
 
-    A named function's arguments stream as they are generated. In "auto", a call goes out (id, name) once its
-    name is written and its arguments as the model writes them (OpenAI's deltas: their concatenation is the
-    call's `arguments`), where the format's arguments are the model's own JSON text (`calls_so_far`); the
-    other formats' calls, and "required"'s, go out whole when the sequence ends. What the final parse finds is
-    the answer: a call it does not confirm has had deltas that cannot be taken back (a malformed call).
+    A named function's arguments stream as they are generated. In "auto" and "required", a call goes out (id,
+    name) once its name is written and its arguments as the model writes them (OpenAI's deltas: their
+    concatenation is the call's `arguments`), as far as they are final (`calls_so_far`: the JSON formats' text
+    as written; qwen3_coder's JSON as it is built, a string value character by character; glm45's and
+    pythonic's argument by argument). What the final parse finds is the answer: a call it does not confirm has
+    had deltas that cannot be taken back (a malformed call).
     """
 
     def __init__(self, mode: ToolMode, parser: ToolParser, tokenizer):
@@ -220,13 +227,18 @@ class ToolCallStreamer:
             return None, self._named(completion.index, new_text), named_finish
         raw = tool_text(self.tokenizer, completion.token_ids, self.parser)
         if not done:
-            calls = self.parser.calls_so_far(raw) if self.mode.kind == "auto" else None
-            return self._content(completion, raw), self._growing(completion.index, calls or []) or None, None
+            calls = self._growing(completion.index, self._so_far(completion, raw))
+            return self._content(completion, raw), calls or None, None
         content, calls = parse_output(self.mode, self.parser, self.tokenizer, completion)
         if not calls:
             return self._content(completion, raw, final=True), None, completion.finish_reason
         return (self._rest(completion.index, content or ""), self._final(completion.index, calls),
                 finish_reason(completion, calls))
+
+    def _so_far(self, completion, raw: str) -> list:
+        if self.mode.kind == "required":
+            return required_calls_so_far(completion.text or "")
+        return self.parser.calls_so_far(raw, self.mode.parameters_of) or []
 
     def _growing(self, index: int, calls) -> list[DeltaToolCall]:
         """Deltas for the calls written so far: a new call's id and name, then its arguments' new text."""

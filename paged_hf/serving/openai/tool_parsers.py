@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import json
 
-from paged_hf.serving.openai.tool_formats.base import ToolParser, json_call
+from paged_hf.serving.openai.tool_formats.base import CallSoFar, ToolParser, json_call, object_calls, skip_space
 from paged_hf.serving.openai.tool_formats.harmony_calls import HarmonyParser
 from paged_hf.serving.openai.tool_formats.json_calls import (
     GraniteParser,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
+    as_written,
 )
 from paged_hf.serving.openai.tool_formats.pythonic import PythonicParser
 from paged_hf.serving.openai.tool_formats.special_tokens import DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser
@@ -44,13 +45,20 @@ PARSERS: dict[str, ToolParser] = {
 
 
 def parse_required(text: str) -> list[tuple[str, str]]:
-    """The calls of a "required" answer (a JSON list of {"name", "arguments"}); [] if it is not one."""
+    """The calls of a "required" answer (a JSON list of {"name", "arguments"}), their arguments as written; []
+    if it is not one."""
     try:
         values = json.loads(text)
     except ValueError:
         return []
     parsed = [json_call(v) for v in values] if isinstance(values, list) else [None]
-    return [] if None in parsed else parsed
+    return [] if None in parsed else as_written(parsed, required_calls_so_far(text))
+
+
+def required_calls_so_far(text: str) -> list[CallSoFar]:
+    """The calls of a running "required" answer as far as they are written (streamed as they grow)."""
+    start = skip_space(text, 0)
+    return object_calls(text, start + 1) if text.startswith("[", start) else []
 
 
 def tool_text(tokenizer, token_ids: list[int], parser: ToolParser) -> str:

@@ -206,9 +206,10 @@ class ToolParser:
         """A call's arguments JSON typed by the tool's parameters `schema` (formats that write values as text)."""
         return arguments
 
-    def calls_so_far(self, raw: str) -> list[CallSoFar] | None:
+    def calls_so_far(self, raw: str, parameters_of=None) -> list[CallSoFar] | None:
         """The calls written so far in a running text (`tool_text`), for streaming their arguments as they are
-        written; None for a format whose arguments are not the model's own JSON text (its calls go out whole)."""
+        written: each call's arguments as far as they are final (a prefix of what `parse`, then `typed` with
+        `parameters_of(name)`, makes of the whole text); None for a format whose calls go out whole."""
         return None
 
     def safe_content_end(self, text: str, raw: str) -> int:

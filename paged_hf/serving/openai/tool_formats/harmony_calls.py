@@ -34,7 +34,7 @@ class HarmonyParser(ToolParser):
         return ("To call a function, write a commentary message to it: <|start|>assistant<|channel|>commentary "
                 "to=functions.<function-name> <|constrain|>json<|message|><args-json-object><|call|>")
 
-    def calls_so_far(self, raw):
+    def calls_so_far(self, raw, parameters_of=None):
         calls = []
         for message in harmony.messages(raw):
             if message.recipient is None or not message.recipient.startswith("functions."):

@@ -34,7 +34,7 @@ class HermesParser(ToolParser):
             calls += parsed
         return text[:start].strip(), as_written(calls, self.calls_so_far(text))
 
-    def calls_so_far(self, raw):
+    def calls_so_far(self, raw, parameters_of=None):
         calls = []
         for opened in re.finditer(re.escape(self.marker), raw):
             calls += object_calls(raw, opened.end())
@@ -65,7 +65,7 @@ class Llama3JsonParser(ToolParser):
             return text, []
         return "", as_written(parsed, self.calls_so_far(text))
 
-    def calls_so_far(self, raw):
+    def calls_so_far(self, raw, parameters_of=None):
         start = skip_space(raw, 0)
         start = start + len(self.marker) if raw.startswith(self.marker, start) else start
         return object_calls(raw, start)
@@ -97,7 +97,7 @@ class MistralParser(ToolParser):
             return text, []
         return text[:start].strip(), as_written(parsed, self.calls_so_far(text))
 
-    def calls_so_far(self, raw):
+    def calls_so_far(self, raw, parameters_of=None):
         return _listed_calls(raw, raw.find(self.marker), self.marker)
 
     def format_calls(self, calls):
@@ -128,7 +128,7 @@ class GraniteParser(ToolParser):
             return text, []
         return "", as_written(parsed, self.calls_so_far(text))
 
-    def calls_so_far(self, raw):
+    def calls_so_far(self, raw, parameters_of=None):
         start = skip_space(raw, 0)
         for marker in (self.marker, self._string_marker):
             start = skip_space(raw, start + len(marker)) if raw.startswith(marker, start) else start

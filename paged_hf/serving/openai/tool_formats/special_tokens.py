@@ -35,7 +35,7 @@ class _SectionParser(ToolParser):
     _call_header: re.Pattern  # a call up to its arguments (group "name")
     _call_pattern: re.Pattern  # a whole call: the header, then group "arguments"
 
-    def calls_so_far(self, raw):
+    def calls_so_far(self, raw, parameters_of=None):
         start = raw.find(self.marker)
         calls = []
         for header in self._call_header.finditer(raw, start + len(self.marker)) if start >= 0 else ():
