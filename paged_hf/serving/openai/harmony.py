@@ -15,6 +15,7 @@ from dataclasses import dataclass
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
+FINAL = f"{CHANNEL}final{MESSAGE}"  # what opens the answer (a grammar holds from after it)
 _BODY_END = re.compile("|".join(re.escape(marker) for marker in (END, CALL, RETURN)))
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")

@@ -39,6 +39,9 @@ class ReasoningParser:
     # close a thinking that runs past its budget (else a grammar holds from the first token: no thinking)
     thinks_first = False
     thinks_optionally = False  # an output may open with `start` (then it thinks until `end`), or answer at once
+    # the marker that opens the answer wherever a thinking came before it or none did (harmony's final channel):
+    # the engine holds a grammar until after it (no budget: closing a thinking is more than this marker)
+    answer_marker = ""
     markers: tuple[str, ...] = ()  # what a stream holds back the beginnings of; kept in the text if special
 
     def __init__(self, prompt_ends_thinking: bool = False):
@@ -199,6 +202,7 @@ class GptOss(ReasoningParser):
 
     name = "openai_gptoss"
     markers = harmony.MARKERS
+    answer_marker = harmony.FINAL
 
     def _split(self, text):
         return harmony.thinking_and_answer(text)

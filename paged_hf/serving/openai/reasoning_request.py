@@ -38,10 +38,12 @@ def thinking_params(ctx, request, parser: ReasoningParser | None, params: Sampli
     if parser is not None and parser.markers:  # where they are special tokens, the text keeps them all the same
         params = dataclasses.replace(params, kept_special_tokens=list(parser.markers))
     markers = None if parser is None or parser.prompt_ends_thinking else gate(ctx, parser)
+    if budget is not None and (markers is None or parser.answer_marker):
+        if parser is not None and parser.prompt_ends_thinking:
+            return params  # (no thinking to budget)
+        raise ApiError(400, "thinking_token_budget needs --reasoning-parser deepseek_r1, qwen3 or mistral (a "
+                       "thinking that ends with its marker)", "invalid_request", "thinking_token_budget")
     if markers is None:
-        if budget is not None and (parser is None or not parser.prompt_ends_thinking):
-            raise ApiError(400, "thinking_token_budget needs --reasoning-parser deepseek_r1, qwen3 or mistral (a "
-                           "thinking that ends with its marker)", "invalid_request", "thinking_token_budget")
         return params
     end, start = markers
     return dataclasses.replace(params, thinking_end_token_ids=end, thinking_start_token_id=start,
@@ -51,7 +53,10 @@ def thinking_params(ctx, request, parser: ReasoningParser | None, params: Sampli
 def gate(ctx, parser: ReasoningParser) -> tuple[list[int], int | None] | None:
     """(the end marker's token ids, the optional start marker's one token id or None) where the engine can follow
     this parser's thinking; None where it cannot (markers written as text, or an optional thinking whose start
-    is not one token)."""
+    is not one token). Harmony's: the final channel's header, whether an analysis came before it or not."""
+    if parser.answer_marker:
+        answer = list(ctx.tokenizer(parser.answer_marker, add_special_tokens=False)["input_ids"])
+        return None if ctx.tokenizer.unk_token_id in answer else (answer, None)
     if not (parser.thinks_first or parser.thinks_optionally):
         return None
     end, start = (list(ctx.tokenizer(marker, add_special_tokens=False)["input_ids"]) for marker in (parser.end,
