@@ -50,13 +50,13 @@ def client():
 
 
 def chat(client, messages, **fields):
-    return client.chat.completions.create(model="gpt-oss", messages=messages, tools=[WEATHER], max_tokens=12,
-                                          temperature=0, reasoning_effort="low", **fields)
+    return client.chat.completions.create(model="gpt-oss", messages=messages, tools=[WEATHER],
+                                          **{"max_tokens": 12, "temperature": 0, "reasoning_effort": "low", **fields})
 
 
-def streamed(client, messages) -> tuple[str, str, list, str | None]:
+def streamed(client, messages, **fields) -> tuple[str, str, list, str | None]:
     reasoning, content, calls, finish = "", "", StreamedCalls(), None
-    for chunk in chat(client, messages, stream=True):
+    for chunk in chat(client, messages, stream=True, **fields):
         for c in chunk.choices:
             reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
             content += c.delta.content or ""
@@ -94,3 +94,22 @@ def test_the_responses_api_gets_a_reasoning_item_and_the_answer(client):
 def test_the_openai_tool_parser_needs_the_reasoning_parser():
     with pytest.raises(ValueError, match="needs --reasoning-parser openai_gptoss"):
         ServerSettings(tool_call_parser="openai")
+
+
+
+def test_output_cut_by_max_tokens_is_never_an_error(client):
+    """A thinking cut short is the reasoning; a call cut before its <|call|> is no call, finish_reason "length".
+    Streamed, what went out before the cut stays out (its arguments as the model wrote them)."""
+    question = [{"role": "user", "content": "weather"}]
+    for cut, sent in ((4, []), (6, []), (7, [("get_weather", '{"city": "Paris"}')])):
+        choice = chat(client, question, max_tokens=cut).choices[0]
+        assert (choice.finish_reason, choice.message.model_extra["reasoning"], choice.message.content,
+                choice.message.tool_calls) == ("length", "Need the weather.", None, None)
+        reasoning, content, calls, finish = "", "", StreamedCalls(), None
+        for chunk in chat(client, question, max_tokens=cut, stream=True):
+            for c in chunk.choices:
+                reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
+                content += c.delta.content or ""
+                calls.add(c.delta.tool_calls)
+                finish = c.finish_reason or finish
+        assert (reasoning, content, calls.joined(), finish) == ("Need the weather.", "", sent, "length")

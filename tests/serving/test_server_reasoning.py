@@ -56,7 +56,7 @@ def client(server):
 
 def ask(client, word: str, **fields):
     return client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": word}],
-                                          max_tokens=20, temperature=0, **fields)
+                                          **{"max_tokens": 20, "temperature": 0, **fields})
 
 
 def streamed(client, word: str, **fields) -> dict:
@@ -114,6 +114,21 @@ def test_without_the_end_marker_deepseek_r1_reads_it_all_as_thinking(client):
     """DeepSeek-R1's templates open the thinking in the prompt, so an output that never closes it is thinking."""
     message = ask(client, "hello").choices[0].message
     assert (message.model_extra["reasoning"], message.content) == ("it is sunny", None)
+
+
+def test_output_cut_by_max_tokens_is_never_an_error(client):
+    """A thinking cut short is reasoning; a hermes call cut before its JSON is the content; both "length"."""
+    cut_thinking = ask(client, "weather", max_tokens=2).choices[0]
+    assert (cut_thinking.finish_reason, cut_thinking.message.model_extra["reasoning"],
+            cut_thinking.message.content) == ("length", " need", None)
+    assert streamed(client, "weather", max_tokens=2) == {"reasoning": " need", "reasoning_content": " need",
+                                                         "content": "", "calls": [], "finish": "length"}
+    cut_call = ask(client, "weather", tools=[WEATHER], max_tokens=5).choices[0]
+    assert (cut_call.finish_reason, cut_call.message.content, cut_call.message.tool_calls) == (
+        "length", " <tool_call>", None)
+    assert streamed(client, "weather", tools=[WEATHER], max_tokens=5) == {
+        "reasoning": " need city ", "reasoning_content": " need city ", "content": " <tool_call>", "calls": [],
+        "finish": "length"}
 
 
 def test_qwen3_with_the_thinking_off_is_all_content(client):

@@ -90,7 +90,7 @@ def format_client(request):
 
 def ask(client, word: str, **fields):
     return client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": word}],
-                                          tools=[WEATHER], max_tokens=40, temperature=0, **fields)
+                                          tools=[WEATHER], **{"max_tokens": 40, "temperature": 0, **fields})
 
 
 def test_the_format_comes_back_as_tool_calls_whole_and_streamed(format_client):
@@ -153,6 +153,29 @@ def test_an_agents_two_turns(format_client):
                                             temperature=0).choices[0]
     assert (answer.finish_reason, answer.message.content, answer.message.tool_calls) == (
         "stop", "It is sunny in Paris.", None)
+
+
+def test_output_cut_by_max_tokens_is_content(format_client):
+    """A call cut short is no call: its text comes back as content, whole and streamed, finish_reason "length"
+    (vLLM's reading); a thinking cut short is the reasoning (mistral's [THINK] opened and never closed)."""
+    name, client = format_client
+    cut = 4  # ("Sure (...)." and) the call's first tokens: none is written whole in fewer than 5
+    choice = ask(client, name, max_tokens=cut).choices[0]
+    _, script = script_for(name)
+    written, word = [], name
+    for _ in range(cut):
+        word = script[word]
+        written.append(word)
+    assert (choice.finish_reason, choice.message.tool_calls, choice.message.content) == ("length", None,
+                                                                                          "".join(written))
+    content, finish = "", None
+    for chunk in ask(client, name, max_tokens=cut, stream=True):
+        for c in chunk.choices:
+            content, finish = content + (c.delta.content or ""), c.finish_reason or finish
+    assert (content, finish) == (choice.message.content, "length")
+    thinking = ask(client, f"think-{name}", max_tokens=2).choices[0]
+    assert (thinking.finish_reason, thinking.message.model_extra["reasoning"], thinking.message.content,
+            thinking.message.tool_calls) == ("length", "I need the weather.", None, None)
 
 
 # two calls, the first of several arguments (`days` an integer: qwen3_coder types it by the schema)

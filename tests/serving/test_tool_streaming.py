@@ -92,3 +92,34 @@ def test_required_answers_stream_as_written():
     for cut in range(len(text)):
         for call, (name, arguments) in zip(required_calls_so_far(text[:cut]), parse_required(text)):
             assert call.name == name and arguments.startswith(call.arguments)
+
+
+NOISE = ["<", ">", "/", "=", "\n", '"', "'", "{", "}", "[", "]", "(", ")", ",", ":", "\\", "#", "\\u", "'''",
+         "<tool_call>", "</tool_call>", "<parameter=", "</parameter>", "</function>", "<arg_key>", "</arg_value>",
+         "[TOOL_CALLS]", "<|start|>", "<|channel|>", "<|message|>", "<|call|>"]
+ODD_SCHEMAS = [None, {}, {"properties": [1]}, {"properties": {"city": True, "days": {"type": ["integer", "null"]}}},
+               {"properties": {"days": {"type": "integer"}}}]
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_broken_output_never_raises(name):
+    """Calls with characters inserted, dropped or cut off (a bad escape in a key, a tag left open...): parse,
+    typed and calls_so_far answer (no call, or calls) and never raise, whatever the tool's schema says."""
+    import random  # noqa: PLC0415
+
+    rng, parser = random.Random(name), PARSERS[name]
+    whole = "Hi. " + parser.format_calls([("get_weather", {"city": "Paris", "days": 3, "n": [1, {"a": "b"}]}),
+                                          ("get_time", {})])
+    for _ in range(300):
+        text = whole
+        for _ in range(rng.randint(1, 4)):
+            at, kind = rng.randint(0, len(text)), rng.random()
+            text = (text[:at] + rng.choice(NOISE) + text[at:] if kind < 0.4 else
+                    text[:at] + text[at + rng.randint(1, 5):] if kind < 0.8 else text[:at])
+        schema = rng.choice(ODD_SCHEMAS)
+        for call_name, arguments in parser.parse(text)[1]:
+            parser.typed(arguments, schema)
+        for cut in (len(text), rng.randint(0, len(text))):
+            parser.calls_so_far(text[:cut], lambda _: schema)
+        parse_required(text), required_calls_so_far(text)
+    assert PARSERS["hermes"].calls_so_far('<tool_call>{"na\\me": "f", "arguments": {}}') == []  # (a bad escape)

@@ -209,8 +209,8 @@ class ToolCallStreamer:
     name) once its name is written and its arguments as the model writes them (OpenAI's deltas: their
     concatenation is the call's `arguments`), as far as they are final (`calls_so_far`: the JSON formats' text
     as written; qwen3_coder's JSON as it is built, a string value character by character; glm45's and
-    pythonic's argument by argument). What the final parse finds is the answer: a call it does not confirm has
-    had deltas that cannot be taken back (a malformed call).
+    pythonic's argument by argument). What the final parse finds is the answer: a call it does not confirm (cut
+    or malformed) has had deltas that cannot be taken back, and gets the rest of what was written of it.
     """
 
     def __init__(self, mode: ToolMode, parser: ToolParser, tokenizer):
@@ -230,8 +230,10 @@ class ToolCallStreamer:
             calls = self._growing(completion.index, self._so_far(completion, raw))
             return self._content(completion, raw), calls or None, None
         content, calls = parse_output(self.mode, self.parser, self.tokenizer, completion)
-        if not calls:
-            return self._content(completion, raw, final=True), None, completion.finish_reason
+        if not calls:  # (calls already announced, cut or malformed, get the rest of what was written of them)
+            announced = self._so_far(completion, raw)[:len(self.calls_sent.get(completion.index, []))]
+            return (self._content(completion, raw, final=True), self._growing(completion.index, announced) or None,
+                    completion.finish_reason)
         return (self._rest(completion.index, content or ""), self._final(completion.index, calls),
                 finish_reason(completion, calls))
 

@@ -171,16 +171,28 @@ def _object_call(text: str, start: int, args_keys) -> tuple[CallSoFar | None, in
         colon = skip_space(text, key_end) if key_end is not None else len(text)
         if colon >= len(text) or text[colon] != ":":
             break
-        key, value_at = json.loads(text[position:key_end]), skip_space(text, colon + 1)
+        key, value_at = _json_string(text[position:key_end]), skip_space(text, colon + 1)
         end = json_value_end(text, value_at)
+        if key is None:
+            break  # not JSON (a bad escape...): no call, the final parse says the same
         if key == "name" and end is not None and text[value_at] == '"':
-            name = json.loads(text[value_at:end])
+            name = _json_string(text[value_at:end])
+            if name is None:
+                break
         elif key in args_keys:
             arguments, complete = text[value_at:len(text) if end is None else end], end is not None
         if end is None:
             break
         position = end
     return (None if name is None else CallSoFar(name, arguments, complete)), None
+
+
+def _json_string(written: str) -> str | None:
+    """A JSON string's value; None where it is not one (a bad escape, a raw control character)."""
+    try:
+        return json.loads(written)
+    except ValueError:
+        return None
 
 
 class ToolParser:
