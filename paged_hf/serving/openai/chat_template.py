@@ -104,12 +104,18 @@ def reasoning_options(request, template: str) -> dict:
     return {"reasoning_effort": effort}
 
 
+#: the names templates read an earlier answer's thinking by: Qwen3's and DeepSeek's, vLLM's and OpenAI's newer
+#: one, and transformers' (gpt-oss's template)
+REASONING_NAMES = ("reasoning_content", "reasoning", "thinking")
+
+
 def with_reasoning_content(message: dict) -> dict:
-    """An earlier answer's thinking under both names templates read it by (`reasoning_content`: Qwen3's,
-    DeepSeek's; `reasoning`: vLLM's and OpenAI's newer one)."""
-    for name, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
-        if message.get(name) is not None and message.get(other) is None:
-            message[other] = message[name]
+    """An earlier answer's thinking under every name templates read it by (REASONING_NAMES)."""
+    given = next((message[name] for name in REASONING_NAMES if message.get(name) is not None), None)
+    if given is not None:
+        for name in REASONING_NAMES:
+            if message.get(name) is None:
+                message[name] = given
     return message
 
 
