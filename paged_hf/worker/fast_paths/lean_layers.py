@@ -11,9 +11,10 @@ q/k/v matmul, rotary and the K/V writes, decode attention reading q in place, o_
 RMSNorm, the gate/up matmul, SiLU-and-multiply, down_proj and the residual add: the stand-ins' kernels with the
 same arguments in the same order, so the same bits (tests/worker/fast_paths/test_lean_layers.py). Rotary and the
 K/V writes are one compiled call, and what a layer's calls read and forget lives in buffers made once a step.
-LoRA adapters are served here as by the stand-ins (their updates added to the fused projections). A step with a
-prompt chunk for another kernel, a quantized cache or projection, adapter wrappers that must run themselves (a
-probing step), or anything else checked here goes the stand-ins' way.
+LoRA adapters are served here as by the stand-ins (their updates added to the fused projections), and quantized
+projections (int8, 4-bit: the group's stacked quantized linear, o_proj and down_proj called as they are). A step
+with a prompt chunk for another kernel, a quantized cache, adapter wrappers that must run themselves (a probing
+step), or anything else checked here goes the stand-ins' way.
 """
 
 from __future__ import annotations
@@ -93,8 +94,7 @@ class LeanStep:
         cache, ops = self.cache, self.ops
         slot = cache.books.slot_of_layer.get(getattr(module, "layer_idx", None))
         decode = None if slot is None else cache.decode_rows(slot)
-        if (decode is None or x.shape != self.shape or not _rows(x, ops.dtype) or attention.group.quantized
-                or mlp.group.quantized or not _rows(norms[0].weight, ops.dtype)
+        if (decode is None or x.shape != self.shape or not _rows(x, ops.dtype) or not _rows(norms[0].weight, ops.dtype)
                 or not _rows(norms[1].weight, ops.dtype) or not self._fits(layer, module, slot)
                 or not self._calls_paged(module)):
             return None

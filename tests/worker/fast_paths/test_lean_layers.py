@@ -57,6 +57,27 @@ def test_decode_steps_give_the_stand_ins_bits(dtype):
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
 
 
+@pytest.mark.parametrize("quantization", ["int8", "w4a16"])
+def test_quantized_projections_run_lean_with_the_stand_ins_bits(quantization):
+    """q/k/v and gate/up as one stacked quantized linear, o_proj and down_proj quantized: the same calls either
+    way (bf16 activations, W8A8 and W4A16 kernels)."""
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    engine = _engine(model, quantization=quantization)
+    groups = _projection_groups(engine)
+    assert len(groups) == 4 and all(group.quantized for group in groups)
+    served = _compare_each_step_both_ways(engine)
+    engine.generate(random_prompts([6, 20], seed=8), SamplingParams(max_new_tokens=6, temperature=0), use_tqdm=False)
+    assert served[-1] == 2 and sum(served) >= 2 * 5
+
+
+def _projection_groups(engine):
+    layers = [site[3] for site in engine.runner.fused_layers.sites]
+    return [layer.parts[name].group for layer in layers if hasattr(layer, "parts") for name in ("self_attn", "mlp")]
+
+
 def test_prompt_chunks_of_the_prefill_kernel_go_the_stand_ins_way():
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
