@@ -27,6 +27,7 @@ LAYERS = [
     {"loader"},
     {"core"},
     {"sample"},
+    {"multimodal"},
     {"worker"},
     {"beam"},
     {"spec_decode"},

@@ -17,6 +17,7 @@ from array import array
 
 from paged_hf.core.block_pool import Block, BlockPool
 from paged_hf.core.kv_tier import KVTier, TierHit
+from paged_hf.core.multimodal import block_mm_keys
 from paged_hf.core.request import Request
 from paged_hf.core.state_slots import StateSlots
 from paged_hf.utils import cdiv
@@ -81,9 +82,11 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         size = self.block_size
+        items = request.mm_items  # a block holding an image's placeholders also hashes the image's content
         while (len(hashes) + 1) * size <= len(tokens):
             start = len(hashes) * size
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + size], extra_keys))
+            keys = extra_keys + block_mm_keys(items, start, start + size) if items else extra_keys
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + size], keys))
         return hashes
 
     def find_cached_prefix(self, request: Request, extra_keys: bytes = b"") -> list[Block | TierHit]:

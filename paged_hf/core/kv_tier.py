@@ -24,13 +24,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from paged_hf.core.multimodal import block_mm_keys
 from paged_hf.core.request import Request
 
 
-def tier_block_key(parent: bytes, token_ids: list[int]) -> bytes:
-    """A block's key: its parent's key (the namespace and request key at the root) and its tokens."""
+def tier_block_key(parent: bytes, token_ids: list[int], mm_keys: bytes = b"") -> bytes:
+    """A block's key: its parent's key (the namespace and request key at the root), its tokens and the content
+    hashes of the images whose placeholders it holds (`core/multimodal.py`)."""
     digest = hashlib.blake2b(parent, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    digest.update(mm_keys)
     return digest.digest()
 
 
@@ -139,7 +142,8 @@ class KVTier:
         root = tier_root_key(self.namespace, request_key) if not keys else None
         while (len(keys) + 1) * size <= len(tokens):
             start = len(keys) * size
-            keys.append(tier_block_key(keys[-1] if keys else root, tokens[start : start + size]))
+            mm_keys = block_mm_keys(request.mm_items, start, start + size) if request.mm_items else b""
+            keys.append(tier_block_key(keys[-1] if keys else root, tokens[start : start + size], mm_keys))
         return keys
 
     def prompt_params(self, request: Request) -> dict:

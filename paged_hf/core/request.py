@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from paged_hf.core.multimodal import MultiModalItem
 from paged_hf.outputs import FinishReason
 from paged_hf.sampling_params import SamplingParams
 
@@ -100,6 +101,11 @@ class Request:
     # an embedding request (engine/embedding.py): its pooling, "mean" | "cls" | "lasttoken" | "max"; it computes
     # its prompt only (no sampling, no blocks beyond the prompt) and is pooled after its last prompt token
     pooling: str | None = None
+    # images of the prompt (core/multimodal.py): their placeholder spans and content hashes, shared by the children
+    mm_items: list[MultiModalItem] = field(default_factory=list, repr=False)
+    # their embeddings once the vision tower ran ({item index: features}, opaque here): kept until the prompt's last
+    # placeholder is computed, then dropped (a preempted request recomputes them if it needs them again)
+    mm_features: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -29,6 +29,7 @@ from paged_hf.engine.adapters import adapter_slots, lora_manager, split_peft_mod
 from paged_hf.engine.embedding import embedding_group
 from paged_hf.engine.face import EngineFace, EngineLimits, Preparation
 from paged_hf.engine.hybrid import hybrid_config
+from paged_hf.engine.image_prompts import prompt_and_items, prompt_processor, split_processor
 from paged_hf.engine.pipeline_step import PipelineStep, pipeline_config
 from paged_hf.engine.request_builder import RequestBuilder
 from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
@@ -56,7 +57,8 @@ class ContinuousBatchGenerator(EngineFace):
     def __init__(self, model: torch.nn.Module, config: PagedConfig | None = None, tokenizer=None):
         peft_model, model = split_peft_model(model)
         self.serves_peft_model = peft_model is not None
-        self.tokenizer = tokenizer
+        self.tokenizer, processor = split_processor(tokenizer)  # wrap(model, processor) for images
+        self.prompt_processor = prompt_processor(model, processor)  # None for text only
         self.info = inspect_model(model)
         self.config = hybrid_config(config or PagedConfig(), self.info)
         stage = stage_of(model)  # a pipeline stage (one run of the layers, in a process of its own) or None
@@ -83,7 +85,7 @@ class ContinuousBatchGenerator(EngineFace):
             speculative, self.kv_cache_manager, make_proposer(speculative, self.config, self.info, num_blocks))
         self.groups: dict[str, RequestGroup | BeamGroup] = {}  # unfinished requests by id
         self.pooling_config = None  # embeddings: the model's pooling, read on first use (engine/embedding.py)
-        self.request_builder = RequestBuilder(self.config.limits, self.config.scheduler, tokenizer,
+        self.request_builder = RequestBuilder(self.config.limits, self.config.scheduler, self.tokenizer,
                                               self.info.vocab_size, self.info.eos_token_ids, self.runner.logits_device)
         parts = (self.scheduler, self.runner, self.sampler, self.stop_checker, self.speculator, self.groups,
                  self.config.max_num_batched_tokens, self.adapter_store)
@@ -126,7 +128,7 @@ class ContinuousBatchGenerator(EngineFace):
             self.enqueue(group, group.children[0])
             return group
         params = self.request_builder.sampling_params(sampling_params, cache_salt)
-        prompt_ids = self.prompt_token_ids(prompt)
+        prompt_ids, mm_items = prompt_and_items(self, prompt)  # a dict prompt may hold images
         self.check_fits(prompt_ids, params)
         check_token_ids(params, self.info.vocab_size)
         lora = self.resolve_adapter(adapter)
@@ -134,7 +136,7 @@ class ContinuousBatchGenerator(EngineFace):
             raise ValueError(f"adapter {adapter!r}: this engine speculates with a draft model, which serves "
                              f"base-model requests only (the ngram method serves any adapter)")
         request_id = self.new_request_id(request_id)
-        group = self.request_builder.group(request_id, prompt_ids, params, adapter, lora, cache_salt)
+        group = self.request_builder.group(request_id, prompt_ids, params, adapter, lora, cache_salt, mm_items)
         self.request_builder.assign_scheduling(group, priority, tenant, adapter)
         self.enqueue(group, group.children[0])
         return group

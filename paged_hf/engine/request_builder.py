@@ -87,11 +87,14 @@ class RequestBuilder:
             child.tenant = tenant if tenant is not None else adapter
 
     def group(self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
-              lora: LoRAAdapter | None, cache_salt: str | None) -> RequestGroup:
-        """The request's children, child 0 first (the one to queue); ValueError for an invalid grammar spec."""
+              lora: LoRAAdapter | None, cache_salt: str | None, mm_items: list = ()) -> RequestGroup:
+        """The request's children, child 0 first (the one to queue); ValueError for an invalid grammar spec.
+        `mm_items`: the prompt's images (core/multimodal.py), the same for every child."""
         grammar = self._compile_grammar(params)
         children = [self._child(request_id, i, prompt_ids, params, adapter, lora, cache_salt, grammar)
                     for i in range(params.n)]
+        for child in children:
+            child.mm_items = list(mm_items)
         parent, *siblings = children
         bad_words = self._bad_words_ids(params.bad_words, pop=True)
         for child in children:

@@ -3,6 +3,8 @@ field is a ValueError that names it (the server turns it into a 400), never a fa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from paged_hf.sampling_params import SamplingParams
@@ -11,6 +13,9 @@ from paged_hf.utils import cdiv
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     """A text prompt (tokenized, special tokens added), a list of token ids or a 1-D tensor -> token ids."""
+    if isinstance(prompt, Mapping):
+        raise ValueError("a prompt dict (prompt, prompt_token_ids, multi_modal_data) is served by generate(), "
+                         "add_request() and stream() only")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to wrap() or give token ids")
@@ -52,7 +57,7 @@ def check_fits(prompt_ids: list[int], params: SamplingParams, max_model_len: int
 
 def prompt_list(prompts) -> list:
     """generate()'s prompts: one prompt (a string, a list of token ids, a 1-D tensor) or a sequence of them."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, torch.Tensor):
         return [prompts] if prompts.dim() == 1 else list(prompts)

@@ -12,6 +12,8 @@ from paged_hf.core.scheduler_output import SchedulerOutput
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
 from paged_hf.kernels.selection import select_kernel
 from paged_hf.kernels.quant import storage_dtype
+from paged_hf.multimodal.embeddings import has_images, step_embeds
+from paged_hf.multimodal.registry import vision_family
 from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import AttentionSwitch
 from paged_hf.worker.probes.engine_probe import verify_engine
@@ -49,6 +51,7 @@ class ModelRunner:
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
+        self.vision = vision_family(model)  # the family that encodes a vision-language model's images, else None
         fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()
         fused = fused_layers.fused_linears if fused_layers is not None else set()
@@ -88,6 +91,10 @@ class ModelRunner:
         )
         if self.info.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = inputs.logits_indices.to(device)
+        if self.vision is not None and has_images(out):  # images' features over their placeholders
+            with span("vision"):
+                kwargs["inputs_embeds"] = step_embeds(self.vision, out, kwargs.pop("input_ids"),
+                                                      inputs.attention.query_start_loc)
         inputs.pooling_spans = pooling_spans(out, inputs.attention.query_start_loc)
         capture = (HiddenStateCapture(self.model, pooling_rows(inputs.pooling_spans)) if inputs.pooling_spans
                    else contextlib.nullcontext())

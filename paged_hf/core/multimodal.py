@@ -1,0 +1,47 @@
+"""A prompt's images as the scheduler and the prefix cache see them: where each image's placeholder tokens sit in
+the prompt and a hash of its content.
+
+The prefix cache shares a block between requests when its hash matches, and a block's hash chains its tokens.
+An image's placeholder tokens are the same token id whatever the image, so a block holding any of them also hashes
+the content of the image (or images) whose span overlaps it, as vLLM's multimodal hashes do: the same image at
+the same place hits, another image never does. The content hash is taken over the processed pixel tensors (what
+the vision tower reads), so two inputs that the processor turns into equal pixels share, and no others.
+
+No torch math here (core is bookkeeping): `data` is opaque, the family's encoder inputs for this one item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, eq=False)
+class MultiModalItem:
+    """One image of a prompt. Its embeddings fill the placeholder tokens of [offset, offset + length) (a span may
+    hold other tokens too, as some families frame an image with marker tokens; the family says which are filled)."""
+
+    offset: int  # the prompt position of the span's first token
+    length: int  # the span's length in tokens
+    content_hash: bytes  # a hash of the processed pixels (multimodal/prompts.py)
+    num_placeholders: int  # the span's tokens that its embeddings fill, in order (the others are the prompt's own)
+    data: Any = field(repr=False)  # the encoder's inputs for this item (the processor's tensors, one image)
+    modality: str = "image"
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def block_mm_keys(items: Sequence[MultiModalItem], start: int, end: int) -> bytes:
+    """The extra hash keys of the token range [start, end) (one block): the offset and content hash of each item
+    whose span overlaps it, in prompt order, each length-prefixed like the request's other extra keys."""
+    parts = [b"mm:" + item.offset.to_bytes(8, "little") + item.content_hash
+             for item in items if item.offset < end and start < item.end]
+    return b"".join(len(part).to_bytes(4, "little") + part for part in parts)
+
+
+def mm_prefill_end(items: Sequence[MultiModalItem]) -> int:
+    """The position past the last placeholder: once computed, the request needs no image embeddings any more."""
+    return max((item.end for item in items), default=0)

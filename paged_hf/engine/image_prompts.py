@@ -1,0 +1,68 @@
+"""The engine's side of images: `wrap(model, processor)` takes a processor where a tokenizer goes, and a prompt
+dict with `multi_modal_data` becomes token ids and items (`multimodal/prompts.py`).
+
+Refused at `wrap()`, naming why: a processor for a vision-language model that no vision family serves. Refused
+per request (a ValueError at submission): images without a processor, and images with what this engine does not
+serve with them yet (speculative decoding, a pipeline of stages: their other ranks and draft models see token ids
+only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from paged_hf.multimodal.prompts import ProcessedPrompt, PromptProcessor, prompt_images
+from paged_hf.multimodal.registry import vision_family, vision_refusal
+from paged_hf.worker.probes.model_probe import UnsupportedModelError
+
+
+def split_processor(tokenizer) -> tuple[object, object | None]:
+    """(tokenizer, processor): a multimodal processor (it has an image processor and a tokenizer) gives both."""
+    if tokenizer is not None and hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
+        return tokenizer.tokenizer, tokenizer
+    return tokenizer, None
+
+
+def prompt_processor(model: torch.nn.Module, processor) -> PromptProcessor | None:
+    """The model's prompt processor (None without a processor); UnsupportedModelError when no family serves the
+    images of this vision-language model, ValueError for a processor that is not the model's."""
+    if processor is None:
+        return None
+    reason = vision_refusal(model)
+    if reason is not None:
+        raise UnsupportedModelError(reason)
+    family = vision_family(model)
+    if family is None:
+        raise ValueError(f"a processor was given for {type(model).__name__}, which is no vision-language model: "
+                         "pass its tokenizer instead")
+    return PromptProcessor(family, processor)
+
+
+def prompt_and_items(engine, prompt) -> tuple[list[int], list]:
+    """Any prompt -> its checked token ids and image items (none but for a prompt dict with images)."""
+    if not isinstance(prompt, Mapping):
+        return engine.prompt_token_ids(prompt), []
+    not_served = ("with speculative decoding" if engine.speculator is not None else
+                  "pipeline-parallel" if engine.runner.links is not None else None)
+    processed = process_prompt(prompt, engine.prompt_processor, engine.tokenizer, not_served)
+    return engine.prompt_token_ids(processed.token_ids), processed.items
+
+
+def process_prompt(prompt: Mapping, processor: PromptProcessor | None, tokenizer, not_served: str | None) -> ProcessedPrompt:
+    """A prompt dict -> its token ids and image items. `not_served`: why this engine takes no images, or None."""
+    images = prompt_images(prompt)
+    if not images:
+        text = prompt.get("prompt")
+        if text is not None:
+            if not isinstance(text, str) or tokenizer is None:
+                raise ValueError("'prompt' must be a string, and a text prompt needs a tokenizer")
+            return ProcessedPrompt(tokenizer(text, add_special_tokens=True)["input_ids"])
+        ids = prompt["prompt_token_ids"]
+        return ProcessedPrompt(ids.tolist() if hasattr(ids, "tolist") else ids)
+    if processor is None:
+        raise ValueError("a prompt with images needs the model's processor: wrap(model, processor)")
+    if not_served is not None:
+        raise ValueError(f"images are not served {not_served}")
+    return processor.process(prompt, images)

@@ -1,0 +1,66 @@
+"""What a vision family says about its model: its placeholder token, how a processor's output splits into one
+image's encoder inputs, how many placeholders an image takes, and how the vision tower and projector turn one
+image into the rows that fill them (`encode`).
+
+A family runs the model's own methods (`get_image_features`, the input embeddings), so the features are what the
+model's forward would merge; the engine only decides when (once per image, in the step that first needs it) and
+where (the placeholder rows of that step's packed row).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import torch
+
+
+class VisionFamily:
+    """One family's answers; a subclass per family (`llava.py`), chosen by `registry.vision_family`."""
+
+    name = ""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.image_token_id: int = model.config.image_token_id
+
+    def split(self, processed: Mapping) -> list[dict[str, torch.Tensor]]:
+        """The processor's batched image tensors -> one dict of encoder inputs per image, in prompt order."""
+        raise NotImplementedError
+
+    def replacement_ids(self, processor, processed: Mapping, index: int) -> list[int]:
+        """The tokens the processor writes in place of image `index`'s placeholder (its `replace_image_token`)."""
+        text = processor.replace_image_token(processed, image_idx=index)
+        return processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def image_token_text(self, processor) -> str:
+        """The placeholder as text in a prompt (what the user writes where an image goes)."""
+        return processor.image_token
+
+    def check_processor(self, processor) -> None:
+        """ValueError when the processor's placeholder is not the model's."""
+        token_id = getattr(processor, "image_token_id", None)
+        if token_id != self.image_token_id:
+            raise ValueError(f"the processor's image token id {token_id} is not the model's "
+                             f"config.image_token_id {self.image_token_id}: a processor of another model?")
+
+    @torch.inference_mode()
+    def encode(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """-> [num_embeds, hidden_size]: the rows that fill the image's placeholders, in order (pixels cast to the
+        vision tower's dtype and device, as a user casts them for HF's generate)."""
+        raise NotImplementedError
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[1, num_tokens] -> [1, num_tokens, hidden_size]: the token embeddings, as the model's forward takes them."""
+        return self.model.get_input_embeddings()(input_ids)
+
+
+def content_hash(data: Mapping[str, torch.Tensor]) -> bytes:
+    """A hash of one image's encoder inputs (names, dtypes, shapes and bytes): equal hashes, equal features."""
+    digest = hashlib.blake2b(b"paged_hf-mm/1", digest_size=16)
+    for name in sorted(data):
+        tensor = data[name].detach().cpu().contiguous()
+        header = f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode()
+        digest.update(len(header).to_bytes(4, "little") + header)
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()

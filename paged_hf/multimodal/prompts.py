@@ -1,0 +1,118 @@
+"""A prompt with images, in vLLM's shape, -> its token ids and one `MultiModalItem` per image.
+
+vLLM's offline prompts are dicts: `{"prompt": text, "multi_modal_data": {"image": image or [images]}}` or
+`{"prompt_token_ids": ids, "multi_modal_data": ...}`. A text prompt goes through the processor exactly as a user
+calls it for HF's `generate` (`processor(text=..., images=..., return_tensors="pt")`), so the engine sees the same
+token ids and pixels as HF. Token ids go through the processor's image processor; each image's placeholder in them
+is either the single image token (expanded here to what the processor writes, its `replace_image_token`) or
+already expanded.
+
+An item's span runs from its first to its last placeholder token; its content hash covers its processed pixels
+(`family.content_hash`), which the prefix cache mixes into the hash of every block the span overlaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from paged_hf.core.multimodal import MultiModalItem
+from paged_hf.multimodal.family import VisionFamily, content_hash
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+
+
+@dataclass
+class ProcessedPrompt:
+    token_ids: list[int]
+    items: list[MultiModalItem] = field(default_factory=list)
+
+
+def prompt_images(prompt: Mapping) -> list:
+    """The images of a dict prompt (none without `multi_modal_data`); ValueError for unknown keys or modalities."""
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt keys {unknown} are not served (a prompt dict takes {list(PROMPT_KEYS)})")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict takes exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"multi_modal_data must be a dict like {{'image': image}}, got {type(data).__name__}")
+    other = sorted(set(data) - {"image"})
+    if other:
+        raise ValueError(f"multi_modal_data {other}: only 'image' is served")
+    images = data.get("image")
+    if images is None:
+        return []
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if any(image is None for image in images):
+        raise ValueError("multi_modal_data['image'] holds None")
+    return images
+
+
+class PromptProcessor:
+    """Turns dict prompts with images into token ids and items, with the model's processor and vision family."""
+
+    def __init__(self, family: VisionFamily, processor):
+        family.check_processor(processor)
+        self.family = family
+        self.processor = processor
+
+    def process(self, prompt: Mapping, images: list) -> ProcessedPrompt:
+        """ValueError for what the processor refuses, or placeholders that do not match the images."""
+        text = prompt.get("prompt")
+        if "prompt" in prompt and not isinstance(text, str):
+            raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+        try:
+            if text is not None:
+                processed = self.processor(text=text, images=images, return_tensors="pt")
+                token_ids = processed["input_ids"][0].tolist()
+            else:
+                processed = self.processor.image_processor(images, return_tensors="pt")
+                token_ids = None
+            replacements = [self.family.replacement_ids(self.processor, processed, i) for i in range(len(images))]
+        except Exception as error:  # noqa: BLE001 - the processor's own refusal of this input, named
+            raise ValueError(f"the processor refused the prompt's images: {type(error).__name__}: {error}") from None
+        data = self.family.split(processed)
+        if token_ids is None:
+            token_ids = self._expand(_token_id_list(prompt["prompt_token_ids"]), replacements)
+        token_id = self.family.image_token_id
+        counts = [ids.count(token_id) for ids in replacements]
+        return ProcessedPrompt(token_ids, placeholder_items(token_ids, token_id, counts, data))
+
+    def _expand(self, token_ids: list[int], replacements: list[list[int]]) -> list[int]:
+        """Ids with one image token per image -> each replaced by what the processor writes; expanded ids as given."""
+        token_id = self.family.image_token_id
+        found = token_ids.count(token_id)
+        expanded = sum(ids.count(token_id) for ids in replacements)
+        if found == expanded:
+            return token_ids
+        if found != len(replacements):
+            raise ValueError(f"prompt_token_ids hold {found} image tokens (id {token_id}) for {len(replacements)} "
+                             f"images: give one per image, or the {expanded} the processor writes")
+        out, images = [], iter(replacements)
+        for token in token_ids:
+            out.extend(next(images) if token == token_id else [token])
+        return out
+
+
+def _token_id_list(token_ids) -> list[int]:
+    if hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
+        raise ValueError("prompt_token_ids must be a list of token ids")
+    return list(token_ids)
+
+
+def placeholder_items(token_ids: Sequence[int], token_id: int, counts: list[int], data: list[dict]) -> list[MultiModalItem]:
+    """Image i takes the next counts[i] placeholder tokens; its span runs from the first to the last of them."""
+    positions = [p for p, token in enumerate(token_ids) if token == token_id]
+    if len(positions) != sum(counts) or len(data) != len(counts):
+        raise ValueError(f"the prompt holds {len(positions)} image tokens (id {token_id}) where its "
+                         f"{len(counts)} images take {sum(counts)}")
+    items, start = [], 0
+    for count, inputs in zip(counts, data):
+        first, last = positions[start], positions[start + count - 1]
+        items.append(MultiModalItem(first, last - first + 1, content_hash(inputs), count, inputs))
+        start += count
+    return items

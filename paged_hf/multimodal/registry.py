@@ -1,0 +1,46 @@
+"""Which vision family serves a model, and why a vision-language model that none serves is refused.
+
+A model is vision-language when transformers maps its class to image-text-to-text or its config has a vision
+sub-config. Such a model is still served as a text model without a processor (its text path is the language model's);
+given a processor, it must be a family of `FAMILIES`, or `wrap()` refuses it naming why: images are never merged in
+some other way than the model's own forward does.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+from paged_hf.multimodal.family import VisionFamily
+from paged_hf.multimodal.llava import LlavaFamily
+
+FAMILIES: tuple[type[VisionFamily], ...] = (LlavaFamily,)
+
+
+def _image_text_classes() -> set[str]:
+    names = set()
+    for value in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
+
+
+def is_vision_language(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return type(model).__name__ in _image_text_classes() or getattr(config, "vision_config", None) is not None
+
+
+def vision_family(model: torch.nn.Module) -> VisionFamily | None:
+    """The family that serves the model's images, or None (a text model, or a vision model no family serves)."""
+    for family in FAMILIES:
+        if family.matches(model):
+            return family(model)
+    return None
+
+
+def vision_refusal(model: torch.nn.Module) -> str | None:
+    """Why images of this model cannot be served (None when a family serves them, or it is no vision model)."""
+    if not is_vision_language(model) or vision_family(model) is not None:
+        return None
+    served = ", ".join(f"{family.name}" for family in FAMILIES)
+    return (f"{type(model).__name__} is a vision-language model that paged_hf does not serve images of yet (served: "
+            f"{served}); wrap it without a processor to serve its text")

@@ -1,0 +1,157 @@
+"""LLaVA on the paged engine: images in prompts give HF's own greedy tokens and top-5 logprobs (float64, HF's
+`generate` on the processor's outputs, one prompt at a time), batched with text-only requests, with a chunk boundary
+inside an image, with preemption, and through the prefix cache (the same image hits, another image never does)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_vlm import NUM_IMAGE_TOKENS, EncoderCalls, hf_generate, random_image, tiny_llava
+
+import paged_hf
+from paged_hf import SamplingParams
+
+MAX_NEW = 6
+PARAMS = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, logprobs=5)
+#: (text, image seeds): one image, one in the middle of the text, two images, and a text-only prompt
+PROMPTS = [
+    ("USER: <image> what is this ASSISTANT:", [1]),
+    ("USER: the image <image> is it hot or cold ASSISTANT:", [2]),
+    ("USER: <image> and <image> which is more ASSISTANT:", [3, 4]),
+    ("USER: tell me of the water ASSISTANT:", []),
+]
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return tiny_llava()
+
+
+def _prompt(text: str, seeds: list[int]):
+    images = [random_image(seed) for seed in seeds]
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+
+
+def _check_equal_hf(model, processor, outputs, prompts=PROMPTS):
+    for (text, seeds), output in zip(prompts, outputs):
+        tokens, top = hf_generate(model, processor, text, [random_image(seed) for seed in seeds], MAX_NEW)
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens, text
+        for step, (theirs, ours) in enumerate(zip(top, completion.logprobs)):
+            for token_id, value in theirs.items():
+                assert abs(ours[token_id] - value) < 1e-6, (text, step, token_id)
+
+
+def _engine(llava, **config):
+    model, processor = llava
+    return paged_hf.wrap(model, processor, block_size=4, **config).generator
+
+
+def test_images_batched_with_text_give_hf_tokens_and_logprobs(llava):
+    gen = _engine(llava, num_blocks=64)
+    calls = EncoderCalls(llava[0])
+    try:
+        outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+    finally:
+        calls.handle.remove()
+    assert calls.count == 4  # each image encoded once
+    assert outputs[0].prompt_token_ids.count(4) == NUM_IMAGE_TOKENS  # the processor's expanded placeholders
+    _check_equal_hf(*llava, outputs)
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids or \
+        outputs[0].outputs[0].logprobs != outputs[1].outputs[0].logprobs  # the images matter
+    assert gen.stats()["num_free_blocks"] == 64
+
+
+def test_a_chunk_boundary_inside_an_image_encodes_it_once(llava):
+    gen = _engine(llava, num_blocks=64, max_num_batched_tokens=8)  # each 16-token image spans 3 chunks
+    calls = EncoderCalls(llava[0])
+    try:
+        outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+    finally:
+        calls.handle.remove()
+    assert calls.count == 4
+    _check_equal_hf(*llava, outputs)
+
+
+def test_preemption_recomputes_images(llava):
+    gen = _engine(llava, num_blocks=12, max_num_batched_tokens=16, enable_prefix_caching=False)
+    outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+    assert gen.stats()["num_preemptions"] > 0
+    _check_equal_hf(*llava, outputs)
+    assert gen.stats()["num_free_blocks"] == 12
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_never_does(llava):
+    gen = _engine(llava, num_blocks=64)
+    calls = EncoderCalls(llava[0])
+    text = PROMPTS[0][0]  # 21 tokens: the image's 16 placeholders lie in the 5 full blocks before the last token
+    try:
+        first = gen.generate([_prompt(text, [1])], PARAMS, use_tqdm=False)
+        assert calls.count == 1 and gen.stats()["prefix_cache_hits"] == 0
+        again = gen.generate([_prompt(text, [1])], PARAMS, use_tqdm=False)
+        assert gen.stats()["prefix_cache_hits"] == 20 and calls.count == 1  # no vision tower for the hit
+        other = gen.generate([_prompt(text, [7])], PARAMS, use_tqdm=False)
+        assert gen.stats()["prefix_cache_hits"] == 20 and calls.count == 2  # block 0 already holds the image
+    finally:
+        calls.handle.remove()
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    _check_equal_hf(*llava, first + other, [(text, [1]), (text, [7])])
+
+
+def test_n_children_share_the_images_prompt(llava):
+    gen = _engine(llava, num_blocks=64)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, logprobs=5, n=2)
+    output = gen.generate([_prompt(*PROMPTS[2])], params, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == output.outputs[1].token_ids
+    _check_equal_hf(*llava, [output], [PROMPTS[2]])
+
+
+def test_token_ids_with_one_placeholder_per_image_are_expanded(llava):
+    model, processor = llava
+    gen = _engine(llava, num_blocks=64)
+    text, seeds = PROMPTS[2]
+    ids = processor.tokenizer(text)["input_ids"]
+    assert ids.count(4) == 2
+    images = [random_image(seed) for seed in seeds]
+    by_ids = gen.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, PARAMS, use_tqdm=False)
+    by_text = gen.generate(_prompt(text, seeds), PARAMS, use_tqdm=False)
+    assert by_ids[0].prompt_token_ids == by_text[0].prompt_token_ids
+    assert by_ids[0].outputs[0].token_ids == by_text[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": "USER: <image> hi", "multi_modal_data": {"video": [1]}}, "only 'image'"),
+    ({"prompt": "USER: <image> hi", "multi_modal_data": {"image": []}, "extra": 1}, "'extra'"),
+    ({"prompt_token_ids": [5, 4, 4, 6], "multi_modal_data": {"image": [random_image(0)]}}, "2 image tokens"),
+    ({"prompt": "USER: hi", "prompt_token_ids": [5]}, "exactly one"),
+    ({"prompt": "USER: <image> <image>", "multi_modal_data": {"image": [random_image(0)]}}, "processor refused"),
+])
+def test_bad_image_prompts_are_refused_at_submission(llava, prompt, message):
+    gen = _engine(llava, num_blocks=64)
+    with pytest.raises(ValueError, match=message):
+        gen.add_request(prompt, PARAMS)
+    assert not gen.has_unfinished_requests()
+
+
+def test_images_need_the_processor(llava):
+    model, processor = llava
+    gen = paged_hf.wrap(model, processor.tokenizer, block_size=4, num_blocks=64).generator
+    with pytest.raises(ValueError, match="needs the model's processor"):
+        gen.add_request(_prompt(*PROMPTS[0]), PARAMS)
+    with pytest.raises(ValueError, match="generate\\(\\), add_request\\(\\) and stream\\(\\) only"):
+        gen.beam_search([_prompt(*PROMPTS[0])], paged_hf.BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+def test_a_vision_language_model_no_family_serves_is_refused_at_wrap():
+    class PatchedLlava(torch.nn.Module):  # stands for any image-text-to-text class without a family
+        pass
+
+    import transformers
+
+    class OtherLlava(transformers.LlavaForConditionalGeneration):  # its forward may merge images otherwise
+        pass
+
+    model, processor = tiny_llava(model_class=OtherLlava)
+    with pytest.raises(paged_hf.UnsupportedModelError, match="OtherLlava is a vision-language model"):
+        paged_hf.wrap(model, processor, block_size=4, num_blocks=64)
+    paged_hf.wrap(model, processor.tokenizer, block_size=4, num_blocks=64)  # its text is still served
