@@ -75,10 +75,26 @@ def test_a_chunk_boundary_inside_an_image_encodes_it_once(llava):
 
 def test_preemption_recomputes_images(llava):
     gen = _engine(llava, num_blocks=12, max_num_batched_tokens=16, enable_prefix_caching=False)
-    outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
-    assert gen.stats()["num_preemptions"] > 0
+    calls = EncoderCalls(llava[0])
+    try:
+        outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+    finally:
+        calls.handle.remove()
+    assert gen.stats()["num_preemptions"] > 0 and calls.count >= 4
     _check_equal_hf(*llava, outputs)
     assert gen.stats()["num_free_blocks"] == 12
+
+
+def test_a_request_preempted_after_its_prefill_encodes_its_image_again(llava):
+    gen = _engine(llava, num_blocks=13, enable_prefix_caching=False)  # two 27-token requests need 14 blocks
+    calls = EncoderCalls(llava[0])
+    prompts = PROMPTS[:2]
+    try:
+        outputs = gen.generate([_prompt(text, seeds) for text, seeds in prompts], PARAMS, use_tqdm=False)
+    finally:
+        calls.handle.remove()
+    assert gen.stats()["num_preemptions"] > 0 and calls.count > 2  # the features were dropped after the prefill
+    _check_equal_hf(*llava, outputs, prompts)
 
 
 def test_the_same_image_hits_the_prefix_cache_and_another_never_does(llava):
@@ -143,9 +159,6 @@ def test_images_need_the_processor(llava):
 
 
 def test_a_vision_language_model_no_family_serves_is_refused_at_wrap():
-    class PatchedLlava(torch.nn.Module):  # stands for any image-text-to-text class without a family
-        pass
-
     import transformers
 
     class OtherLlava(transformers.LlavaForConditionalGeneration):  # its forward may merge images otherwise
