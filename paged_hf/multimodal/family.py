@@ -24,14 +24,19 @@ class VisionFamily:
         self.model = model
         self.image_token_id: int = model.config.image_token_id
 
-    def split(self, processed: Mapping) -> list[dict[str, torch.Tensor]]:
-        """The processor's batched image tensors -> one dict of encoder inputs per image, in prompt order."""
+    def split(self, processed: Mapping, counts: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The processor's batched image tensors -> one dict of encoder inputs per image, in prompt order
+        (`counts`: each image's placeholder tokens)."""
         raise NotImplementedError
 
     def replacement_ids(self, processor, processed: Mapping, index: int) -> list[int]:
         """The tokens the processor writes in place of image `index`'s placeholder (its `replace_image_token`)."""
         text = processor.replace_image_token(processed, image_idx=index)
         return processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def placeholder_counts(self, processor, processed: Mapping, token_ids: list[int], num_images: int) -> list[int]:
+        """How many placeholder tokens each image takes in `token_ids` (the processor's expanded prompt)."""
+        return [self.replacement_ids(processor, processed, i).count(self.image_token_id) for i in range(num_images)]
 
     def image_token_text(self, processor) -> str:
         """The placeholder as text in a prompt (what the user writes where an image goes)."""

@@ -24,7 +24,7 @@ class LlavaFamily(VisionFamily):
     def matches(model: torch.nn.Module) -> bool:
         return type(model) is LlavaForConditionalGeneration and type(model.model) is LlavaModel
 
-    def split(self, processed: Mapping) -> list[dict[str, torch.Tensor]]:
+    def split(self, processed: Mapping, counts: list[int]) -> list[dict[str, torch.Tensor]]:
         other = sorted(set(processed) - {"pixel_values", "input_ids", "attention_mask"})
         if other:
             raise ValueError(f"the LLaVA processor gave {other}: only pixel_values are served (one image per row)")

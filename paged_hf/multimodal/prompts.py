@@ -3,9 +3,9 @@
 vLLM's offline prompts are dicts: `{"prompt": text, "multi_modal_data": {"image": image or [images]}}` or
 `{"prompt_token_ids": ids, "multi_modal_data": ...}`. A text prompt goes through the processor exactly as a user
 calls it for HF's `generate` (`processor(text=..., images=..., return_tensors="pt")`), so the engine sees the same
-token ids and pixels as HF. Token ids go through the processor's image processor; each image's placeholder in them
-is either the single image token (expanded here to what the processor writes, its `replace_image_token`) or
-already expanded.
+token ids and pixels as HF. With token ids, the processor runs on a text of the images' placeholders alone (the same
+pixels as with any text); each image's placeholder in the ids is either the single image token (expanded here to
+what the processor writes, its `replace_image_token`) or already expanded.
 
 An item's span runs from its first to its last placeholder token; its content hash covers its processed pixels
 (`family.content_hash`), which the prefix cache mixes into the hash of every block the span overlaps.
@@ -63,36 +63,38 @@ class PromptProcessor:
         text = prompt.get("prompt")
         if "prompt" in prompt and not isinstance(text, str):
             raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+        family = self.family
+        # token ids: the processor runs on a prompt of the placeholders alone, for the same pixels and expansions
+        processor_text = text if text is not None else family.image_token_text(self.processor) * len(images)
         try:
-            if text is not None:
-                processed = self.processor(text=text, images=images, return_tensors="pt")
-                token_ids = processed["input_ids"][0].tolist()
-            else:
-                processed = self.processor.image_processor(images, return_tensors="pt")
-                token_ids = None
-            replacements = [self.family.replacement_ids(self.processor, processed, i) for i in range(len(images))]
+            processed = self.processor(text=processor_text, images=images, return_tensors="pt")
         except Exception as error:  # noqa: BLE001 - the processor's own refusal of this input, named
             raise ValueError(f"the processor refused the prompt's images: {type(error).__name__}: {error}") from None
-        data = self.family.split(processed)
-        if token_ids is None:
-            token_ids = self._expand(_token_id_list(prompt["prompt_token_ids"]), replacements)
-        token_id = self.family.image_token_id
-        counts = [ids.count(token_id) for ids in replacements]
-        return ProcessedPrompt(token_ids, placeholder_items(token_ids, token_id, counts, data))
+        token_ids = processed["input_ids"][0].tolist()
+        if text is None:
+            token_ids = self._expand(_token_id_list(prompt["prompt_token_ids"]), processed, token_ids, len(images))
+        counts = family.placeholder_counts(self.processor, processed, token_ids, len(images))
+        return ProcessedPrompt(token_ids, placeholder_items(token_ids, family.image_token_id, counts,
+                                                           family.split(processed, counts)))
 
-    def _expand(self, token_ids: list[int], replacements: list[list[int]]) -> list[int]:
+    def _expand(self, token_ids: list[int], processed, expanded_alone: list[int], num_images: int) -> list[int]:
         """Ids with one image token per image -> each replaced by what the processor writes; expanded ids as given."""
         token_id = self.family.image_token_id
         found = token_ids.count(token_id)
-        expanded = sum(ids.count(token_id) for ids in replacements)
+        expanded = expanded_alone.count(token_id)
         if found == expanded:
             return token_ids
-        if found != len(replacements):
-            raise ValueError(f"prompt_token_ids hold {found} image tokens (id {token_id}) for {len(replacements)} "
+        if found != num_images:
+            raise ValueError(f"prompt_token_ids hold {found} image tokens (id {token_id}) for {num_images} "
                              f"images: give one per image, or the {expanded} the processor writes")
-        out, images = [], iter(replacements)
+        try:
+            replacements = iter([self.family.replacement_ids(self.processor, processed, i) for i in range(num_images)])
+        except Exception as error:  # noqa: BLE001 - e.g. a processor whose expansion needs its own call's state
+            raise ValueError(f"this processor cannot expand an image token in prompt_token_ids ({error}): give "
+                             "the ids it writes (processor(text=..., images=...)['input_ids']) or a text prompt") from None
+        out = []
         for token in token_ids:
-            out.extend(next(images) if token == token_id else [token])
+            out.extend(next(replacements) if token == token_id else [token])
         return out
 
 

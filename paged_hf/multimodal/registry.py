@@ -12,9 +12,17 @@ import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from paged_hf.multimodal.family import VisionFamily
+from paged_hf.multimodal.idefics3 import Idefics3Family
 from paged_hf.multimodal.llava import LlavaFamily
 
-FAMILIES: tuple[type[VisionFamily], ...] = (LlavaFamily,)
+FAMILIES: tuple[type[VisionFamily], ...] = (LlavaFamily, Idefics3Family)
+#: why the images of some well-known families are not served yet, beyond "no family"
+REASONS = {
+    "Gemma3ForConditionalGeneration": "Gemma 3 attends bidirectionally among an image's tokens, and the paged "
+                                      "kernels mask causally only",
+    "Qwen2VLForConditionalGeneration": "Qwen2-VL's multimodal (3-D) rotary positions are not built by the engine",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL's multimodal (3-D) rotary positions are not built by the engine",
+}
 
 
 def _image_text_classes() -> set[str]:
@@ -42,5 +50,6 @@ def vision_refusal(model: torch.nn.Module) -> str | None:
     if not is_vision_language(model) or vision_family(model) is not None:
         return None
     served = ", ".join(f"{family.name}" for family in FAMILIES)
-    return (f"{type(model).__name__} is a vision-language model that paged_hf does not serve images of yet (served: "
-            f"{served}); wrap it without a processor to serve its text")
+    why = REASONS.get(type(model).__name__, "no vision family of paged_hf matches its classes")
+    return (f"{type(model).__name__} is a vision-language model whose images paged_hf does not serve yet: {why} "
+            f"(served: {served}); wrap it with its tokenizer instead of its processor to serve its text")

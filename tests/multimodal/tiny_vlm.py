@@ -1,5 +1,6 @@
-"""A tiny random LLaVA (CLIP vision tower, Llama language model, float64) with its processor built offline, random
-images, and HF's own `generate` on the processor's outputs: what the multimodal tests compare paged_hf against."""
+"""Tiny random vision-language models (float64) with their processors built offline: LLaVA (CLIP vision tower,
+Llama language model) and Idefics3 (SigLIP tiles, pixel shuffle, Llama); random images, and HF's own `generate` on
+the processor's outputs: what the multimodal tests compare paged_hf against."""
 
 from __future__ import annotations
 
@@ -14,26 +15,32 @@ from tiny_server import WORDS
 
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = 4
-NUM_IMAGE_TOKENS = 16  # (32 / 8) ** 2 patches; the CLS row is dropped ("default" feature strategy)
+NUM_IMAGE_TOKENS = 16  # LLaVA: (32 / 8) ** 2 patches; the CLS row is dropped ("default" feature strategy)
+#: Idefics3's tags (the image token first, so that its id is IMAGE_TOKEN_ID in both tokenizers)
+IDEFICS3_TOKENS = [IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                   *[f"<row_{r}_col_{c}>" for r in range(1, 4) for c in range(1, 4)]]
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    names = ["<pad>", "<s>", "</s>", "<unk>", IMAGE_TOKEN, "USER:", "ASSISTANT:", *WORDS]
+def tiny_tokenizer(specials=(IMAGE_TOKEN,)) -> PreTrainedTokenizerFast:
+    names = ["<pad>", "<s>", "</s>", "<unk>", *specials, "USER:", "ASSISTANT:", *WORDS]
     backend = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names[:128])}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>")
+
+
+def _text_config():
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    initializer_range=0.1)
 
 
 def tiny_llava(seed: int = 0, model_class=transformers.LlavaForConditionalGeneration):
     """-> (model, processor): float64, eval, no EOS (generation runs to max_new_tokens)."""
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, image_size=32, patch_size=8)
-    text = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                    initializer_range=0.1)
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
+    config = transformers.LlavaConfig(vision_config=vision, text_config=_text_config(), image_token_id=IMAGE_TOKEN_ID,
                                       vision_feature_layer=-2, vision_feature_select_strategy="default")
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float64).eval()
@@ -45,7 +52,25 @@ def tiny_llava(seed: int = 0, model_class=transformers.LlavaForConditionalGenera
     return model, processor
 
 
-def random_image(seed: int, size=(40, 50)) -> Image.Image:
+def tiny_idefics3(seed: int = 0):
+    """-> (model, processor): float64, eval, no EOS; images cut into 32-pixel tiles of 4 rows each (+ a global one)."""
+    vision = transformers.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, image_size=32, patch_size=8)
+    config = transformers.Idefics3Config(vision_config=vision, text_config=_text_config(), image_token_id=IMAGE_TOKEN_ID,
+                                         scale_factor=2)
+    torch.manual_seed(seed)
+    model = transformers.Idefics3ForConditionalGeneration(config).to(torch.float64).eval()
+    model.generation_config.eos_token_id = None
+    image_processor = transformers.Idefics3ImageProcessorPil(do_image_splitting=True, size={"longest_edge": 64},
+                                                             max_image_size={"longest_edge": 32})
+    processor = transformers.Idefics3Processor(image_processor=image_processor,
+                                               tokenizer=tiny_tokenizer(IDEFICS3_TOKENS), image_seq_len=4)
+    return model, processor
+
+
+def random_image(seed: int) -> Image.Image:
+    """Odd seeds are wide (Idefics3 cuts them into 1 x 2 tiles), even ones nearly square (2 x 2)."""
+    size = (20, 60) if seed % 2 else (40, 50)
     pixels = np.random.RandomState(seed).rand(*size, 3) * 255
     return Image.fromarray(pixels.astype("uint8"))
 
@@ -67,11 +92,12 @@ def hf_generate(model, processor, text: str, images, max_new_tokens: int) -> tup
 
 
 class EncoderCalls:
-    """Counts the images the vision tower encodes (a forward hook; one call per image in paged_hf)."""
+    """Counts the vision tower's calls (a forward hook): paged_hf calls it once per image."""
 
     def __init__(self, model):
         self.count = 0
-        self.handle = model.model.vision_tower.register_forward_hook(self._hook)
+        tower = getattr(model.model, "vision_tower", None) or model.model.vision_model
+        self.handle = tower.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
-        self.count += args[0].shape[0] if args else 1
+        self.count += 1

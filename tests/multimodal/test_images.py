@@ -1,0 +1,229 @@
+"""Vision-language models on the paged engine (LLaVA, Idefics3): images in prompts give HF's own greedy tokens and
+top-5 logprobs (float64, HF's `generate` on the processor's outputs, one prompt at a time), batched with text-only
+requests, with a chunk boundary inside an image, with preemption, and through the prefix cache (the same image hits,
+another image never does)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_vlm import IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS, EncoderCalls, hf_generate, random_image, tiny_idefics3, tiny_llava
+
+import paged_hf
+from paged_hf import SamplingParams
+
+MAX_NEW = 6
+PARAMS = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, logprobs=5, ignore_eos=True)  # HF: no EOS set
+#: (text, image seeds): one image, one in the middle of the text, two images, and a text-only prompt
+PROMPTS = [
+    ("USER: <image> what is this ASSISTANT:", [1]),
+    ("USER: the image <image> is it hot or cold ASSISTANT:", [2]),
+    ("USER: <image> and <image> which is more ASSISTANT:", [3, 4]),
+    ("USER: tell me of the water ASSISTANT:", []),
+]
+
+
+@pytest.fixture(scope="module", params=["llava", "idefics3"])
+def vlm(request):
+    return tiny_llava() if request.param == "llava" else tiny_idefics3()
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return tiny_llava()
+
+
+def _blocks_needed(processor, text: str, seeds: list[int]) -> int:
+    """KV blocks (of 4 tokens) a prompt and its MAX_NEW tokens take."""
+    images = [random_image(seed) for seed in seeds]
+    num_tokens = len(processor(text=text, images=images or None)["input_ids"][0]) + MAX_NEW
+    return -(-num_tokens // 4)
+
+
+def _prompt(text: str, seeds: list[int]):
+    images = [random_image(seed) for seed in seeds]
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+
+
+def _check_equal_hf(model, processor, outputs, prompts=PROMPTS):
+    for (text, seeds), output in zip(prompts, outputs):
+        tokens, top = hf_generate(model, processor, text, [random_image(seed) for seed in seeds], MAX_NEW)
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens, text
+        for step, (theirs, ours) in enumerate(zip(top, completion.logprobs)):
+            for token_id, value in theirs.items():
+                assert abs(ours[token_id] - value) < 1e-6, (text, step, token_id)
+
+
+def _engine(vlm, **config):
+    model, processor = vlm
+    return paged_hf.wrap(model, processor, block_size=4, **config).generator
+
+
+def test_images_batched_with_text_give_hf_tokens_and_logprobs(vlm):
+    gen = _engine(vlm, num_blocks=64)
+    calls = EncoderCalls(vlm[0])
+    try:
+        outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+    finally:
+        calls.handle.remove()
+    assert calls.count == 4  # each image encoded once
+    assert outputs[0].prompt_token_ids.count(IMAGE_TOKEN_ID) > 1  # the processor's expansion
+    _check_equal_hf(*vlm, outputs)
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids or \
+        outputs[0].outputs[0].logprobs != outputs[1].outputs[0].logprobs  # the images matter
+    assert gen.stats()["num_free_blocks"] == 64
+
+
+def test_a_chunk_boundary_inside_an_image_encodes_it_once(vlm):
+    gen = _engine(vlm, num_blocks=64, max_num_batched_tokens=8)  # every image spans several chunks
+    calls = EncoderCalls(vlm[0])
+    try:
+        outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+    finally:
+        calls.handle.remove()
+    assert calls.count == 4
+    _check_equal_hf(*vlm, outputs)
+
+
+def test_preemption_recomputes_images(vlm):
+    most = max(_blocks_needed(vlm[1], text, seeds) for text, seeds in PROMPTS)
+    gen = _engine(vlm, num_blocks=most + 1, max_num_batched_tokens=16, enable_prefix_caching=False)
+    calls = EncoderCalls(vlm[0])
+    try:
+        outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+    finally:
+        calls.handle.remove()
+    assert gen.stats()["num_preemptions"] > 0 and calls.count >= 4
+    _check_equal_hf(*vlm, outputs)
+    assert gen.stats()["num_free_blocks"] == most + 1
+
+
+def test_a_request_preempted_after_its_prefill_encodes_its_image_again(vlm):
+    prompts = PROMPTS[:2]
+    needed = sum(_blocks_needed(vlm[1], text, seeds) for text, seeds in prompts)
+    gen = _engine(vlm, num_blocks=needed - 1, enable_prefix_caching=False)  # one block short: one decode preempts
+    calls = EncoderCalls(vlm[0])
+    try:
+        outputs = gen.generate([_prompt(text, seeds) for text, seeds in prompts], PARAMS, use_tqdm=False)
+    finally:
+        calls.handle.remove()
+    assert gen.stats()["num_preemptions"] > 0 and calls.count > 2  # the features were dropped after the prefill
+    _check_equal_hf(*vlm, outputs, prompts)
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_never_does(vlm):
+    gen = _engine(vlm, num_blocks=64)
+    calls = EncoderCalls(vlm[0])
+    text = PROMPTS[0][0]
+    try:
+        first = gen.generate([_prompt(text, [1])], PARAMS, use_tqdm=False)
+        ids = first[0].prompt_token_ids
+        num_hit = (len(ids) - 1) // 4 * 4  # full blocks before the last token
+        assert max(p for p, t in enumerate(ids) if t == IMAGE_TOKEN_ID) < num_hit  # the image lies in them
+        assert calls.count == 1 and gen.stats()["prefix_cache_hits"] == 0
+        again = gen.generate([_prompt(text, [1])], PARAMS, use_tqdm=False)
+        assert gen.stats()["prefix_cache_hits"] == num_hit and calls.count == 1  # no vision tower for the hit
+        other = gen.generate([_prompt(text, [3])], PARAMS, use_tqdm=False)  # the same tiling, another image
+        assert other[0].prompt_token_ids == ids
+        assert gen.stats()["prefix_cache_hits"] == num_hit and calls.count == 2  # block 0 already holds the image
+    finally:
+        calls.handle.remove()
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    _check_equal_hf(*vlm, first + other, [(text, [1]), (text, [3])])
+
+
+def test_n_children_share_the_images_prompt(vlm):
+    gen = _engine(vlm, num_blocks=64)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, logprobs=5, n=2, ignore_eos=True)
+    output = gen.generate([_prompt(*PROMPTS[2])], params, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == output.outputs[1].token_ids
+    _check_equal_hf(*vlm, [output], [PROMPTS[2]])
+
+
+def test_token_ids_with_one_placeholder_per_image_are_expanded(llava):
+    model, processor = llava
+    gen = _engine(llava, num_blocks=64)
+    text, seeds = PROMPTS[2]
+    ids = processor.tokenizer(text)["input_ids"]
+    assert ids.count(4) == 2
+    images = [random_image(seed) for seed in seeds]
+    by_ids = gen.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, PARAMS, use_tqdm=False)
+    by_text = gen.generate(_prompt(text, seeds), PARAMS, use_tqdm=False)
+    assert by_ids[0].prompt_token_ids == by_text[0].prompt_token_ids
+    assert by_ids[0].outputs[0].token_ids == by_text[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": "USER: <image> hi", "multi_modal_data": {"video": [1]}}, "only 'image'"),
+    ({"prompt": "USER: <image> hi", "multi_modal_data": {"image": []}, "extra": 1}, "'extra'"),
+    ({"prompt_token_ids": [5, 4, 4, 6], "multi_modal_data": {"image": [random_image(0)]}}, "2 image tokens"),
+    ({"prompt": "USER: hi", "prompt_token_ids": [5]}, "exactly one"),
+    ({"prompt": "USER: <image> <image>", "multi_modal_data": {"image": [random_image(0)]}}, "processor refused"),
+])
+def test_bad_image_prompts_are_refused_at_submission(llava, prompt, message):
+    gen = _engine(llava, num_blocks=64)
+    with pytest.raises(ValueError, match=message):
+        gen.add_request(prompt, PARAMS)
+    assert not gen.has_unfinished_requests()
+
+
+def test_images_need_the_processor(llava):
+    model, processor = llava
+    gen = paged_hf.wrap(model, processor.tokenizer, block_size=4, num_blocks=64).generator
+    with pytest.raises(ValueError, match="needs the model's processor"):
+        gen.add_request(_prompt(*PROMPTS[0]), PARAMS)
+    with pytest.raises(ValueError, match="generate\\(\\), add_request\\(\\) and stream\\(\\) only"):
+        gen.beam_search([_prompt(*PROMPTS[0])], paged_hf.BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+def _tiny_gemma3():
+    import transformers
+
+    text = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, image_size=32, patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=4, boi_token_index=5, eoi_token_index=6)
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
+def _other_llava():
+    import transformers
+
+    class OtherLlava(transformers.LlavaForConditionalGeneration):  # its forward may merge images otherwise
+        pass
+
+    return tiny_llava(model_class=OtherLlava)[0]
+
+
+@pytest.mark.parametrize("make, message", [
+    (_other_llava, "OtherLlava is a vision-language model whose images paged_hf does not serve yet: no vision family"),
+    (_tiny_gemma3, "Gemma3ForConditionalGeneration .* attends bidirectionally among an image's tokens"),
+])
+def test_a_vision_language_model_no_family_serves_is_refused_at_wrap(llava, make, message):
+    model = make()
+    with pytest.raises(paged_hf.UnsupportedModelError, match=message):
+        paged_hf.wrap(model, llava[1], block_size=4, num_blocks=64)
+
+
+def test_its_text_is_still_served_with_its_tokenizer(llava):
+    model = _other_llava()
+    gen = paged_hf.wrap(model, llava[1].tokenizer, block_size=4, num_blocks=64).generator
+    assert gen.generate("USER: hot ASSISTANT:", PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_idefics3_takes_expanded_token_ids_and_refuses_to_expand_one_token():
+    model, processor = tiny_idefics3()
+    gen = paged_hf.wrap(model, processor, block_size=4, num_blocks=64).generator
+    text, seeds = PROMPTS[2]
+    images = [random_image(seed) for seed in seeds]
+    expanded = processor(text=text, images=images)["input_ids"][0]
+    by_ids = gen.generate({"prompt_token_ids": list(expanded), "multi_modal_data": {"image": images}}, PARAMS,
+                          use_tqdm=False)
+    by_text = gen.generate(_prompt(text, seeds), PARAMS, use_tqdm=False)
+    assert by_ids[0].outputs[0].token_ids == by_text[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="cannot expand an image token"):
+        gen.add_request({"prompt_token_ids": processor.tokenizer(text)["input_ids"],
+                         "multi_modal_data": {"image": images}}, PARAMS)
