@@ -227,3 +227,19 @@ def test_idefics3_takes_expanded_token_ids_and_refuses_to_expand_one_token():
     with pytest.raises(ValueError, match="cannot expand an image token"):
         gen.add_request({"prompt_token_ids": processor.tokenizer(text)["input_ids"],
                          "multi_modal_data": {"image": images}}, PARAMS)
+
+
+def test_a_prefix_hit_that_ends_inside_an_image_takes_the_rest_of_its_rows(vlm):
+    gen = _engine(vlm, num_blocks=64, max_num_batched_tokens=8)
+    text, seeds = PROMPTS[0]
+    first = gen.add_request(_prompt(text, seeds), PARAMS)
+    gen.step()  # 8 tokens computed (2 full blocks, cut inside the image), then aborted: its blocks stay cached
+    gen.abort(first)
+    gen.step()
+    calls = EncoderCalls(vlm[0])
+    try:
+        outputs = gen.generate([_prompt(text, seeds)], PARAMS, use_tqdm=False)
+    finally:
+        calls.handle.remove()
+    assert gen.stats()["prefix_cache_hits"] == 8 and calls.count == 1
+    _check_equal_hf(*vlm, outputs, [(text, seeds)])
