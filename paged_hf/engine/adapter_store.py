@@ -25,6 +25,7 @@ from paged_hf.config.groups import LoRAConfig
 from paged_hf.core.request import Request
 from paged_hf.engine.adapters import lora_manager
 from paged_hf.integrations.lora import LoRAManager
+from paged_hf.engine.image_prompts import check_adapter
 from paged_hf.integrations.peft import AdapterFiles, LoRAAdapter, adapter_folder_under, read_adapter_files
 from paged_hf.utils import percentile
 from paged_hf.worker.distributed import is_multi_rank
@@ -125,6 +126,12 @@ class AdapterStore:
             if is_ready(request):
                 continue
             adapter = manager.adapters.get(request.adapter)
+            if adapter is not None and request.mm_items:  # images meet no adapter of the vision encoder
+                try:
+                    check_adapter(self.runner.vision, adapter, request.mm_items)
+                except ValueError as error:
+                    failed.append((request, error))
+                    continue
             if adapter is not None:
                 for sequence in (request, *request.pending_forks):
                     sequence.lora, sequence.adapter_version = adapter, adapter.version

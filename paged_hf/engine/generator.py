@@ -29,7 +29,7 @@ from paged_hf.engine.adapters import adapter_slots, lora_manager, split_peft_mod
 from paged_hf.engine.embedding import embedding_group
 from paged_hf.engine.face import EngineFace, EngineLimits, Preparation
 from paged_hf.engine.hybrid import hybrid_config
-from paged_hf.engine.image_prompts import prompt_and_items, prompt_processor, split_processor
+from paged_hf.engine.image_prompts import check_adapter, prompt_and_items, prompt_processor, split_processor
 from paged_hf.engine.pipeline_step import PipelineStep, pipeline_config
 from paged_hf.engine.request_builder import RequestBuilder
 from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
@@ -132,6 +132,7 @@ class ContinuousBatchGenerator(EngineFace):
         self.check_fits(prompt_ids, params)
         check_token_ids(params, self.info.vocab_size)
         lora = self.resolve_adapter(adapter)
+        check_adapter(self.runner.vision, lora, mm_items)  # images meet no adapter of the vision encoder
         if adapter is not None and self.speculator is not None and not self.speculator.proposer.serves_adapters:
             raise ValueError(f"adapter {adapter!r}: this engine speculates with a draft model, which serves "
                              f"base-model requests only (the ngram method serves any adapter)")

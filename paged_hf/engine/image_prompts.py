@@ -50,6 +50,18 @@ def prompt_and_items(engine, prompt) -> tuple[list[int], list]:
     return engine.prompt_token_ids(processed.token_ids), processed.items
 
 
+def check_adapter(family, lora, mm_items: list) -> None:
+    """ValueError for images with an adapter that has LoRA weights in the vision tower or projector: the engine
+    routes an adapter through the language model's steps only, so those images would be encoded without it."""
+    if family is None or lora is None or not mm_items:
+        return
+    modules = family.encoder_lora_modules(lora.weights)
+    if modules:
+        raise ValueError(f"adapter {lora.name!r} has LoRA weights in the vision encoder ({modules[0]}, ...), which "
+                         "paged_hf does not apply to images yet: use it for text prompts, or an adapter of the "
+                         "language model only")
+
+
 def process_prompt(prompt: Mapping, processor: PromptProcessor | None, tokenizer, not_served: str | None) -> ProcessedPrompt:
     """A prompt dict -> its token ids and image items. `not_served`: why this engine takes no images, or None."""
     images = prompt_images(prompt)

@@ -19,6 +19,7 @@ class VisionFamily:
     """One family's answers; a subclass per family (`llava.py`), chosen by `registry.vision_family`."""
 
     name = ""
+    encoder_modules: tuple[str, ...] = ()  # module paths of the vision tower and projector (what `encode` runs)
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -54,6 +55,11 @@ class VisionFamily:
         """-> [num_embeds, hidden_size]: the rows that fill the image's placeholders, in order (pixels cast to the
         vision tower's dtype and device, as a user casts them for HF's generate)."""
         raise NotImplementedError
+
+    def encoder_lora_modules(self, module_paths) -> list[str]:
+        """Of a LoRA adapter's module paths, those in the vision tower or projector: the engine applies an adapter
+        in the language model's steps only, so images must not meet such an adapter."""
+        return sorted(p for p in module_paths if any(p == m or p.startswith(m + ".") for m in self.encoder_modules))
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[1, num_tokens] -> [1, num_tokens, hidden_size]: the token embeddings, as the model's forward takes them."""

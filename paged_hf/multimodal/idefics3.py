@@ -21,6 +21,7 @@ from paged_hf.multimodal.family import VisionFamily
 
 class Idefics3Family(VisionFamily):
     name = "idefics3"
+    encoder_modules = ("model.vision_model", "model.connector")
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(model)

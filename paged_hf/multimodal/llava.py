@@ -19,6 +19,7 @@ from paged_hf.multimodal.family import VisionFamily
 
 class LlavaFamily(VisionFamily):
     name = "llava"
+    encoder_modules = ("model.vision_tower", "model.multi_modal_projector")
 
     @staticmethod
     def matches(model: torch.nn.Module) -> bool:

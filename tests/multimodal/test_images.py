@@ -243,3 +243,53 @@ def test_a_prefix_hit_that_ends_inside_an_image_takes_the_rest_of_its_rows(vlm):
         calls.handle.remove()
     assert gen.stats()["prefix_cache_hits"] == 8 and calls.count == 1
     _check_equal_hf(*vlm, outputs, [(text, seeds)])
+
+
+def _peft_generate(peft_model, processor, text: str, images) -> list[int]:
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.float64)
+    out = peft_model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_a_language_model_adapter_serves_image_prompts(llava, tmp_path):
+    from conftest import make_adapter
+
+    model, processor = llava
+    peft_model = make_adapter(model, tmp_path / "a", seed=1, r=4, lora_alpha=8,
+                              target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    gen = _engine(llava, num_blocks=64)
+    gen.load_adapter("a", str(tmp_path / "a"))
+    text, seeds = PROMPTS[2]
+    images = [random_image(seed) for seed in seeds]
+    outputs = gen.generate([_prompt(text, seeds), _prompt(text, seeds)], PARAMS, adapters=["a", None], use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == _peft_generate(peft_model, processor, text, images)
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the adapter matters
+    _check_equal_hf(model, processor, outputs[1:], [PROMPTS[2]])
+
+
+def test_an_adapter_of_the_vision_tower_is_refused_with_images(llava, tmp_path):
+    from conftest import make_adapter
+
+    model, _ = llava
+    make_adapter(model, tmp_path / "v", seed=1, r=4, target_modules=["q_proj", "v_proj"])  # CLIP's too
+    gen = _engine(llava, num_blocks=64)
+    gen.load_adapter("v", str(tmp_path / "v"))
+    with pytest.raises(ValueError, match="LoRA weights in the vision encoder \\(model.vision_tower"):
+        gen.add_request(_prompt(*PROMPTS[0]), PARAMS, adapter="v")
+    assert gen.generate([_prompt(*PROMPTS[3])], PARAMS, adapters="v", use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_an_adapter_read_after_submission_is_checked_when_it_binds(llava, tmp_path):
+    from conftest import make_adapter
+
+    model, _ = llava
+    make_adapter(model, tmp_path / "v", seed=1, r=4, target_modules=["q_proj", "v_proj"])
+    gen = _engine(llava, num_blocks=64, lora_root=str(tmp_path))  # "v" is read on first use
+    gen.add_request(_prompt(*PROMPTS[0]), PARAMS, adapter="v")
+    finals = []
+    while gen.has_unfinished_requests():  # the request waits for the read, then fails alone
+        finals += [output for output in gen.step() if output.finished]
+    [output] = finals
+    assert "vision encoder" in output.error
+    assert gen.stats()["num_free_blocks"] == 64
