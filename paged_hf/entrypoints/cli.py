@@ -3,6 +3,7 @@
     paged-hf generate prompts.jsonl -o outputs.jsonl [--model M] [engine flags]
     paged-hf bench --workload mixed --out bench_out [--systems paged_hf,hf_static_8] [--requests N]
     paged-hf bench --workload embed [--concurrency 32] [--requests 256]   (/v1/embeddings beside sentence-transformers)
+    paged-hf bench --streams 1,2,4,8,16 [--precisions float32,bfloat16,int8,w4a16]   (against llama.cpp)
     paged-hf bench --serve [--concurrency 32] [--request-rate R] [--vllm-python .venv-vllm/bin/python]
     paged-hf serve [MODEL] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API; vLLM's flags too)
     paged-hf proxy --prefill URL --decode URL [--port 8000]   (disaggregated prefill and decode: the router)
@@ -19,6 +20,7 @@ import sys
 from paged_hf.bench import run_bench
 from paged_hf.bench.model_shapes import MODEL_SHAPES
 from paged_hf.bench.disaggregated import run_disaggregated_bench
+from paged_hf.bench.peer import add_peer_args, run_peer_bench
 from paged_hf.bench.serve import run_serve_bench
 from paged_hf.bench.step_profile import run_profile
 from paged_hf.bench.systems import SYSTEM_NAMES, worker_main
@@ -150,7 +152,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.profile:
         return run_profile(args)
     if args.serve:
-        return run_disaggregated_bench(args) if args.disaggregated else run_serve_bench(args)
+        if args.disaggregated:
+            args.streams = int(args.streams or 16)
+            return run_disaggregated_bench(args)
+        return run_serve_bench(args)
+    if args.streams:
+        return run_peer_bench(args)
     return run_bench(args)
 
 
@@ -167,7 +174,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disaggregated", action="store_true", help="1 prefill + 1 decode instance against 2 "
                        "replicas, each on one core, behind paged-hf proxy: short streams of --output-len tokens "
                        "beside long prompts arriving at --request-rate (paged_hf.bench.disaggregated)")
-    group.add_argument("--streams", type=int, default=16, help="--disaggregated: short-prompt streams (default: 16)")
+    group.add_argument("--streams", default=None, help="--disaggregated: short-prompt streams (default: 16); "
+                       "without --serve: stream counts, e.g. 1,2,4,8,16: paged_hf against llama.cpp at each "
+                       "precision (paged_hf.bench.peer; `make bench-llamacpp` builds llama.cpp)")
     group.add_argument("--long-prompts", type=int, default=8, help="--disaggregated: long prompts (default: 8)")
     group.add_argument("--long-input-len", type=int, default=2000, help="--disaggregated: their tokens (2000)")
 
@@ -203,6 +212,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--profile-seqs", type=int, default=64, help="--profile: decoding sequences (default: 64)")
     bench.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     add_serve_bench_args(bench)
+    add_peer_args(bench)
     add_model_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)

@@ -1,0 +1,90 @@
+"""paged_hf's side of the llama.cpp comparison (:mod:`.peer`): one precision, every stream count, in a fresh process.
+
+As a user runs it: ``paged_hf.LLM(path, dtype=..., quantization=...)`` and ``generate`` with greedy sampling, EOS
+ignored. N streams are N prompts of 32 random tokens given at once; the run is timed whole (prefill and decode)
+and its tok/s is N x 128 / seconds, as llama-batched-bench's whole run is. Each count: one warm-up run of the same
+N (16 new tokens), then three timed runs, the median taken. Every run has prompts of its own, so that no run
+finds an earlier one's prompt in the prefix cache (llama.cpp clears its cache between runs too).
+
+Run as ``python -m paged_hf.bench.peer_paged SPEC.json``; the result (JSON) goes to the spec's ``result_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+import paged_hf
+from paged_hf.bench.machine import peak_rss_bytes, step_weight_bytes
+from paged_hf.utils import cdiv
+
+WARMUP_TOKENS = 16
+BLOCK_SIZE = 16
+
+
+def random_prompts(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` token ids drawn from the vocabulary's ordinary tokens (no special ones)."""
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(vocab), (count, length), generator=generator)
+    return [[vocab[i] for i in row] for row in picks.tolist()]
+
+
+def time_streams(llm, streams: int, prompt_tokens: int, new_tokens: int, rounds: int, seed: int) -> dict:
+    """`streams` prompts at once: the warm-up, then `rounds` timed runs -> the median run's seconds and tok/s."""
+    tokenizer = llm.get_tokenizer()
+    params = paged_hf.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    warmup = paged_hf.SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+    llm.generate(random_prompts(tokenizer, streams, prompt_tokens, seed), warmup, use_tqdm=False)
+    walls = []
+    for number in range(rounds):
+        prompts = random_prompts(tokenizer, streams, prompt_tokens, seed + 1 + number)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+        counts = {len(output.outputs[0].token_ids) for output in outputs}
+        if counts != {new_tokens}:
+            raise RuntimeError(f"expected {new_tokens} new tokens per stream, got {sorted(counts)}")
+    seconds = statistics.median(walls)
+    return {"seconds": seconds, "tokens_per_s": streams * new_tokens / seconds,
+            "runs_tokens_per_s": [streams * new_tokens / wall for wall in walls]}
+
+
+def run_spec(spec: dict) -> dict:
+    """Load the model once at the spec's precision and time every stream count."""
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    streams, prompt_tokens, new_tokens = spec["streams"], spec["prompt_tokens"], spec["new_tokens"]
+    blocks = max(streams) * cdiv(prompt_tokens + new_tokens, BLOCK_SIZE) + 8  # all streams at once, no more
+    start = time.perf_counter()
+    llm = paged_hf.LLM(spec["model"], dtype=spec["dtype"], device="cpu", quantization=spec["quantization"],
+                       num_blocks=blocks, block_size=BLOCK_SIZE)
+    load_s = time.perf_counter() - start
+    results = {}
+    for count in streams:
+        results[str(count)] = time_streams(llm, count, prompt_tokens, new_tokens, spec["rounds"], spec["seed"])
+    return {"streams": results, "load_s": load_s, "step_weight_bytes": step_weight_bytes(llm.paged_model.unwrap()),
+            "num_threads": torch.get_num_threads(), "peak_rss_bytes": peak_rss_bytes()}
+
+
+def main(spec_path: str) -> int:
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    try:
+        result = run_spec(spec)
+    except Exception as exc:  # reported in the table as this precision's error; the others still run
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(spec["result_path"], "w") as fh:
+        json.dump(result, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
