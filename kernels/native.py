@@ -34,6 +34,7 @@ LORA_SOURCE = CSRC / "lora_sgmv.cpp"
 LAYER_OPS_SOURCE = CSRC / "layer_ops.cpp"
 QUANT_GEMM_SOURCE = CSRC / "quant_gemm.cpp"
 SMALL_GEMM_SOURCE = CSRC / "small_gemm.cpp"
+LEAN_LAYER_SOURCE = CSRC / "lean_layer.cpp"
 #: included by the sources: part of every build's cache key
 HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h", CSRC / "quant_gemm_avx512.h", CSRC / "quant_gemm_bf16.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
@@ -143,6 +144,13 @@ def load_small_gemm(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     `kernels.small_gemm`. `extra_flags`: e.g. ("-mno-avx512bf16",) builds the loop for CPUs without AVX512-BF16
     (tests). Raises NativeBuildError when it cannot be built."""
     return _load(SMALL_GEMM_SOURCE, None, extra_flags)
+
+
+@functools.lru_cache(maxsize=None)
+def load_lean_layer() -> ctypes.CDLL:
+    """A lean decoder layer as one call of the other libraries' entry points (worker/fast_paths/native_layer.py),
+    built on first use. Raises NativeBuildError when it cannot be built."""
+    return _load(LEAN_LAYER_SOURCE, None)
 
 
 def _load(source: Path, head_dim: int | None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:

@@ -65,6 +65,12 @@ class SmallLinear:
         self._rows = (ctypes.c_int64 * count)(*[w.shape[0] for w in weights])
         self._biases = (ctypes.c_void_p * count)(*[None if b is None else b.data_ptr() for b in biases])
 
+    def segments(self) -> tuple[int, int, int, int]:
+        """(the weights' address array, their row counts, the biases' addresses, how many): what a compiled caller
+        passes to this library's entry point (worker/fast_paths/native_layer.py); valid while this object lives."""
+        return (ctypes.addressof(self._pointers), ctypes.addressof(self._rows), ctypes.addressof(self._biases),
+                len(self.weights))
+
     @staticmethod
     def usable(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
         """Contiguous CPU weights of one dtype this library computes, one in_features, biases of that dtype."""

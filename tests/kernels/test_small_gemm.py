@@ -105,15 +105,21 @@ def test_the_loop_for_cpus_without_avx512_bf16_gives_the_same_values():
 
 def test_a_decode_step_of_one_request_runs_through_it_and_gives_hfs_tokens(monkeypatch):
     """float32: the default path's tokens are HF's; every linear of a decode step (and the LM head) took the
-    small-row loops."""
+    small-row loops: the LM head through SmallLinear, the layers' through the compiled layer's calls of the same
+    loops (worker/fast_paths/native_layer.py) or through SmallLinear where that is off."""
     model = tiny_model("llama", dtype=torch.float32)
     prompt = random_prompts([12])[0]
     expected = hf_greedy(model, prompt, 8)
     calls = []
     original = SmallLinear.__call__
     monkeypatch.setattr(SmallLinear, "__call__", lambda self, x: calls.append(self.out_features) or original(self, x))
-    engine = paged_hf.wrap(model, num_blocks=32).generator
-    output = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0), use_tqdm=False)[0]
-    assert output.outputs[0].token_ids == expected
-    per_step = 2 * 4 + 1  # two layers of q/k/v, o_proj, gate/up, down_proj, and the LM head
-    assert len(calls) >= 7 * per_step and model.config.vocab_size in calls
+    for native in (True, False):
+        engine = paged_hf.wrap(model, num_blocks=32).generator
+        layers = engine.runner.fused_layers.lean.native
+        layers.enabled, before = native, layers.served
+        calls.clear()
+        output = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0), use_tqdm=False)[0]
+        assert output.outputs[0].token_ids == expected
+        served = layers.served - before
+        assert 4 * served + len(calls) >= 7 * (2 * 4 + 1)  # 2 layers' q/k/v, o_proj, gate/up, down; the LM head
+        assert calls.count(model.config.vocab_size) >= 7 and (served > 0) is native

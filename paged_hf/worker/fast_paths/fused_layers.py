@@ -66,12 +66,17 @@ class ProjectionGroup:
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._served: set[int] = set()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused projection of x: [..., sum of the out_features]."""
+    def current(self) -> ProjectionGroup:
+        """The group on its linears' weights as they are now (built again when one was changed or replaced)."""
         if self._built_from is None or any(a is not b or u != v for (a, u), (b, v) in zip(self._versions(),
                                                                                           self._built_from)):
             self._build()
             self._built_from = self._versions()  # after: a stack of quantized linears re-points their weights
+        return self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused projection of x: [..., sum of the out_features]."""
+        self.current()
         if self.quantized:  # switched as the linears are now (the engine probe computes W8A8 as W8A16)
             self.stack.take_modes(self.linears[0])
             return self.stack(x)

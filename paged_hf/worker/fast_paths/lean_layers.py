@@ -25,6 +25,7 @@ from paged_hf.integrations.transformers import check_step_call, paged_attention_
 from paged_hf.kernels import layer_ops
 from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import attention_function
+from paged_hf.worker.fast_paths.native_layer import NativeLayers, NativeStep
 from paged_hf.worker.fast_paths.packed_linears import PackedLinear
 
 
@@ -37,6 +38,7 @@ class LeanDecodes:
         self.fitting: dict = {}  # layer -> its shapes fit the lean calls (fixed for the model and its cache)
         self._made_for: tuple | None = None  # (the cache's step metadata, the rotary tables) it was made for
         self._step: LeanStep | None = None
+        self.native = NativeLayers()  # a layer in one compiled call where its linears are the few-row loops'
 
     def run(self, layer, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache,
             kwargs: dict) -> torch.Tensor | None:
@@ -46,7 +48,7 @@ class LeanDecodes:
         made_for, metadata = self._made_for, getattr(cache, "metadata", None)
         if made_for is None or made_for[0] is not metadata or made_for[1] is not position_embeddings:
             self._made_for = (metadata, position_embeddings)
-            self._step = LeanStep.of(cache, hidden_states, position_embeddings, self.fitting)
+            self._step = LeanStep.of(cache, hidden_states, position_embeddings, self.fitting, self.native)
         output = None if self._step is None else self._step.run(layer, hidden_states, attention_mask, kwargs)
         self.layers_served += output is not None
         return output
@@ -60,17 +62,19 @@ class LeanStep:
     tables and the slots the step's K/V go to."""
 
     def __init__(self, cache, ops: layer_ops.RowOps, shape: torch.Size, cos: torch.Tensor, sin: torch.Tensor,
-                 fitting: dict):
+                 fitting: dict, native_layers: NativeLayers):
         self.cache, self.ops, self.shape, self.cos, self.sin = cache, ops, shape, cos, sin
         self.slots = cache.metadata.slot_mapping
         self.fitting = fitting  # layer -> _fits, kept by LeanDecodes
+        self.native_layers, self.native = native_layers, NativeStep(self, ops.dtype)
         self.paged_configs: dict[int, bool] = {}  # id of a config -> _calls_paged
         # what a layer's own calls read and forget before the next layer: made once a step, not once a layer
         self.normed, self.residual = torch.empty(shape, dtype=ops.dtype), torch.empty(shape, dtype=ops.dtype)
         self.buffers: dict[tuple, torch.Tensor] = {}  # shape -> the inputs of o_proj and down_proj
 
     @classmethod
-    def of(cls, cache, hidden_states: torch.Tensor, position_embeddings: tuple, fitting: dict) -> LeanStep | None:
+    def of(cls, cache, hidden_states: torch.Tensor, position_embeddings: tuple, fitting: dict,
+           native_layers: NativeLayers) -> LeanStep | None:
         """For a paged step on this thread whose hidden states are [1, tokens, hidden] contiguous CPU rows of a
         bfloat16/float32 model, with rotary tables [1, tokens, head_dim] alike; else None."""
         if step_cache() is not cache or not cache.in_step or len(position_embeddings) != 2:
@@ -85,7 +89,7 @@ class LeanStep:
         if not all(_rows(t, ops.dtype) and t.shape == cos.shape and t.shape[:2] == hidden_states.shape[:2]
                    for t in (cos, sin)):
             return None
-        return cls(cache, ops, hidden_states.shape, cos, sin, fitting)
+        return cls(cache, ops, hidden_states.shape, cos, sin, fitting, native_layers)
 
     def run(self, layer, x: torch.Tensor, attention_mask, kwargs: dict) -> torch.Tensor | None:
         parts = layer.parts
@@ -102,9 +106,15 @@ class LeanStep:
         if qkv_of is None or gate_up_of is None:
             return None
         check_step_call(module, attention_mask, module.attention_dropout, kwargs)
+        o_proj, down_proj = module._modules["o_proj"], mlp.owner._modules["down_proj"]
+        if (self.native_layers.enabled and self.native.serves(x) and qkv_of is attention.group
+                and gate_up_of is mlp.group and type(o_proj) is PackedLinear and type(down_proj) is PackedLinear):
+            output = self.native.run(self.native_layers, layer, module, (attention.group, mlp.group),
+                                     (o_proj, down_proj), norms, slot, decode, x)
+            if output is not None:
+                return output
         ops.rms_norm(x, norms[0].weight, norms[0].variance_epsilon, self.normed)
         rows = qkv_of(self.normed).view(x.shape[1], -1)  # [tokens, q | k | v]
-        o_proj, down_proj = module._modules["o_proj"], mlp.owner._modules["down_proj"]
         attended = self._input_of(o_proj, (x.shape[1], attention.group.sizes[0] // module.head_dim, module.head_dim))
         self._attend(module, rows, attention.group.sizes, slot, decode, attended)
         projected = _call(o_proj, attended.view(*x.shape[:-1], -1)).contiguous()

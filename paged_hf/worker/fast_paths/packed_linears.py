@@ -50,12 +50,17 @@ class PackedLinear(StandIn):
         self.packed: torch.Tensor | None = None
         self._small: tuple[torch.Tensor, torch.Tensor | None, SmallLinear | None] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def small_linear(self) -> SmallLinear | None:
+        """The few-row loops on the weight as it is now (made again when the weight or bias is replaced)."""
         weight, bias = self.base.weight, self.base.bias
         if self._small is None or self._small[0] is not weight or self._small[1] is not bias:
             usable = SmallLinear.usable([weight], [bias])
             self._small = (weight, bias, SmallLinear([weight.detach()], [bias]) if usable else None)
-        small = self._small[2]
+        return self._small[2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.base.weight, self.base.bias
+        small = self.small_linear()
         if small is not None and small.serves(x):
             return small(x)
         if not self.packs:

@@ -10,6 +10,7 @@ from conftest import VOCAB, hf_greedy, make_adapter, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import SamplingParams
+from paged_hf.kernels import small_gemm
 
 
 def _engine(model, **options):
@@ -55,6 +56,33 @@ def test_decode_steps_give_the_stand_ins_bits(dtype):
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0), use_tqdm=False)
     assert len(served) >= 8 and set(served) == {2}  # both layers of every step
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_layer_in_one_compiled_call_gives_the_lean_calls_bits(dtype):
+    """Decode steps of one and two requests (the few-row loops' rows): each layer in one compiled call
+    (native_layer.py) gives the logits of the lean path's dozen calls bit for bit; the prompt steps go the lean way."""
+    engine = _engine(tiny_model("llama", dtype=dtype))
+    native = engine.runner.fused_layers.lean.native
+    if not small_gemm.functions().get(dtype):
+        pytest.skip("no few-row loops on this CPU")
+    runner, run, served = engine.runner, engine.runner.run, []
+
+    def both_ways(out):
+        native.enabled, before = False, native.served
+        expected, _ = run(out)
+        native.enabled = True
+        got, inputs = run(out)
+        served.append(native.served - before)
+        assert torch.equal(got, expected)
+        return got, inputs
+
+    runner.run = both_ways
+    prompts = random_prompts([5, 11], seed=9)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
+                              use_tqdm=False)
+    assert served[0] == 0 and served.count(2) >= 6  # the prompts' step its own way; then both layers each step
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
 
 
 @pytest.mark.parametrize("quantization", ["int8", "w4a16"])

@@ -1,0 +1,148 @@
+"""A lean decoder layer as one compiled call (`kernels/csrc/lean_layer.cpp`), where every linear of the layer is
+served by the few-row loops (a decode step of one or a few requests) and nothing of it computes itself in Python.
+
+Why: at one row a lean layer's dozen kernels take a few microseconds each, and each of their Python calls (ctypes'
+argument conversion, pointers and shapes read again, the buffers) several times that; on the default model those
+calls were ~100 us of a layer's CPU time, ~3 ms of a token. The compiled layer calls the same entry points with the
+same arguments in the same order, so the layer's output is the lean path's bit for bit
+(tests/worker/fast_paths/test_lean_layers.py). What it reads is handed over as structs made once: a layer's (its
+weights' and norms' addresses, its cache), kept while they stay the same objects, and a step's (its rows, rotary
+tables, slots, the decode's sequences and the buffers the layers share).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from paged_hf.kernels import layer_ops, native, small_gemm
+from paged_hf.kernels.small_gemm import MAX_ROWS, SmallLinear
+from paged_hf.profiling import span
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("weights", _P), ("rows", _P), ("biases", _P), ("count", _I), ("in_features", _I),
+                ("out_features", _I)]
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("rms", _P), ("add_rms", _P), ("silu", _P), ("rotary_write", _P), ("gemm", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm0", _P), ("norm1", _P), ("eps0", _D), ("eps1", _D), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("scaling", _D), ("key_cache", _P), ("value_cache", _P), ("block_size", _I), ("decode", _P),
+                ("decode_in_place", _I)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("tokens", _I), ("hidden", _I), ("cos", _P), ("sin", _P), ("slots", _P), ("block_tables", _P),
+                ("context_lens", _P), ("seq_starts", _P), ("num_seqs", _I), ("max_blocks", _I), ("normed", _P),
+                ("residual", _P), ("rows", _P), ("query", _P), ("attended", _P), ("projected", _P), ("gate_up", _P),
+                ("activated", _P), ("threads", ctypes.c_int)]
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+@functools.lru_cache(maxsize=None)
+def entry_point(dtype: torch.dtype):
+    """(the compiled layer for bfloat16/float32 rows, its kernels' struct), or None (no compiler, no few-row
+    loops, another dtype)."""
+    ops, small = layer_ops.row_ops(dtype), small_gemm.functions().get(dtype)
+    if ops is None or small is None:
+        return None
+    library = native.load_or_warn(native.load_lean_layer, "a decode layer in one call")
+    if library is None:
+        return None
+    function = native.entry_point(library, f"lean_layer_{'bfloat16' if dtype == torch.bfloat16 else 'float32'}",
+                                  [_P, _P, _P, _P, _P])
+    kernels = _Kernels(*(_address(f) for f in (ops.rms, ops.add_rms, ops.silu, ops.rotary_write, small)))
+    return function, kernels
+
+
+def _linear(small: SmallLinear) -> _Linear:
+    return _Linear(*small.segments(), small.in_features, small.out_features)
+
+
+class NativeLayers:
+    """The compiled layer's structs: each layer's, kept across steps while what it points at stays (by identity),
+    and the step's, made at its first layer."""
+
+    def __init__(self):
+        self.layers: dict = {}  # (layer, cache) -> (what it was made from, _Layer)
+        self.enabled = True  # (tests turn it off to compare with the lean path's calls)
+        self.served = 0  # layers computed here, for tests and benchmarks
+
+    def layer_struct(self, key, module, smalls: tuple, norms: tuple, cache, slot: int, decode) -> _Layer:
+        key_cache, value_cache = cache.key_cache[slot], cache.value_cache[slot]
+        sources = (*smalls, norms[0].weight, norms[1].weight, key_cache, value_cache, decode.function)
+        made = self.layers.get(key)
+        if made is None or len(made[0]) != len(sources) or any(a is not b for a, b in zip(made[0], sources)):
+            qkv, o, gate_up, down = smalls
+            heads = o.in_features // module.head_dim
+            struct = _Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].variance_epsilon,
+                            norms[1].variance_epsilon, _linear(qkv), _linear(o), _linear(gate_up), _linear(down),
+                            heads, key_cache.shape[2], module.head_dim, module.scaling, key_cache.data_ptr(),
+                            value_cache.data_ptr(), key_cache.shape[1], _address(decode.function),
+                            int(decode.in_place))
+            made = self.layers[key] = (sources, struct)
+        return made[1]
+
+
+class NativeStep:
+    """A step's compiled layers: the step's struct and buffers for each set of layer sizes."""
+
+    def __init__(self, lean_step, dtype: torch.dtype):
+        self.lean, self.dtype = lean_step, dtype
+        self.entry = entry_point(dtype)
+        self.steps: dict[tuple, tuple[_Step, tuple]] = {}
+
+    def serves(self, x: torch.Tensor) -> bool:
+        return self.entry is not None and x.shape[1] <= MAX_ROWS[self.dtype]
+
+    def run(self, layers: NativeLayers, layer, module, groups: tuple, linears: tuple, norms: tuple, slot: int,
+            decode, x: torch.Tensor) -> torch.Tensor | None:
+        """The layer's output for x [1, tokens, hidden], or None where a linear is not the few-row loops'."""
+        smalls = (groups[0].current().small, linears[0].small_linear(), groups[1].current().small,
+                  linears[1].small_linear())
+        if any(small is None or not small.serves(x) for small in (smalls[0], smalls[2])) or None in smalls:
+            return None
+        lean = self.lean
+        struct = layers.layer_struct((layer, lean.cache), module, smalls, norms, lean.cache, slot, decode)
+        step, rows = self._step(decode, smalls, x)
+        lean.cache.books.serve(module.layer_idx, rows)
+        out = torch.empty_like(x)
+        with span("layer"):
+            status = self.entry[0](ctypes.byref(self.entry[1]), ctypes.byref(struct), ctypes.byref(step),
+                                   x.data_ptr(), out.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"the compiled decode layer failed (status {status})")
+        layers.served += 1
+        return out
+
+    def _step(self, decode, smalls: tuple, x: torch.Tensor) -> tuple[_Step, torch.Tensor]:
+        """The step's struct for these layer sizes (its buffers made with it), and its q/k/v rows buffer."""
+        sizes = tuple(small.out_features for small in smalls)
+        made = self.steps.get(sizes)
+        if made is None:
+            lean, tokens = self.lean, x.shape[1]
+            qkv, hidden, gate_up, _ = sizes
+            q_cols = smalls[1].in_features
+            buffers = tuple(torch.empty(tokens, width, dtype=self.dtype)
+                            for width in (qkv, q_cols, q_cols, hidden, gate_up, gate_up // 2))
+            rows, query, attended, projected, gate_up_rows, activated = buffers
+            block_tables, context_lens, seq_starts = decode.step
+            step = _Step(tokens, x.shape[2], lean.cos.data_ptr(), lean.sin.data_ptr(), lean.slots.data_ptr(),
+                         block_tables, context_lens, seq_starts, decode.num_seqs, decode.max_blocks,
+                         lean.normed.data_ptr(), lean.residual.data_ptr(), rows.data_ptr(), query.data_ptr(),
+                         attended.data_ptr(), projected.data_ptr(), gate_up_rows.data_ptr(), activated.data_ptr(),
+                         torch.get_num_threads())
+            made = self.steps[sizes] = (step, buffers)
+        return made[0], made[1][0]
