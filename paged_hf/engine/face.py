@@ -27,6 +27,7 @@ class EngineLimits:
     max_num_seqs: int  # requests running at once
     max_grammar_depth: int  # a JSON schema's nesting at most (structured outputs)
     lora_root: str | None  # a folder whose adapter folders are served by name, read on first use
+    images: bool = False  # prompts may hold images (a vision-language model wrapped with its processor)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class EngineFace(abc.ABC):
     def prepare(self, sampling_params) -> Preparation | None:
         """Thread-safe: check the params and start their slow work (tokenized bad words, a compiling grammar);
         None when nothing is left to wait for. ValueError for what `add_request` would refuse."""
+
+    @abc.abstractmethod
+    def process_prompt(self, prompt, add_special_tokens: bool | None = None):
+        """Thread-safe: a prompt dict (vLLM's, with `multi_modal_data` images) -> what `add_request` takes as its
+        prompt, the processor's work (pixels, placeholders, content hashes) done on the calling thread. ValueError
+        for what `add_request` would refuse."""
 
     @abc.abstractmethod
     def adapter_names(self) -> list[str]:

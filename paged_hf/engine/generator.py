@@ -29,7 +29,8 @@ from paged_hf.engine.adapters import adapter_slots, lora_manager, split_peft_mod
 from paged_hf.engine.embedding import embedding_group
 from paged_hf.engine.face import EngineFace, EngineLimits, Preparation
 from paged_hf.engine.hybrid import hybrid_config
-from paged_hf.engine.image_prompts import check_adapter, prompt_and_items, prompt_processor, split_processor
+from paged_hf.engine.image_prompts import (check_adapter, processed_prompt, prompt_and_items, prompt_processor,
+                                           split_processor)
 from paged_hf.engine.pipeline_step import PipelineStep, pipeline_config
 from paged_hf.engine.request_builder import RequestBuilder
 from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
@@ -357,13 +358,15 @@ class ContinuousBatchGenerator(EngineFace):
     # --- the rest of its face to a server (engine/face.py) -------------------------------------------
     @property
     def limits(self) -> EngineLimits:
-        return EngineLimits(min(self.max_model_len, self.block_pool.num_blocks * self.config.block_size),
-                            self.info.vocab_size, self.config.max_num_seqs, self.config.max_grammar_depth,
-                            self.config.lora_root)
+        c = self.config
+        return EngineLimits(min(self.max_model_len, self.block_pool.num_blocks * c.block_size), self.info.vocab_size,
+                            c.max_num_seqs, c.max_grammar_depth, c.lora_root, self.prompt_processor is not None)
+
+    def process_prompt(self, prompt, add_special_tokens: bool | None = None):
+        return processed_prompt(self, prompt, add_special_tokens)
 
     def has_started(self, request_id: str) -> bool:
-        group = self.groups.get(request_id)
-        return group is None or group.children[0].num_computed_tokens > 0
+        return (group := self.groups.get(request_id)) is None or group.children[0].num_computed_tokens > 0
 
     def prepare(self, sampling_params) -> Preparation | None:
         builder = self.request_builder

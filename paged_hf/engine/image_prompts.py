@@ -41,13 +41,31 @@ def prompt_processor(model: torch.nn.Module, processor) -> PromptProcessor | Non
 
 
 def prompt_and_items(engine, prompt) -> tuple[list[int], list]:
-    """Any prompt -> its checked token ids and image items (none but for a prompt dict with images)."""
+    """Any prompt -> its checked token ids and image items (none but for a prompt dict with images, or what
+    `processed_prompt` made of one)."""
+    if isinstance(prompt, ProcessedPrompt):
+        if prompt.items and not_served(engine) is not None:
+            raise ValueError(f"images are not served {not_served(engine)}")
+        return engine.prompt_token_ids(prompt.token_ids), prompt.items
     if not isinstance(prompt, Mapping):
         return engine.prompt_token_ids(prompt), []
-    not_served = ("with speculative decoding" if engine.speculator is not None else
-                  "pipeline-parallel" if engine.runner.links is not None else None)
-    processed = process_prompt(prompt, engine.prompt_processor, engine.tokenizer, not_served)
+    processed = process_prompt(prompt, engine.prompt_processor, engine.tokenizer, not_served(engine))
     return engine.prompt_token_ids(processed.token_ids), processed.items
+
+
+def processed_prompt(engine, prompt: Mapping, add_special_tokens: bool | None = None) -> ProcessedPrompt:
+    """Thread-safe (a server's worker thread): a prompt dict -> its token ids and image items, the processor's
+    work done on the calling thread; `add_request` takes the result as its prompt. `add_special_tokens`: the
+    processor's tokenizer keyword (None: its default). ValueError for what `add_request` would refuse."""
+    if not isinstance(prompt, Mapping):
+        raise ValueError(f"a prompt dict is expected, got {type(prompt).__name__}")
+    return process_prompt(prompt, engine.prompt_processor, engine.tokenizer, not_served(engine), add_special_tokens)
+
+
+def not_served(engine) -> str | None:
+    """Why this engine takes no images whatever its model (None: it takes them with a processor)."""
+    return ("with speculative decoding" if engine.speculator is not None else
+            "pipeline-parallel" if engine.runner.links is not None else None)
 
 
 def check_adapter(family, lora, mm_items: list) -> None:
@@ -62,19 +80,22 @@ def check_adapter(family, lora, mm_items: list) -> None:
                          "language model only")
 
 
-def process_prompt(prompt: Mapping, processor: PromptProcessor | None, tokenizer, not_served: str | None) -> ProcessedPrompt:
-    """A prompt dict -> its token ids and image items. `not_served`: why this engine takes no images, or None."""
+def process_prompt(prompt: Mapping, processor: PromptProcessor | None, tokenizer, not_served: str | None,
+                   add_special_tokens: bool | None = None) -> ProcessedPrompt:
+    """A prompt dict -> its token ids and image items. `not_served`: why this engine takes no images, or None;
+    `add_special_tokens`: the tokenizer's keyword (None: its default)."""
     images = prompt_images(prompt)
     if not images:
         text = prompt.get("prompt")
         if text is not None:
             if not isinstance(text, str) or tokenizer is None:
                 raise ValueError("'prompt' must be a string, and a text prompt needs a tokenizer")
-            return ProcessedPrompt(tokenizer(text, add_special_tokens=True)["input_ids"])
+            special = True if add_special_tokens is None else add_special_tokens
+            return ProcessedPrompt(tokenizer(text, add_special_tokens=special)["input_ids"])
         ids = prompt["prompt_token_ids"]
         return ProcessedPrompt(ids.tolist() if hasattr(ids, "tolist") else ids)
     if processor is None:
         raise ValueError("a prompt with images needs the model's processor: wrap(model, processor)")
     if not_served is not None:
         raise ValueError(f"images are not served {not_served}")
-    return processor.process(prompt, images)
+    return processor.process(prompt, images, add_special_tokens)

@@ -58,8 +58,9 @@ class PromptProcessor:
         self.family = family
         self.processor = processor
 
-    def process(self, prompt: Mapping, images: list) -> ProcessedPrompt:
-        """ValueError for what the processor refuses, or placeholders that do not match the images."""
+    def process(self, prompt: Mapping, images: list, add_special_tokens: bool | None = None) -> ProcessedPrompt:
+        """ValueError for what the processor refuses, or placeholders that do not match the images.
+        `add_special_tokens`: the processor's tokenizer keyword (None: its default, as a user's own call)."""
         text = prompt.get("prompt")
         if "prompt" in prompt and not isinstance(text, str):
             raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
@@ -67,7 +68,8 @@ class PromptProcessor:
         # token ids: the processor runs on a prompt of the placeholders alone, for the same pixels and expansions
         processor_text = text if text is not None else family.image_token_text(self.processor) * len(images)
         try:
-            processed = self.processor(text=processor_text, images=images, return_tensors="pt")
+            special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+            processed = self.processor(text=processor_text, images=images, return_tensors="pt", **special)
         except Exception as error:  # noqa: BLE001 - the processor's own refusal of this input, named
             raise ValueError(f"the processor refused the prompt's images: {type(error).__name__}: {error}") from None
         token_ids = processed["input_ids"][0].tolist()

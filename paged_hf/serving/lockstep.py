@@ -129,6 +129,9 @@ class LockstepGenerator(EngineFace):
     def prepare(self, sampling_params) -> Preparation | None:
         return self._generator.prepare(sampling_params)  # (the other ranks compile at submission)
 
+    def process_prompt(self, prompt, add_special_tokens: bool | None = None):
+        return self._generator.process_prompt(prompt, add_special_tokens)  # (its items travel with add_request)
+
     def adapter_names(self) -> list[str]:
         return self._generator.adapter_names()
 

@@ -149,7 +149,7 @@ def test_get_delete_and_store_false(server, client):
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "image processor"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "encrypted"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),

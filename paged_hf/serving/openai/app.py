@@ -125,13 +125,17 @@ def guard_rejection(settings: ServerSettings, path: str, headers: dict) -> JSONR
 
 
 def create_app(generator, tokenizer, model_name: str | list[str], settings: ServerSettings | None = None) -> FastAPI:
-    """`model_name`: the base model's served name, or several (all accepted, the first reported by default)."""
+    """`model_name`: the base model's served name, or several (all accepted, the first reported by default).
+    `tokenizer`: the model's tokenizer, or a vision-language model's processor (its images: chat_images.py)."""
     settings = settings or ServerSettings()
+    processor = tokenizer if hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer") else None
+    tokenizer = processor.tokenizer if processor is not None else tokenizer
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     metrics = ServerMetrics()
     engine = EngineLoop(generator, metrics, settings.max_queue, settings.engine_threads)
     # (the limit fits the whole KV cache too: default max_tokens never asks for more than that holds)
-    ctx = ServerContext(engine, tokenizer, names[0], settings, engine.limits.max_model_len, metrics, tuple(names))
+    ctx = ServerContext(engine, tokenizer, names[0], settings, engine.limits.max_model_len, metrics, tuple(names),
+                        processor=processor)
     transfer = generator.kv_transfer()
     if transfer is not None:
         ctx.kv_transfer = KVTransfer(*transfer)

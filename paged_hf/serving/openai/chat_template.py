@@ -48,10 +48,23 @@ class RenderLimitError(Exception):
 
 def chat_prompt_ids(request, tokenizer, tools: ToolMode | None = None, tool_call_parser: str = "hermes",
                     chat_template: str | None = None, policy: TemplatePolicy | None = None,
-                    cancel: threading.Event | None = None) -> list[int]:
+                    cancel: threading.Event | None = None, parts: bool = False) -> list[int]:
     """The chat template (the request's, the server's --chat-template, or the tokenizer's), rendered with the
     request's options and tools under `policy`, then tokenized (special tokens added only if asked: the
-    template holds them). `cancel`: set when the client left."""
+    template holds them). `cancel`: set when the client left; `parts`: as `render_chat`."""
+    rendered = render_chat(request, tokenizer, tools, tool_call_parser, chat_template, policy, cancel, parts)
+    if not isinstance(rendered, str):  # escaped: tokenized by transformers, which added no special tokens
+        ids = list(rendered)
+        return list(tokenizer.build_inputs_with_special_tokens(ids)) if request.add_special_tokens else ids
+    return list(tokenizer(rendered, add_special_tokens=bool(request.add_special_tokens))["input_ids"])
+
+
+def render_chat(request, tokenizer, tools: ToolMode | None = None, tool_call_parser: str = "hermes",
+                chat_template: str | None = None, policy: TemplatePolicy | None = None,
+                cancel: threading.Event | None = None, parts: bool = False) -> str | list[int]:
+    """The rendered chat: text, or token ids when `policy` escapes special tokens. `parts`: each message's content
+    goes to the template as a list of parts (HF's multimodal form: text parts, `{"type": "image"}` where an image
+    part is), as a processor's template reads it; else as one string."""
     policy = policy or TemplatePolicy()
     if request.chat_template is not None and not policy.trust_request_chat_template:
         raise ApiError(400, "chat_template in a request is refused: this server was not started with "
@@ -64,7 +77,8 @@ def chat_prompt_ids(request, tokenizer, tools: ToolMode | None = None, tool_call
                        "invalid_request", "continue_final_message")
     options = reasoning_options(request, template)
     try:
-        messages = [with_reasoning_content({**message.model_dump(exclude_none=True), "content": message.text()})
+        messages = [with_reasoning_content({**message.model_dump(exclude_none=True),
+                                            "content": message.parts() if parts else message.text()})
                     for message in request.messages]
         messages, extra = template_messages(messages, tools or ToolMode(), parser_for(tool_call_parser), template)
         with render_bounds(policy.render_timeout_s, cancel):
@@ -86,10 +100,7 @@ def chat_prompt_ids(request, tokenizer, tools: ToolMode | None = None, tool_call
         raise ApiError(400, f"the chat template rendered {len(rendered)} characters; at most "
                        f"{policy.max_rendered_chars} are accepted (--max-rendered-chat-chars)",
                        "chat_template_too_large", "messages")
-    if not isinstance(rendered, str):  # escaped: tokenized by transformers, which added no special tokens
-        ids = list(rendered)
-        return list(tokenizer.build_inputs_with_special_tokens(ids)) if request.add_special_tokens else ids
-    return list(tokenizer(rendered, add_special_tokens=bool(request.add_special_tokens))["input_ids"])
+    return rendered
 
 
 def reasoning_options(request, template: str) -> dict:

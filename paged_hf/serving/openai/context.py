@@ -8,6 +8,7 @@ from paged_hf.integrations.peft import adapter_folder_under
 from paged_hf.sampling_params import SamplingParams
 from paged_hf.serving.openai.chat_template import TemplatePolicy
 from paged_hf.serving.openai.errors import ApiError
+from paged_hf.serving.openai.media import MediaLimits
 from paged_hf.serving.openai.reasoning import ReasoningParser
 from paged_hf.serving.openai.tenancy import AdapterOwners
 from paged_hf.serving.openai.tool_calls import ToolMode
@@ -36,10 +37,15 @@ class Prepared:
     priority: int = 0  # lower first (--scheduling-policy priority)
     tenant: str | None = None  # the `user` field, else the API key's name; None: the engine takes the adapter
     key_name: str | None = None  # the API key's name (tenancy.py: the owner, the prefix cache's salt)
+    processed: object = None  # a chat with images: the engine's processed prompt (ids, image items; chat_images.py)
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.prompts[0]
+
+    def engine_prompt(self, index: int):
+        """What the engine gets for prompt `index`: its token ids, or the processed prompt with its images."""
+        return self.processed if self.processed is not None else self.prompts[index]
 
     def engine_request_id(self, index: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
@@ -58,6 +64,16 @@ class ServerContext:
     served_names: tuple[str, ...] = ()  # every name of the base model (--served-model-name a b ...)
     adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # adapters keys loaded (tenancy.py)
     kv_transfer: object = None  # KVTransfer with --kv-transfer-config (kv_transfer.py), else None
+    processor: object = None  # a vision-language model's processor (create_app's tokenizer was one), else None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The server's --chat-template, else the processor's (None: the tokenizer's)."""
+        return self.settings.chat_template or getattr(self.processor, "chat_template", None)
+
+    @property
+    def media_limits(self) -> MediaLimits:
+        return self.settings.media_limits
 
     @property
     def max_schema_depth(self) -> int:

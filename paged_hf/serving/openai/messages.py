@@ -27,8 +27,10 @@ from paged_hf.serving.openai.chat_runner import (
     start,
     tool_arguments,
 )
+from paged_hf.serving.openai.chat_images import WHERE_KEY
 from paged_hf.serving.openai.engine_loop import EngineError
 from paged_hf.serving.openai.errors import ApiError
+from paged_hf.serving.openai.media import check_media_type
 from paged_hf.serving.openai.messages_protocol import MessagesRequest
 from paged_hf.serving.openai.request_body import read_body
 from paged_hf.serving.openai.serving import ServerContext
@@ -111,7 +113,9 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
         for j, block in enumerate(blocks):
             where, kind = f"messages[{i}].content[{j}]", block.get("type")
             if kind == "text" and isinstance(block.get("text"), str):
-                text.append(block["text"])
+                text.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and message.role == "user":
+                text.append(image_block(block, where))
             elif kind == "thinking" and message.role == "assistant":
                 thinking.append(_string(block, "thinking", where))
             elif kind == "tool_use" and message.role == "assistant":
@@ -123,13 +127,38 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
                                  "content": _texts(content if content is not None else "", where)})
             else:
                 raise ApiError(400, f"{where}: content blocks of type {kind!r} are not supported in a "
-                               f"{message.role} message (text, tool_use, tool_result and an assistant's thinking "
-                               "are)", "invalid_request")
+                               f"{message.role} message (text, a user's image, tool_use, tool_result and an "
+                               "assistant's thinking are)", "invalid_request")
         if text or calls or thinking or not blocks:
             extra = {"tool_calls": calls} if calls else {}
             extra |= {"reasoning_content": "".join(thinking)} if thinking else {}
-            messages.append({"role": message.role, "content": "".join(text), **extra})
+            messages.append({"role": message.role, "content": chat_content(text), **extra})
     return messages
+
+
+def chat_content(parts: list[dict]) -> str | list[dict]:
+    """Text blocks joined into one string; with an image among them, the chat parts in order."""
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def image_block(block: dict, where: str) -> dict:
+    """An `image` block (`source`: base64 with its media_type, or a url) -> a chat `image_url` part named `where`."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise ApiError(400, f"{where}.source: a base64 image needs media_type and data strings", "invalid_image")
+        check_media_type(media_type.lower(), f"{where}.source.media_type")
+        url = f"data:{media_type.lower()};base64,{data}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise ApiError(400, f"{where}.source: an image's source is of type base64 (media_type, data) or url",
+                       "invalid_image")
+    return {"type": "image_url", "image_url": {"url": url}, WHERE_KEY: where}
 
 
 def _string(block: dict, name: str, where: str) -> str:

@@ -140,6 +140,21 @@ class ChatMessage(BaseModel):
             parts.append(part["text"])
         return "".join(parts)
 
+    def parts(self) -> list[dict]:
+        """The content as HF's multimodal parts (what a processor's chat template reads): text parts, and
+        `{"type": "image"}` where an `image_url` part is (its image goes to the processor: chat_images.py)."""
+        if self.content is None or isinstance(self.content, str):
+            return [{"type": "text", "text": self.content}] if self.content else []
+        parts = []
+        for part in self.content:
+            if part.get("type") == "image_url":
+                parts.append({"type": "image"})
+            elif part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise ValueError(f"only text and image_url content parts are supported, got type {part.get('type')!r}")
+        return parts
+
 
 class ChatCompletionRequest(SamplingFields, _with_refused("_ChatRefused", CHAT_REFUSED_UNLESS)):
     messages: list[ChatMessage] = Field(min_length=1)

@@ -27,6 +27,7 @@ from paged_hf.serving.openai.chat_runner import (
     sse_response,
     start,
 )
+from paged_hf.serving.openai.chat_images import WHERE_KEY
 from paged_hf.serving.openai.engine_loop import EngineError
 from paged_hf.serving.openai.errors import ApiError
 from paged_hf.serving.openai.request_body import read_body
@@ -185,20 +186,37 @@ def _field(item: dict, name: str, i: int) -> str:
     return value
 
 
-def _text(content, where: str) -> str:
-    """A string, or text parts (input_text / output_text) joined; images, files and audio are a 400."""
+def _text(content, where: str) -> str | list[dict]:
+    """A string, or text parts (input_text / output_text) joined; with `input_image` parts, chat parts in order (an
+    image as an `image_url` part named by its path here); files and audio are a 400."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ApiError(400, f"{where} must be a string or a list of text parts", "invalid_request", "input")
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append(image_part(part, f"{where}[{j}]"))
+            continue
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
                 or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ApiError(400, f"{where}: only text parts are supported, got {kind!r}", "invalid_request", "input")
-        parts.append(part["text"])
-    return "".join(parts)
+            raise ApiError(400, f"{where}: only text and input_image parts are supported, got {kind!r}",
+                           "invalid_request", "input")
+        parts.append({"type": "text", "text": part["text"]})
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def image_part(part: dict, where: str) -> dict:
+    """An `input_image` part -> a chat `image_url` part (its URL: a data: URL, or one the server may fetch)."""
+    unknown = sorted(set(part) - {"type", "image_url", "detail"})
+    if unknown or not isinstance(part.get("image_url"), str):
+        what = f"fields {unknown} are not served" if unknown else "needs image_url (a data: URL)"
+        raise ApiError(400, f"{where}: input_image {what}", "invalid_image", where)
+    detail = {"detail": part["detail"]} if part.get("detail") is not None else {}
+    return {"type": "image_url", "image_url": {"url": part["image_url"], **detail}, WHERE_KEY: where}
 
 
 class Answer:

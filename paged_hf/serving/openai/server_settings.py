@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paged_hf.serving.openai.api_keys import has_tenants, named_api_keys
+from paged_hf.serving.openai.media import MediaLimits
 from paged_hf.serving.openai.reasoning import PARSER_NAMES
 from paged_hf.serving.openai.tenancy import PREFIX_CACHE_ISOLATION
 
@@ -44,6 +45,7 @@ class ServerSettings:
     responses_store_max_count: int = 1000  # /v1/responses store=true: most stored responses (LRU beyond)
     responses_store_max_bytes: int = 64 << 20  # ... and most bytes of JSON they hold
     responses_store_dir: str | None = None  # ... kept as files there (they survive a restart); None: in memory
+    media_limits: MediaLimits = field(default_factory=MediaLimits)  # images: sources, count, bytes, pixels (media.py)
 
     named_keys: dict[str, str] = field(init=False, repr=False, default_factory=dict)  # every key, by name
     tenant_isolation: bool = field(init=False, default=False)  # keys are tenants kept apart (tenancy.py)
@@ -69,6 +71,9 @@ class ServerSettings:
         if unknown:
             raise ValueError(f"--metrics-key {', '.join(unknown)}: no API key has that name "
                              f"(names: {', '.join(self.named_keys) or 'none'})")
+        media = self.media_limits
+        if min(media.max_images, media.max_bytes, media.max_pixels) < 0 or media.fetch_timeout_s <= 0:
+            raise ValueError(f"image limits must be positive: {media}")
         for name in ("max_json_depth", "max_request_items", "max_embedding_inputs", "max_detokenize_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")

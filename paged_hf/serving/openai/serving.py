@@ -14,7 +14,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from paged_hf.sampling_params import SamplingParams
-from paged_hf.serving.openai.chat_template import chat_prompt_ids
+from paged_hf.serving.openai.chat_images import check_images, image_parts, image_prompt
+from paged_hf.serving.openai.chat_template import TemplatePolicy, chat_prompt_ids
 from paged_hf.serving.openai.context import Prepared, ServerContext
 from paged_hf.serving.openai.engine_loop import EngineError, QueueFullError
 from paged_hf.serving.openai.request_stream import RequestStream
@@ -146,14 +147,15 @@ def _max_tokens(requested: int | None, num_prompt_tokens: int, ctx: ServerContex
 
 def engine_prompt_ids(request, tokenizer, chat: bool, max_model_len: int, chat_template: str | None = None,
                       tool_call_parser: str = "hermes", tools: ToolMode | None = None,
-                      policy: TemplatePolicy | None = None, cancel: threading.Event | None = None
-                      ) -> tuple[list, list[list[int]]]:
+                      policy: TemplatePolicy | None = None, cancel: threading.Event | None = None,
+                      parts: bool = False) -> tuple[list, list[list[int]]]:
     """-> (the request's prompts as sent, the token ids the engine gets for each: chat template with the
     request's options and tools, special tokens, truncate_prompt_tokens). The server and the Ray ingress's
-    prefix-aware routing both use this, so that the routing hashes exactly what the engine will cache."""
+    prefix-aware routing both use this, so that the routing hashes exactly what the engine will cache. `parts`: a
+    processor's template (chat_template.render_chat)."""
     if chat:
         tools = tools if tools is not None else tool_mode(request)
-        prompts = [chat_prompt_ids(request, tokenizer, tools, tool_call_parser, chat_template, policy, cancel)]
+        prompts = [chat_prompt_ids(request, tokenizer, tools, tool_call_parser, chat_template, policy, cancel, parts)]
     else:
         prompts = completion_prompts(request, tokenizer)
     add_special = request.add_special_tokens if request.add_special_tokens is not None else not chat
@@ -172,8 +174,15 @@ def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float,
             raise ApiError(400, "echo is not available with stream=true", "invalid_request", "echo")
         if request.max_tokens == 0 and not request.echo:
             raise ApiError(400, "max_tokens=0 needs echo=true", "invalid_max_tokens", "max_tokens")
-    prompts, ids = engine_prompt_ids(request, ctx.tokenizer, chat, ctx.max_model_len, ctx.settings.chat_template,
-                                     ctx.settings.tool_call_parser, tools, ctx.template_policy, cancel)
+    images = image_parts(request) if chat else []
+    check_images(images, ctx)
+    processed = image_prompt(request, ctx, images, tools, cancel) if images else None
+    if processed is not None:
+        prompts, ids = [None], [list(processed.token_ids)]
+    else:
+        prompts, ids = engine_prompt_ids(request, ctx.tokenizer, chat, ctx.max_model_len, ctx.chat_template,
+                                         ctx.settings.tool_call_parser, tools, ctx.template_policy, cancel,
+                                         parts=ctx.processor is not None)
     if any(not p for p in ids):
         raise ApiError(400, "the prompt is empty", "invalid_prompt", "messages" if chat else "prompt")
     params = sampling_params(request, max(len(p) for p in ids), ctx, chat, tools)
@@ -189,7 +198,7 @@ def prepare(request, ctx: ServerContext, chat: bool, arrival_time: float,
                     request.stream, bool(request.stream and options and options.include_usage), chat, arrival_time,
                     cache_salt=request.cache_salt, echo=echo, echo_only=echo and request.max_tokens == 0,
                     prompt_texts=texts, tools=tools, reasoning=reasoning,
-                    include_reasoning=not chat or request.include_reasoning)
+                    include_reasoning=not chat or request.include_reasoning, processed=processed)
 
 
 async def prepare_off_loop(ctx: ServerContext, request, chat: bool, arrival_time: float,
@@ -286,7 +295,8 @@ async def submit(ctx: ServerContext, prepared: Prepared, reserved: bool = False)
     salt = tenant_cache_salt(ctx.settings, prepared.cache_salt, prepared.key_name)
     owner = owner_of(ctx.settings, prepared.key_name)
     results = await asyncio.gather(*(
-        ctx.engine.submit(prepared.engine_request_id(index), ids, prepared.params, prepared.adapter,
+        ctx.engine.submit(prepared.engine_request_id(index), prepared.engine_prompt(index), prepared.params,
+                          prepared.adapter,
                           prepared.arrival_time, reserved=reserved and index == 0, cache_salt=salt,
                           priority=prepared.priority, tenant=prepared.tenant, owner=owner)
         for index, ids in enumerate(prepared.prompts)), return_exceptions=True)
