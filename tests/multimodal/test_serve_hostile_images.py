@@ -1,0 +1,130 @@
+"""Hostile and malformed images get a 400 naming the content part and what is wrong, through a real server: bad
+base64, a truncated PNG, a payload that is no image, an unsupported media type, a decompression bomb (refused from
+its header), too many bytes or images, a domain not allowed, a file outside the allowed folder, a slow remote
+server (the fetch timeout); and a served request still answers after them."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+import zlib
+
+import httpx
+import pytest
+from test_serve_images import MAX_NEW, MODEL, ImageServer, data_url, encoded, image_url
+from tiny_server import serving
+from tiny_vlm import random_image, tiny_llava
+
+import paged_hf
+from paged_hf.serving.openai import ServerSettings, create_app
+from paged_hf.serving.openai.media import MediaLimits
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}: {% for p in m['content'] %}{% if p['type'] == 'image' %}"
+            "<image> {% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endfor %}ASSISTANT:")
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A valid PNG whose header declares width x height (its one IDAT row is all it holds): a bomb's shape."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+class SlowHandlerServer(ImageServer):
+    """Answers after `delay_s` (a remote that stalls)."""
+
+    def __init__(self, delay_s: float):
+        super().__init__({})
+        handler = self.httpd.RequestHandlerClass
+        original = handler.do_GET
+
+        def slow(self):
+            time.sleep(delay_s)
+            original(self)
+        handler.do_GET = slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model, processor = tiny_llava()
+    processor.chat_template = TEMPLATE
+    gen = paged_hf.wrap(model, processor, block_size=4, num_blocks=64).generator
+    folder = tmp_path_factory.mktemp("allowed")
+    (folder / "ok.png").write_bytes(encoded(random_image(1)))
+    outside = tmp_path_factory.mktemp("outside") / "secret.png"
+    outside.write_bytes(encoded(random_image(1)))
+    slow = SlowHandlerServer(3.0)
+    limits = MediaLimits(allowed_domains=("127.0.0.1",), allowed_local_path=str(folder), max_images=2,
+                         max_bytes=32 << 10, max_pixels=128 * 128, fetch_timeout_s=1.0)
+    with serving(create_app(gen, processor, MODEL, ServerSettings(media_limits=limits))) as url:
+        yield url, folder, outside, slow
+    slow.close()
+
+
+def post(url: str, parts: list) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": MAX_NEW, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what"}, *parts]}]}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+PNG = encoded(random_image(1))
+HOSTILE = {
+    "bad base64": ("data:image/png;base64,not*base64!", "not valid base64"),
+    "truncated png": (data_url(PNG[: len(PNG) // 2]), "truncated or corrupt"),
+    "no image": (data_url(b"hello, I am text " * 10), "not an image"),
+    "svg": ("data:image/svg+xml;base64," + b64(b"<svg/>"), "media type 'image/svg+xml'"),
+    "not base64": ("data:image/png,rawbytes", "must be base64"),
+    "bomb": (data_url(png_header(100_000, 100_000)), "pixels"),
+    "over the pixel limit": (data_url(png_header(1000, 1000)), "1000 x 1000 pixels"),
+    "too many bytes": (data_url(b"\0" * (40 << 10)), "--max-image-bytes"),
+    "domain not allowed": ("http://example.com/a.png", "--allowed-media-domains"),
+    "scheme": ("ftp://127.0.0.1/a.png", "scheme 'ftp'"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_image_is_a_400_naming_its_part(server, name):
+    url, *_ = server
+    image, named = HOSTILE[name]
+    reply = post(url, [image_url(image)])
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and named in error["message"], error
+
+
+def test_files_outside_the_allowed_folder_and_too_many_images(server):
+    url, folder, outside, _ = server
+    for path in (outside, folder / ".." / outside.parent.name / outside.name, folder / "missing.png"):
+        reply = post(url, [image_url(f"file://{path}")])
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages[0].content[1]", reply.text
+    assert "not under --allowed-local-media-path" in post(url, [image_url(f"file://{outside}")]).text
+    three = post(url, [image_url(f"file://{folder}/ok.png")] * 3)
+    assert three.status_code == 400 and three.json()["error"]["param"] == "messages[0].content[3]"
+    assert "--limit-mm-per-prompt" in three.text
+    assert post(url, [image_url(f"file://{folder}/ok.png")] * 2).status_code == 200
+
+
+def test_a_stalled_remote_is_a_400_within_the_fetch_timeout(server):
+    url, _, _, slow = server
+    start = time.monotonic()
+    reply = post(url, [image_url(f"{slow.url}/a.png")])
+    assert reply.status_code == 400 and "--media-fetch-timeout" in reply.text, reply.text
+    assert time.monotonic() - start < 2.5
+
+
+def test_anthropic_and_responses_name_their_own_paths(server):
+    url, *_ = server
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(PNG[:100])}}
+    reply = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what"}, block]}]})
+    assert reply.status_code == 400 and "messages[0].content[1]" in reply.json()["error"]["message"], reply.text
+    reply = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:text/plain;base64,aGk="}]}]})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "input[0].content[0]", error
