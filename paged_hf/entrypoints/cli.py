@@ -87,7 +87,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "responses as files in DIR, so they survive a restart (default: in memory)")
     add_tenant_args(parser)
     add_limit_args(parser)
+    add_media_args(parser)
     add_scaling_args(parser)
+
+
+def add_media_args(parser: argparse.ArgumentParser) -> None:
+    """Where a vision-language model's images may come from, and how large they may be (docs/serving.md)."""
+    group = parser.add_argument_group("images (a vision-language model served with its processor)")
+    group.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="DOMAIN",
+                       help="http(s) image URLs are fetched only from these hosts (vLLM's flag); default: none, only "
+                       "data: URLs")
+    group.add_argument("--allowed-local-media-path", default=None, metavar="DIR", help="file:// image URLs are read "
+                       "only under DIR (vLLM's flag); default: refused")
+    group.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON", help='most images in one request, '
+                       'vLLM\'s form \'{"image": N}\' (default: 16)')
+    group.add_argument("--max-image-bytes", type=int, default=20 << 20, help="one image's encoded size at most "
+                       "(default: 20 MiB; a data: URL also counts against --max-body-bytes)")
+    group.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="one image's width x height at "
+                       "most, read from its header before decoding (default: 4096 x 4096)")
+    group.add_argument("--media-fetch-timeout", type=float, default=5.0, help="seconds one remote image's download "
+                       "may take (default: 5)")
 
 
 def add_tenant_args(parser: argparse.ArgumentParser) -> None:

@@ -101,7 +101,29 @@ def serve_settings(args: argparse.Namespace, model):
                           max_logprob_entries=args.max_logprob_entries,
                           responses_store_max_count=args.responses_store_max_count,
                           responses_store_max_bytes=args.responses_store_max_bytes,
-                          responses_store_dir=args.responses_store_dir)
+                          responses_store_dir=args.responses_store_dir, media_limits=media_limits(args))
+
+
+def media_limits(args: argparse.Namespace):
+    """The image flags (cli.add_media_args) as MediaLimits; --limit-mm-per-prompt in vLLM's JSON form."""
+    from paged_hf.serving.openai.media import MediaLimits  # noqa: PLC0415 - optional dependency: fastapi
+
+    limits = MediaLimits()
+    value = getattr(args, "limit_mm_per_prompt", None)
+    if value is not None:
+        try:
+            counts = json.loads(value)
+        except ValueError:
+            counts = None
+        if not isinstance(counts, dict) or set(counts) - {"image"} or not isinstance(counts.get("image", 0), int):
+            raise ValueError(f"--limit-mm-per-prompt {value!r}: give a JSON object like '{{\"image\": 4}}' (only "
+                             "images are served)")
+        limits = MediaLimits(max_images=counts.get("image", limits.max_images))
+    return MediaLimits(tuple(getattr(args, "allowed_media_domains", None) or ()),
+                       getattr(args, "allowed_local_media_path", None), limits.max_images,
+                       getattr(args, "max_image_bytes", limits.max_bytes),
+                       getattr(args, "max_image_pixels", limits.max_pixels),
+                       getattr(args, "media_fetch_timeout", limits.fetch_timeout_s))
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -128,3 +128,20 @@ def test_anthropic_and_responses_name_their_own_paths(server):
         {"type": "input_image", "image_url": "data:text/plain;base64,aGk="}]}]})
     error = reply.json()["error"]
     assert reply.status_code == 400 and error["param"] == "input[0].content[0]", error
+
+
+def test_the_serve_flags_set_the_image_limits(tmp_path):
+    from paged_hf.entrypoints import cli  # noqa: PLC0415
+    from paged_hf.serving.assembly import serve_settings  # noqa: PLC0415
+
+    args = cli.build_parser().parse_args([
+        "serve", "--generation-config", "vllm", "--allowed-media-domains", "images.example.com", "127.0.0.1",
+        "--allowed-local-media-path", str(tmp_path), "--limit-mm-per-prompt", '{"image": 3}', "--max-image-bytes",
+        "1000", "--max-image-pixels", "4096", "--media-fetch-timeout", "2.5"])
+    assert serve_settings(args, None).media_limits == MediaLimits(("images.example.com", "127.0.0.1"), str(tmp_path),
+                                                                  3, 1000, 4096, 2.5)
+    assert serve_settings(cli.build_parser().parse_args(["serve", "--generation-config", "vllm"]),
+                          None).media_limits == MediaLimits()
+    for bad in ('{"video": 1}', "3", '{"image": "x"}'):
+        with pytest.raises(ValueError, match="limit-mm-per-prompt"):
+            serve_settings(cli.build_parser().parse_args(["serve", "--limit-mm-per-prompt", bad]), None)
