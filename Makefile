@@ -28,7 +28,7 @@ test: $(VENV)/.installed
 # The tests of the parts that touch transformers at both ends of the range pyproject.toml declares, each in a
 # venv of its own with what `pip install paged-hf` resolves (no constraints but the local CPU torch): the newest
 # release (upgraded at every run: what a user gets today) and the floor. CI runs both after `make test`.
-TRANSFORMERS_TESTS := tests/hf tests/worker tests/integrations tests/engine tests/loader tests/test_llm.py \
+TRANSFORMERS_TESTS := tests/hf tests/worker tests/integrations tests/engine tests/loader tests/multimodal tests/test_llm.py \
 	tests/test_source_layout.py
 TRANSFORMERS_newest := transformers
 TRANSFORMERS_floor := transformers==$(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
