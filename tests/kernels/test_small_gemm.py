@@ -116,10 +116,10 @@ def test_a_decode_step_of_one_request_runs_through_it_and_gives_hfs_tokens(monke
     for native in (True, False):
         engine = paged_hf.wrap(model, num_blocks=32).generator
         layers = engine.runner.fused_layers.lean.native
-        layers.enabled, before = native, layers.served
+        layers.enabled, before = native, layers.layers_served
         calls.clear()
         output = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0), use_tqdm=False)[0]
         assert output.outputs[0].token_ids == expected
-        served = layers.served - before
+        served = layers.layers_served - before
         assert 4 * served + len(calls) >= 7 * (2 * 4 + 1)  # 2 layers' q/k/v, o_proj, gate/up, down; the LM head
         assert calls.count(model.config.vocab_size) >= 7 and (served > 0) is native

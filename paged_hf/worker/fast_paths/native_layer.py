@@ -78,7 +78,7 @@ class NativeLayers:
     def __init__(self):
         self.layers: dict = {}  # (layer, cache) -> (what it was made from, _Layer)
         self.enabled = True  # (tests turn it off to compare with the lean path's calls)
-        self.served = 0  # layers computed here, for tests and benchmarks
+        self.layers_served = 0  # a count, for tests and benchmarks
 
     def layer_struct(self, key, module, smalls: tuple, norms: tuple, cache, slot: int, decode) -> _Layer:
         key_cache, value_cache = cache.key_cache[slot], cache.value_cache[slot]
@@ -124,7 +124,7 @@ class NativeStep:
                                    x.data_ptr(), out.data_ptr())
         if status != 0:
             raise RuntimeError(f"the compiled decode layer failed (status {status})")
-        layers.served += 1
+        layers.layers_served += 1
         return out
 
     def _step(self, decode, smalls: tuple, x: torch.Tensor) -> tuple[_Step, torch.Tensor]:

@@ -28,10 +28,12 @@ def _random_norms(model):
     return model
 
 
-def _compare_each_step_both_ways(engine) -> list[int]:
-    """Runs every step's forward twice, lean and not (a step writes the same K/V to the same slots either way),
-    asserts equal logits bit for bit, and returns the layers the lean path served, step by step."""
-    runner, lean = engine.runner, engine.runner.fused_layers.lean
+def _compare_each_step_both_ways(engine, path=None) -> list[int]:
+    """Runs every step's forward twice, through `path` and not (a step writes the same K/V to the same slots either
+    way), asserts equal logits bit for bit, and returns the layers `path` served, step by step. `path`: the lean
+    layers (by default) or their compiled layer (`lean.native`)."""
+    runner = engine.runner
+    lean = path or runner.fused_layers.lean
     run, served = runner.run, []
 
     def both_ways(out):
@@ -62,22 +64,10 @@ def test_decode_steps_give_the_stand_ins_bits(dtype):
 def test_a_layer_in_one_compiled_call_gives_the_lean_calls_bits(dtype):
     """Decode steps of one and two requests (the few-row loops' rows): each layer in one compiled call
     (native_layer.py) gives the logits of the lean path's dozen calls bit for bit; the prompt steps go the lean way."""
-    engine = _engine(tiny_model("llama", dtype=dtype))
-    native = engine.runner.fused_layers.lean.native
     if not small_gemm.functions().get(dtype):
         pytest.skip("no few-row loops on this CPU")
-    runner, run, served = engine.runner, engine.runner.run, []
-
-    def both_ways(out):
-        native.enabled, before = False, native.served
-        expected, _ = run(out)
-        native.enabled = True
-        got, inputs = run(out)
-        served.append(native.served - before)
-        assert torch.equal(got, expected)
-        return got, inputs
-
-    runner.run = both_ways
+    engine = _engine(tiny_model("llama", dtype=dtype))
+    served = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native)
     prompts = random_prompts([5, 11], seed=9)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
                               use_tqdm=False)
