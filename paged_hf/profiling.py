@@ -12,6 +12,12 @@ _ACTIVE = False
 _OFF = contextlib.nullcontext()
 
 
+def active() -> bool:
+    """Whether the ranges are on (a profiled step: the compiled decode layer, which the profiler cannot see into,
+    leaves its layers to the lean path's calls, worker/fast_paths/native_layer.py)."""
+    return _ACTIVE
+
+
 def span(name: str):
     """`with span("schedule"):` -> a torch.profiler range `paged_hf::schedule` while profiling, else nothing."""
     return torch.profiler.record_function(f"paged_hf::{name}") if _ACTIVE else _OFF

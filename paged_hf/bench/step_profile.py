@@ -11,6 +11,8 @@ prompt's chunk). The main thread's time is split by the trace:
 - Python: what is left inside the step's phases (`paged_hf::schedule`, `step_inputs`, `model`: HF's module code
   and dispatch, `sample_and_stop`), and of the step outside them (outputs, bookkeeping);
 - idle: the profiled loop's time between steps.
+A profiled step runs each lean decoder layer as its dozen calls, not as the one compiled call of an unprofiled
+step (worker/fast_paths/native_layer.py: the same kernels, which the profiler could not tell apart inside it).
 The intra-op worker threads' work is in the op that waits for it (the main thread's op time). The profiler's own
 cost per recorded op lands outside the kernels, so the kernels' share is also given over the same kind of step
 run without the profiler just before and after (the kernels' time barely changes under it: a few long ops).

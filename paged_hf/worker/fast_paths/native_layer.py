@@ -17,9 +17,9 @@ import functools
 
 import torch
 
+from paged_hf import profiling
 from paged_hf.kernels import layer_ops, native, small_gemm
 from paged_hf.kernels.small_gemm import MAX_ROWS, SmallLinear
-from paged_hf.profiling import span
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
@@ -105,7 +105,8 @@ class NativeStep:
         self.steps: dict[tuple, tuple[_Step, tuple]] = {}
 
     def serves(self, x: torch.Tensor) -> bool:
-        return self.entry is not None and x.shape[1] <= MAX_ROWS[self.dtype]
+        """x's rows are the few-row loops', and no profiler asks for the layer's kernels one by one."""
+        return self.entry is not None and x.shape[1] <= MAX_ROWS[self.dtype] and not profiling.active()
 
     def run(self, layers: NativeLayers, layer, module, groups: tuple, linears: tuple, norms: tuple, slot: int,
             decode, x: torch.Tensor) -> torch.Tensor | None:
@@ -119,9 +120,8 @@ class NativeStep:
         step, rows = self._step(decode, smalls, x)
         lean.cache.books.serve(module.layer_idx, rows)
         out = torch.empty_like(x)
-        with span("layer"):
-            status = self.entry[0](ctypes.byref(self.entry[1]), ctypes.byref(struct), ctypes.byref(step),
-                                   x.data_ptr(), out.data_ptr())
+        status = self.entry[0](ctypes.byref(self.entry[1]), ctypes.byref(struct), ctypes.byref(step), x.data_ptr(),
+                               out.data_ptr())  # (no profiler range: a profiled step takes the lean path's calls)
         if status != 0:
             raise RuntimeError(f"the compiled decode layer failed (status {status})")
         layers.layers_served += 1
