@@ -113,7 +113,7 @@ class NativeStep:
         """The layer's output for x [1, tokens, hidden], or None where a linear is not the few-row loops'."""
         smalls = (groups[0].current().small, linears[0].small_linear(), groups[1].current().small,
                   linears[1].small_linear())
-        if any(small is None or not small.serves(x) for small in (smalls[0], smalls[2])) or None in smalls:
+        if None in smalls or not (smalls[0].serves(x) and smalls[2].serves(x)):  # (o and down: of the same rows)
             return None
         lean = self.lean
         struct = layers.layer_struct((layer, lean.cache), module, smalls, norms, lean.cache, slot, decode)
