@@ -14,12 +14,18 @@ import weakref
 from collections.abc import Sequence
 from functools import partial
 
+from transformers.utils import logging
+
+from paged_hf.engine.image_prompts import served_processor, split_processor
 from paged_hf.hf.paged_model import wrap
 from paged_hf.llm_stages import PipelineStages, load_stage_model, stage_generator
 from paged_hf.loader.device_dtype import checkpoint_dtype, resolve_device, resolve_dtype
+from paged_hf.multimodal.media import MediaLimits, load_image
 from paged_hf.outputs import EmbeddingRequestOutput, RequestOutput
 from paged_hf.pooling_params import PoolingParams
 from paged_hf.sampling_params import SamplingParams
+
+logger = logging.get_logger(__name__)
 
 
 class LLM:
@@ -39,17 +45,20 @@ class LLM:
 
         device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, device, lambda: checkpoint_dtype(model))
-        self.stages = self.paged_model = None
+        self.stages = self.paged_model = self.processor = None
         if pipeline_parallel_size > 1:
             self.stages = PipelineStages(pipeline_parallel_size, partial(load_stage_model, model, torch_dtype, device),
                                          partial(stage_generator, config))
             self.generator, self.tokenizer = self.stages.generator, self.stages.tokenizer
             weakref.finalize(self, self.stages.close)
             return
-        hf_model, tokenizer = load_model(model, torch_dtype, device)
+        hf_model, tokenizer = load_model(model, torch_dtype, device)  # a vision folder: its processor
+        tokenizer, text_only = served_processor(hf_model, tokenizer)
+        if text_only is not None:
+            logger.warning("%s: only its text is served: %s", model, text_only)
         self.paged_model = wrap(hf_model, tokenizer, **config)
         self.generator = self.paged_model.generator
-        self.tokenizer = tokenizer
+        self.tokenizer, self.processor = split_processor(tokenizer)
 
     def close(self) -> None:
         """Stop a pipeline's other stages (a no-op without them)."""
@@ -62,7 +71,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, adapter: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """`prompts`: a string, a list of strings or token-id lists, or vLLM's {"prompt": ...} /
-        {"prompt_token_ids": [...]} dicts. One RequestOutput per prompt, in order."""
+        {"prompt_token_ids": [...]} dicts, with `"multi_modal_data": {"image": ...}` for a vision-language model's
+        folder (docs/vision.md). One RequestOutput per prompt, in order."""
         if self.stages is not None:
             return self.stages.call("generate", _prompts(prompts), sampling_params, adapters=adapter, use_tqdm=use_tqdm)
         return self.generator.generate(_prompts(prompts), sampling_params, adapters=adapter, use_tqdm=use_tqdm)
@@ -79,13 +89,41 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"}) or a list of them; each goes through
-        the chat template, then generates as `generate` does."""
+        the chat template, then generates as `generate` does. A vision-language model's folder takes
+        `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` content parts (the processor's
+        chat template puts an image where each is)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [list(self.tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=True, return_dict=False,
-            **(chat_template_kwargs or {}))) for conversation in conversations]
+        template = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        prompts = [self._image_chat(conversation, template) if _image_urls(conversation) else
+                   list(self.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **template))
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, adapter)
+
+    def _image_chat(self, conversation, template: dict):
+        """A conversation with `image_url` parts (data: URLs; multimodal/media.py's checks and limits) -> the
+        processor's chat template with an image where each part is, processed as a prompt dict with its images."""
+        if self.processor is None:
+            raise ValueError("image_url parts need a vision-language model served with its processor (docs/vision.md)")
+        images = [load_image(url, where, MediaLimits()) for where, url in _image_urls(conversation)]
+        parts = [{**message, "content": [{"type": "image"} if part.get("type") == "image_url" else part
+                                         for part in message["content"]]} if isinstance(message["content"], list)
+                 else message for message in conversation]
+        text = self.processor.apply_chat_template(parts, tokenize=False, **template)
+        return self.generator.process_prompt({"prompt": text, "multi_modal_data": {"image": images}}, False)
+
+
+def _image_urls(conversation) -> list[tuple[str, str]]:
+    """(where, url) of each `image_url` part of a conversation, in order."""
+    found = []
+    for i, message in enumerate(conversation):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                value = part.get("image_url")
+                url = value.get("url") if isinstance(value, dict) else value
+                found.append((f"messages[{i}].content[{j}]", url))
+    return found
 
 
 def _prompts(prompts) -> list:
@@ -93,7 +131,9 @@ def _prompts(prompts) -> list:
         prompts = [prompts]
     result = []
     for prompt in prompts:
-        if isinstance(prompt, dict):
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            pass  # the engine's processor takes it whole (engine/image_prompts.py)
+        elif isinstance(prompt, dict):
             if set(prompt) - {"prompt", "prompt_token_ids"} or len(prompt) != 1:
                 raise ValueError(f"a prompt dict has one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))

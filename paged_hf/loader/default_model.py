@@ -268,7 +268,8 @@ def load_model(
     tp_plan: str | None = None,
     pipeline_stage: tuple[int, int] | None = None,
 ) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` in eval mode.
+    """Load ``(model, tokenizer)`` in eval mode; a vision-language checkpoint gives ``(model, processor)``
+    (loader/vision_folder.py: its image-text-to-text class and the processor saved beside it).
 
     ``None`` or :data:`DEFAULT_MODEL` gives the cached default checkpoint (converted on first use); anything else
     is passed to ``from_pretrained`` (a local HF folder or a hub id). ``attn_implementation`` is forwarded when
@@ -290,7 +291,8 @@ def load_model(
         kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     start = time.perf_counter()
     from paged_hf.loader.quantized import load_quantized_model, quantization_config  # noqa: PLC0415
-
+    from paged_hf.loader.vision_folder import is_vision_checkpoint, load_processor, load_vision_model  # noqa: PLC0415
+    vision = pipeline_stage is None and is_vision_checkpoint(source)
     if pipeline_stage is not None:
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -303,17 +305,17 @@ def load_model(
         if tp_plan is not None:
             raise ValueError("a quantized checkpoint is not served tensor-parallel")
         model = load_quantized_model(source, dtype)
+    elif vision:  # with its processor for the tokenizer (loader/vision_folder.py)
+        model = load_vision_model(source, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = load_processor(source) if vision else AutoTokenizer.from_pretrained(source)
     if tp_plan is None:
         model.to(device)
     model.eval()
     attn = getattr(model.config, "_attn_implementation", None)
-    logger.info(
-        "Loaded %s in %.1f s: dtype=%s device=%s attn_implementation=%s",
-        source, time.perf_counter() - start, model.dtype, device, attn,
-    )
+    logger.info("Loaded %s in %.1f s: dtype=%s device=%s attn_implementation=%s",
+                source, time.perf_counter() - start, model.dtype, device, attn)
     if attn_implementation is None and torch.device(device).type == "cpu" and attn != "sdpa":
         logger.warning("Expected the sdpa attention implementation on CPU, got %r", attn)
     return model, tokenizer

@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 import paged_hf
+from paged_hf.engine.image_prompts import served_processor
 from paged_hf.loader import default_model
 from paged_hf.utils import describe_host
 
@@ -25,13 +26,17 @@ API_KEY_ENV_VAR = "PAGED_HF_API_KEY"
 
 
 def load_engine(args: argparse.Namespace, **load_kwargs) -> tuple:
-    """(model, tokenizer, generator) as the serve flags ask; `load_kwargs` go to `load_model` (tp_plan)."""
+    """(model, tokenizer, generator) as the serve flags ask; `load_kwargs` go to `load_model` (tp_plan). A vision
+    folder's `tokenizer` is its processor (create_app serves its images)."""
     try:  # optional dependencies (fastapi, uvicorn: the 'serve' extra), checked before the model loads
         from paged_hf.serving import openai  # noqa: F401, PLC0415
     except ImportError as exc:
         raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
     config = dict(args.engine_config)
     model, tokenizer = default_model.load_model(args.model, getattr(torch, args.dtype), args.device, **load_kwargs)
+    tokenizer, text_only = served_processor(model, tokenizer)  # a vision folder's processor: its images are served
+    if text_only is not None:
+        print(f"paged-hf serve: only the text of {args.model} is served: {text_only}", file=sys.stderr)
     generator = paged_hf.wrap(model, tokenizer, **config).generator
     check_adapters_loaded(generator, config.get("adapters", {}))
     return model, tokenizer, generator
