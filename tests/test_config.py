@@ -75,7 +75,8 @@ def test_the_flags_spell_the_config_they_give():
     add_engine_args(parser)
     config = {"block_size": 4, "num_blocks": 40, "kv_cache_memory": 2_000_000_000, "max_model_len": 256,
               "enable_prefix_caching": False, "kv_cache_dtype": "int8", "kv_offloading_size": 1.5,
-              "kv_cache_dir": "/tmp/blocks", "kv_cache_dir_size": 2.0, "max_num_batched_tokens": 64, "max_num_seqs": 8,
+              "kv_cache_dir": "/tmp/blocks", "kv_cache_dir_size": 2.0, "encoder_cache_bytes": 1 << 20,
+              "max_num_batched_tokens": 64, "max_num_seqs": 8,
               "scheduling_policy": "fair", "tenant_weights": {"a": 2.0, "b": 0.5}, "max_stream_gap_s": 0.25,
               "adapters": {"x": "/adapters/x", "y": "/adapters/y"}, "max_loras": 2, "max_lora_rank": 16,
               "max_cpu_loras": 3, "lora_root": "/adapters", "max_stop_strings": 3, "max_stop_string_chars": 9,

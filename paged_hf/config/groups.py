@@ -41,7 +41,8 @@ def _adapters(name: str, value):
 
 @dataclass
 class CacheConfig(OptionGroup):
-    """The paged KV cache: its blocks, their dtype, the prefix cache and the KV tier under it."""
+    """The paged KV cache: its blocks, their dtype, the prefix cache and the KV tier under it; the images' encoder
+    outputs."""
     block_size: int = option(16, "tokens per KV block", integer(), (Flag(("--block-size",), int),))
     num_blocks: int | None = option(None, "KV cache blocks (default: sized from kv_cache_memory)",
                                     integer(optional=True), (Flag(("--num-blocks",), int),))
@@ -70,6 +71,10 @@ class CacheConfig(OptionGroup):
         text(), (Flag(("--kv-cache-dir",), metavar="PATH"),))
     kv_cache_dir_size: float = option(16.0, "most GiB --kv-cache-dir holds", number(unit="a number of GiB"),
                                       (Flag(("--kv-cache-dir-size",), float, metavar="GIB"),))
+    # vLLM's encoder cache, in bytes: the same image anywhere in any prompt runs no vision tower while it is kept
+    encoder_cache_bytes: int = option(
+        256 << 20, "bytes of images' vision-tower outputs kept by their content, least recently used dropped first "
+        "(0: off)", integer(minimum=0), (Flag(("--encoder-cache-bytes",), int, metavar="BYTES"),))
 
 
 @dataclass

@@ -385,8 +385,7 @@ class ContinuousBatchGenerator(EngineFace):
 
     def stats(self) -> dict:
         return {
-            "num_blocks": self.block_pool.num_blocks,
-            "num_free_blocks": self.block_pool.num_free_blocks,
+            "num_blocks": self.block_pool.num_blocks, "num_free_blocks": self.block_pool.num_free_blocks,
             "num_running": len(self.scheduler.running),
             "max_num_running": self.scheduler.max_num_running,  # the most at once so far
             "num_waiting": self.scheduler.num_waiting,
@@ -395,6 +394,7 @@ class ContinuousBatchGenerator(EngineFace):
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
             **(self.runner.kv_tier.stats() if self.runner.kv_tier is not None else {}),
+            **(self.runner.encoder_cache.stats() if self.runner.encoder_cache is not None else {}),
             **self.adapter_store.stats(self.scheduler.running, self.scheduler.waiting),
         }
 

@@ -1,8 +1,8 @@
 """A step's input embeddings when some of its requests hold images: the token embeddings of the packed row, with
 each image's features over the placeholder rows that this step computes.
 
-An image is encoded once, in the step that first reaches one of its placeholders, and its features are kept on
-the request (`request.mm_features`) until the request has computed its last placeholder: a chunked prefill that
+An image is encoded once, in the step that first reaches one of its placeholders (unless the engine's encoder-output
+cache holds its features already: encoder_cache.py), and its features are kept on the request (`request.mm_features`) until the request has computed its last placeholder: a chunked prefill that
 cuts through an image takes the next rows of the same features in the next step, never encodes it again. A
 request preempted after that point recomputes its prompt, and its images with it, from zero.
 
@@ -17,6 +17,7 @@ import torch
 from paged_hf.core.multimodal import MultiModalItem, mm_prefill_end
 from paged_hf.core.request import Request
 from paged_hf.core.scheduler_output import SchedulerOutput
+from paged_hf.multimodal.encoder_cache import EncoderCache
 from paged_hf.multimodal.family import VisionFamily
 
 
@@ -32,8 +33,9 @@ def _overlapping(request: Request, start: int, num_new: int) -> list[tuple[int, 
 
 @torch.inference_mode()
 def step_embeds(family: VisionFamily, out: SchedulerOutput, input_ids: torch.Tensor,
-                query_start_loc: list[int]) -> torch.Tensor:
-    """input_ids [1, num_tokens] (the packed row) -> inputs_embeds [1, num_tokens, hidden_size]."""
+                query_start_loc: list[int], cache: EncoderCache | None = None) -> torch.Tensor:
+    """input_ids [1, num_tokens] (the packed row) -> inputs_embeds [1, num_tokens, hidden_size]. `cache`: the
+    engine's encoder-output cache (an image found there is not encoded again)."""
     embeds = family.embed_tokens(input_ids)
     for row_start, scheduled in zip(query_start_loc, out.scheduled):
         request = scheduled.request
@@ -41,12 +43,23 @@ def step_embeds(family: VisionFamily, out: SchedulerOutput, input_ids: torch.Ten
         for index, item in _overlapping(request, start, scheduled.num_new_tokens):
             features = request.mm_features.get(index)
             if features is None:
-                features = request.mm_features[index] = _encode(family, item, embeds.device)
+                features = request.mm_features[index] = _features(family, item, embeds.device, cache)
             rows, feature_rows = _placements(family, request, item, start, scheduled.num_new_tokens)
             embeds[0, rows + row_start] = features[feature_rows].to(embeds.dtype)
         if start + scheduled.num_new_tokens >= mm_prefill_end(request.mm_items):
             request.mm_features.clear()  # every placeholder is computed: the features are not needed again
     return embeds
+
+
+def _features(family: VisionFamily, item: MultiModalItem, device: torch.device,
+              cache: EncoderCache | None) -> torch.Tensor:
+    """The item's features: from the encoder-output cache by its content hash, else encoded (and kept there)."""
+    features = cache.get(item.content_hash) if cache is not None else None
+    if features is None:
+        features = _encode(family, item, device)
+        if cache is not None:
+            cache.put(item.content_hash, features)
+    return features
 
 
 def _encode(family: VisionFamily, item: MultiModalItem, device: torch.device) -> torch.Tensor:

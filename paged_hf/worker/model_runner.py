@@ -13,6 +13,7 @@ from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINE
 from paged_hf.kernels.selection import select_kernel
 from paged_hf.kernels.quant import storage_dtype
 from paged_hf.multimodal.embeddings import has_images, step_embeds
+from paged_hf.multimodal.encoder_cache import EncoderCache
 from paged_hf.multimodal.registry import vision_family
 from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import AttentionSwitch
@@ -52,6 +53,7 @@ class ModelRunner:
         self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
         self.vision = vision_family(model)  # the family that encodes a vision-language model's images, else None
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if self.vision is not None else None
         fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()
         fused = fused_layers.fused_linears if fused_layers is not None else set()
@@ -94,7 +96,7 @@ class ModelRunner:
         if self.vision is not None and has_images(out):  # images' features over their placeholders
             with span("vision"):
                 kwargs["inputs_embeds"] = step_embeds(self.vision, out, kwargs.pop("input_ids"),
-                                                      inputs.attention.query_start_loc)
+                                                      inputs.attention.query_start_loc, self.encoder_cache)
         inputs.pooling_spans = pooling_spans(out, inputs.attention.query_start_loc)
         capture = (HiddenStateCapture(self.model, pooling_rows(inputs.pooling_spans)) if inputs.pooling_spans
                    else contextlib.nullcontext())

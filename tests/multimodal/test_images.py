@@ -102,7 +102,8 @@ def test_preemption_recomputes_images(vlm):
 def test_a_request_preempted_after_its_prefill_encodes_its_image_again(vlm):
     prompts = PROMPTS[:2]
     needed = sum(_blocks_needed(vlm[1], text, seeds) for text, seeds in prompts)
-    gen = _engine(vlm, num_blocks=needed - 1, enable_prefix_caching=False)  # one block short: one decode preempts
+    # one block short: one decode preempts (no encoder-output cache: the request's own features are what is tested)
+    gen = _engine(vlm, num_blocks=needed - 1, enable_prefix_caching=False, encoder_cache_bytes=0)
     calls = EncoderCalls(vlm[0])
     try:
         outputs = gen.generate([_prompt(text, seeds) for text, seeds in prompts], PARAMS, use_tqdm=False)
@@ -230,7 +231,7 @@ def test_idefics3_takes_expanded_token_ids_and_refuses_to_expand_one_token():
 
 
 def test_a_prefix_hit_that_ends_inside_an_image_takes_the_rest_of_its_rows(vlm):
-    gen = _engine(vlm, num_blocks=64, max_num_batched_tokens=8)
+    gen = _engine(vlm, num_blocks=64, max_num_batched_tokens=8, encoder_cache_bytes=0)  # the tower runs again
     text, seeds = PROMPTS[0]
     first = gen.add_request(_prompt(text, seeds), PARAMS)
     gen.step()  # 8 tokens computed (2 full blocks, cut inside the image), then aborted: its blocks stay cached
