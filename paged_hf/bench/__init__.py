@@ -25,6 +25,7 @@ from paged_hf.bench.model_shapes import describe_shape, resolve_model_shape
 from paged_hf.bench.pipeline import is_pipeline_system
 from paged_hf.bench.systems import DEFAULT_SYSTEMS, LORA_SCALE_SYSTEMS, SYSTEM_NAMES, SystemRun, run_in_subprocess
 from paged_hf.bench.tenants import run_tenants_bench
+from paged_hf.bench.vision import run_vision_bench
 from paged_hf.bench.vllm_system import default_vllm_python, run_vllm
 from paged_hf.bench.workloads import WORKLOAD_NAMES, Workload, build_workload
 from paged_hf.config.groups import CacheConfig
@@ -178,6 +179,8 @@ def median_run(runs: list[SystemRun]) -> SystemRun:
 def run_bench(args) -> int:
     """Run the benchmark described by the parsed ``paged-hf bench`` arguments; 0 if every system ran (or was
     skipped on purpose), 1 if any failed."""
+    if args.workload == "vision":  # images and a question against HF's generate, in this process
+        return run_vision_bench(args)
     if args.workload == "embed":  # texts/s of embeddings against sentence-transformers
         if getattr(args, "model_shape", None):
             raise ValueError("--model-shape builds a generative model; --workload embed measures embeddings")

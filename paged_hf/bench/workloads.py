@@ -48,7 +48,7 @@ QUESTION_TEMPLATES = (
 LORA_ADAPTERS = ("lora_a", "lora_b", "lora_c", "lora_d")
 
 WORKLOAD_NAMES = ("mixed", "prefix", "decode", "lora", "structured", "beam", "grounded", "tenants",  # tenants.py
-                  "embed", "documents")  # embed.py, documents.py
+                  "embed", "documents", "vision")  # embed.py, documents.py, vision.py
 
 #: grounded requests: the answer restates, extracts from or edits the passage (what prompt lookup serves)
 GROUNDED_INSTRUCTIONS = (

@@ -3,6 +3,7 @@
     paged-hf generate prompts.jsonl -o outputs.jsonl [--model M] [engine flags]
     paged-hf bench --workload mixed --out bench_out [--systems paged_hf,hf_static_8] [--requests N]
     paged-hf bench --workload embed [--concurrency 32] [--requests 256]   (/v1/embeddings beside sentence-transformers)
+    paged-hf bench --workload vision [--vision-shape tiny] [--requests 8]   (images: SmolVLM-256M's shape, HF generate)
     paged-hf bench --streams 1,2,4,8,16 [--precisions float32,bfloat16,int8,w4a16]   (against llama.cpp)
     paged-hf bench --serve [--concurrency 32] [--request-rate R] [--vllm-python .venv-vllm/bin/python]
     paged-hf serve [MODEL] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API; vLLM's flags too)
@@ -24,6 +25,7 @@ from paged_hf.bench.peer import add_peer_args, run_peer_bench
 from paged_hf.bench.serve import run_serve_bench
 from paged_hf.bench.step_profile import run_profile
 from paged_hf.bench.systems import SYSTEM_NAMES, worker_main
+from paged_hf.bench.vision_model import VISION_SHAPES
 from paged_hf.bench.workloads import WORKLOAD_NAMES
 from paged_hf.entrypoints.cli_args import add_engine_args, add_model_args, engine_config, resolve_model_args
 from paged_hf.entrypoints.eval_ppl import add_parser as add_eval_ppl_parser
@@ -226,6 +228,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--model-shape", choices=list(MODEL_SHAPES), default=None,
                        help="instead of --model: a model of that published architecture with random weights and the "
                        "default tokenizer (built once in the cache folder; docs/benchmarks.md)")
+    bench.add_argument("--vision-shape", choices=list(VISION_SHAPES), default="smolvlm-256m",
+                       help="--workload vision: the model's shape, random weights (smolvlm-256m: SmolVLM-256M's "
+                       "Idefics3; tiny: a toy of the same build, for tests)")
     bench.add_argument("--profile", action="store_true", help="split one decode step's and one mixed step's wall "
                        "time into matmuls, attention, other torch ops, Python and idle (paged_hf.bench.step_profile)")
     bench.add_argument("--profile-seqs", type=int, default=64, help="--profile: decoding sequences (default: 64)")
