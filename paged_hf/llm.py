@@ -34,7 +34,7 @@ class LLM:
         """`model`: an HF folder or hub id (None: the default model); `config`: PagedConfig fields (vLLM's
         `speculative_config` is accepted as `speculative`). `pipeline_parallel_size` N > 1: the model's layers in
         N processes, this one and N - 1 spawned ones, each holding only its layers (`close()` stops them)."""
-        from paged_hf.loader.default_model import load_model  # noqa: PLC0415
+        from paged_hf.loader.default_model import load_model, with_processor  # noqa: PLC0415
 
         if not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pipeline_parallel_size!r}")
@@ -52,8 +52,8 @@ class LLM:
             self.generator, self.tokenizer = self.stages.generator, self.stages.tokenizer
             weakref.finalize(self, self.stages.close)
             return
-        hf_model, tokenizer = load_model(model, torch_dtype, device)  # a vision folder: its processor
-        tokenizer, text_only = served_processor(hf_model, tokenizer)
+        hf_model, tokenizer = load_model(model, torch_dtype, device)
+        tokenizer, text_only = served_processor(hf_model, with_processor(model, tokenizer))  # a vision folder's
         if text_only is not None:
             logger.warning("%s: only its text is served: %s", model, text_only)
         self.paged_model = wrap(hf_model, tokenizer, **config)

@@ -268,8 +268,8 @@ def load_model(
     tp_plan: str | None = None,
     pipeline_stage: tuple[int, int] | None = None,
 ) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` in eval mode; a vision-language checkpoint gives ``(model, processor)``
-    (loader/vision_folder.py: its image-text-to-text class and the processor saved beside it).
+    """Load ``(model, tokenizer)`` in eval mode; a vision-language checkpoint is loaded with its image-text-to-text
+    class where no causal-LM class loads it (its processor: :func:`with_processor`).
 
     ``None`` or :data:`DEFAULT_MODEL` gives the cached default checkpoint (converted on first use); anything else
     is passed to ``from_pretrained`` (a local HF folder or a hub id). ``attn_implementation`` is forwarded when
@@ -279,7 +279,7 @@ def load_model(
     (loader/pipeline_stage.py); with ``tp_plan`` too, this rank's slice of that stage, the process group's ranks
     split evenly over the stages (loader/stage_shards.py).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     source = ensure_default_checkpoint() if is_default_model(name_or_path) else name_or_path
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -290,26 +290,11 @@ def load_model(
 
         kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     start = time.perf_counter()
-    from paged_hf.loader.quantized import load_quantized_model, quantization_config  # noqa: PLC0415
-    from paged_hf.loader.vision_folder import is_vision_checkpoint, load_processor, load_vision_model  # noqa: PLC0415
-    vision = pipeline_stage is None and is_vision_checkpoint(source)
-    if pipeline_stage is not None:
-        import torch.distributed as dist  # noqa: PLC0415
+    from paged_hf.loader.vision_folder import vision_checkpoint  # noqa: PLC0415
 
-        from paged_hf.loader.pipeline_stage import load_stage  # noqa: PLC0415
-
-        index, count = pipeline_stage
-        tp_size = dist.get_world_size() // count if tp_plan is not None else 1  # the stages share the ranks evenly
-        model = load_stage(source, dtype, device, index, count, tp_size=tp_size)
-    elif quantization_config(source) is not None:  # served on its own integers (docs/quantization.md)
-        if tp_plan is not None:
-            raise ValueError("a quantized checkpoint is not served tensor-parallel")
-        model = load_quantized_model(source, dtype)
-    elif vision:  # with its processor for the tokenizer (loader/vision_folder.py)
-        model = load_vision_model(source, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    tokenizer = load_processor(source) if vision else AutoTokenizer.from_pretrained(source)
+    vision_class = vision_checkpoint(source)[1] if pipeline_stage is None else False
+    model = _load_weights(source, dtype, device, kwargs, tp_plan, pipeline_stage, vision_class)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     if tp_plan is None:
         model.to(device)
     model.eval()
@@ -319,3 +304,39 @@ def load_model(
     if attn_implementation is None and torch.device(device).type == "cpu" and attn != "sdpa":
         logger.warning("Expected the sdpa attention implementation on CPU, got %r", attn)
     return model, tokenizer
+
+
+def with_processor(name_or_path, tokenizer) -> Any:
+    """`tokenizer` as `load_model` gave it, or a vision-language checkpoint's processor for it (the one saved beside
+    it; loader/vision_folder.py): what `paged_hf.LLM` and `paged-hf serve` wrap the model with."""
+    from paged_hf.loader.vision_folder import load_processor, vision_checkpoint  # noqa: PLC0415
+
+    if is_default_model(name_or_path) or not vision_checkpoint(name_or_path)[0]:
+        return tokenizer
+    return load_processor(name_or_path)
+
+
+def _load_weights(source, dtype: torch.dtype, device, kwargs: dict, tp_plan: str | None,
+                  pipeline_stage: tuple[int, int] | None, vision_class: bool):
+    """The model of `load_model`: a pipeline stage's layers, a quantized checkpoint on its integers, a
+    vision-language model's image-text-to-text class, or the causal-LM class."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from paged_hf.loader.quantized import load_quantized_model, quantization_config  # noqa: PLC0415
+    from paged_hf.loader.vision_folder import load_vision_model  # noqa: PLC0415
+
+    if pipeline_stage is not None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from paged_hf.loader.pipeline_stage import load_stage  # noqa: PLC0415
+
+        index, count = pipeline_stage
+        tp_size = dist.get_world_size() // count if tp_plan is not None else 1  # the stages share the ranks evenly
+        return load_stage(source, dtype, device, index, count, tp_size=tp_size)
+    if quantization_config(source) is not None:  # served on its own integers (docs/quantization.md)
+        if tp_plan is not None:
+            raise ValueError("a quantized checkpoint is not served tensor-parallel")
+        return load_quantized_model(source, dtype)
+    if vision_class:  # LLaVA, Idefics3...: no causal-LM class loads them (loader/vision_folder.py)
+        return load_vision_model(source, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(source, **kwargs)

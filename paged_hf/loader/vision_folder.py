@@ -6,8 +6,10 @@ has a vision sub-config. Its processor is the one saved beside it (`processor_co
 a folder without one is loaded with its tokenizer alone, and its text is served (a warning says so): images need the
 processor that made the model's pixel inputs and placeholder tokens, and none is guessed.
 
-Whether a family of paged_hf serves the model's images is decided above this layer (`engine/image_prompts.py`,
-`served_processor`), where the families are known.
+`load_model` loads the model (its image-text-to-text class where no causal-LM class loads it) and the tokenizer;
+`default_model.with_processor` (what `LLM` and `paged-hf serve` call after it) gives the folder's processor for the
+tokenizer. Whether a family of paged_hf serves the model's images is decided above this layer
+(`engine/image_prompts.py`, `served_processor`), where the families are known.
 """
 
 from __future__ import annotations
@@ -18,17 +20,21 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def is_vision_checkpoint(source) -> bool:
-    """Whether the checkpoint's config is a vision-language model's (False when it cannot be read: loading says why)."""
+def vision_checkpoint(source) -> tuple[bool, bool]:
+    """(vision-language, needs the image-text-to-text class) of a checkpoint's config: the second where no causal-LM
+    class loads it (LLaVA, Idefics3; Gemma 3's causal-LM class is its vision class already, Llama 4's and Qwen3.5's
+    are text models, loaded as before). (False, False) when the config cannot be read: loading says why."""
     from transformers import AutoConfig  # noqa: PLC0415
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: PLC0415
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,  # noqa: PLC0415
+                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError):
-        return False
-    return (getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-            or getattr(config, "vision_config", None) is not None)
+        return False, False
+    model_type = getattr(config, "model_type", None)
+    vision = model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is not None
+    return vision, vision and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def load_vision_model(source, **kwargs) -> Any:

@@ -34,7 +34,8 @@ def load_engine(args: argparse.Namespace, **load_kwargs) -> tuple:
         raise ValueError(f"serving needs the 'serve' extra (pip install 'paged-hf[serve]'): {exc}") from None
     config = dict(args.engine_config)
     model, tokenizer = default_model.load_model(args.model, getattr(torch, args.dtype), args.device, **load_kwargs)
-    tokenizer, text_only = served_processor(model, tokenizer)  # a vision folder's processor: its images are served
+    # a vision folder's processor for its tokenizer: its images are served
+    tokenizer, text_only = served_processor(model, default_model.with_processor(args.model, tokenizer))
     if text_only is not None:
         print(f"paged-hf serve: only the text of {args.model} is served: {text_only}", file=sys.stderr)
     generator = paged_hf.wrap(model, tokenizer, **config).generator
