@@ -13,6 +13,7 @@ cache never sees one twice: none repeats).
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -86,14 +87,14 @@ def hf_generate(model, processor, request: VisionRequest) -> list[int]:
     return out[0, request.prompt_tokens:].tolist()
 
 
-def run_hf(model, processor, requests: list[VisionRequest], warm_up: VisionRequest) -> float:
-    """HF's `generate` one request at a time -> wall seconds (after the warm-up request)."""
+def run_hf(model, processor, requests: list[VisionRequest], warm_up: VisionRequest) -> tuple[float, float]:
+    """HF's `generate` one request at a time -> (wall, CPU) seconds (after the warm-up request)."""
     with torch.inference_mode():
         hf_generate(model, processor, warm_up)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for request in requests:
             request.tokens["hf_generate"] = hf_generate(model, processor, request)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _params(max_new_tokens: int):
@@ -106,16 +107,17 @@ def _prompt(request: VisionRequest) -> dict:
     return {"prompt": request.text, "multi_modal_data": {"image": request.images}}
 
 
-def run_paged(generator, requests: list[VisionRequest], warm_up: VisionRequest) -> float:
-    """paged_hf's engine on every request at once -> wall seconds (after the warm-up request)."""
+def run_paged(generator, requests: list[VisionRequest], warm_up: VisionRequest) -> tuple[float, float]:
+    """paged_hf's engine on every request at once -> (wall, CPU) seconds (after the warm-up request): on a shared
+    host the CPU seconds (all of this process's threads) say what the work cost when others took the cores."""
     generator.generate([_prompt(warm_up)], _params(warm_up.max_new_tokens), use_tqdm=False)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = generator.generate([_prompt(r) for r in requests], [_params(r.max_new_tokens) for r in requests],
                                  use_tqdm=False)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     for request, output in zip(requests, outputs):
         request.tokens["paged_hf"] = list(output.outputs[0].token_ids)
-    return wall
+    return wall, cpu
 
 
 def two_turns(model, processor, generator, image, max_new_tokens: int) -> dict:
@@ -160,9 +162,12 @@ def sized_config(engine_config: dict, requests: list[VisionRequest], block_size:
     return dict(engine_config, num_blocks=needed + cdiv(extra_tokens, block_size) + 8)
 
 
-def system_figures(requests: list[VisionRequest], system: str, wall: float) -> dict:
+def system_figures(requests: list[VisionRequest], system: str, times: tuple[float, float, float]) -> dict:
+    """`times`: (wall s, CPU s, the host's 1-minute load average when the system finished)."""
     new_tokens = sum(len(r.tokens[system]) for r in requests)
-    return {"wall_s": wall, "new_tokens": new_tokens, "new_tokens_per_s": new_tokens / wall}
+    wall, cpu, load = times
+    return {"wall_s": wall, "cpu_s": cpu, "new_tokens": new_tokens, "new_tokens_per_s": new_tokens / wall,
+            "new_tokens_per_cpu_s": new_tokens / cpu, "load_average_1m": load}
 
 
 def run_vision_bench(args) -> int:
@@ -181,14 +186,14 @@ def run_vision_bench(args) -> int:
         random_image(rng, tile_size(shape))
     _log(f"{num_requests} requests, {sum(len(r.images) for r in requests)} images, {max_new} new tokens each: "
          "hf_generate one at a time ...")
-    walls = {"hf_generate": run_hf(model, processor, requests, warm_up)}
+    walls = {"hf_generate": (*run_hf(model, processor, requests, warm_up), os.getloadavg()[0])}
     chats = {"hf_generate": two_turns(model, processor, None, chat_image, max_new)}
     import paged_hf  # noqa: PLC0415 - the public API, as a user calls it
 
     config = sized_config(args.engine_config, requests, args.engine_config.get("block_size", 16), 4 * 1024)
     generator = paged_hf.wrap(model, processor, **config).generator
     _log("paged_hf ...")
-    walls["paged_hf"] = run_paged(generator, requests, warm_up)
+    walls["paged_hf"] = (*run_paged(generator, requests, warm_up), os.getloadavg()[0])
     chats["paged_hf"] = two_turns(model, processor, generator, chat_image, max_new)
     report = vision_report(args, shape, requests, walls, chats, config)
     print(format_vision_table(report), flush=True)
@@ -204,6 +209,7 @@ def vision_report(args, shape: str, requests: list[VisionRequest], walls: dict, 
     systems = {name: system_figures(requests, name, wall) for name, wall in walls.items()}
     for name, figures in systems.items():
         figures["vs_hf_generate"] = figures["new_tokens_per_s"] / systems["hf_generate"]["new_tokens_per_s"]
+        figures["cpu_vs_hf_generate"] = figures["new_tokens_per_cpu_s"] / systems["hf_generate"]["new_tokens_per_cpu_s"]
         figures["two_turn_chat"] = chats[name]
     equal = sum(r.tokens["paged_hf"] == r.tokens["hf_generate"] for r in requests)
     argv = getattr(args, "argv", None)
@@ -222,13 +228,14 @@ def format_vision_table(report: dict) -> str:
     lines = [f"vision workload ({work['shape']}): {work['num_requests']} requests, {work['num_images']} images, "
              f"{work['prompt_tokens']} prompt tokens, {work['max_new_tokens']} new tokens each; "
              f"{report['settings']['host']}, {report['settings']['threads']} threads",
-             "| system | wall s | new tokens/s | vs hf_generate | chat turn 1 s | chat turn 2 s | turn 2 prefix hits |",
-             "|---|---|---|---|---|---|---|"]
+             "| system | wall s | new tokens/s | vs hf_generate | CPU s | per CPU s vs hf_generate | chat turn 1 s | "
+             "chat turn 2 s | turn 2 prefix hits | host load |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, figures in report["systems"].items():
         chat = figures["two_turn_chat"]
         hits = chat.get("turn_2_prefix_hit_tokens")
         hit = "-" if hits is None else f"{hits} of {chat['turn_2_prompt_tokens']} ({chat['turn_2_prefix_hit_rate']:.0%})"
         lines.append(f"| {name} | {figures['wall_s']:.2f} | {figures['new_tokens_per_s']:.1f} | "
-                     f"{figures['vs_hf_generate']:.2f}x | {chat['turn_1_s']:.2f} | {chat['turn_2_s']:.2f} | {hit} |")
+                     f"{figures['vs_hf_generate']:.2f}x | {figures['cpu_s']:.2f} | {figures['cpu_vs_hf_generate']:.2f}x "
+                     f"| {chat['turn_1_s']:.2f} | {chat['turn_2_s']:.2f} | {hit} | {figures['load_average_1m']:.1f} |")
     lines.append(f"requests whose tokens equal HF's: {report['requests_with_equal_tokens']} of {work['num_requests']}")
     return "\n".join(lines)
