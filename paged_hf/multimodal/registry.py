@@ -13,9 +13,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 from paged_hf.multimodal.family import VisionFamily
 from paged_hf.multimodal.idefics3 import Idefics3Family
-from paged_hf.multimodal.llava import LlavaFamily
+from paged_hf.multimodal.llava import LlavaFamily, VipLlavaFamily
+from paged_hf.multimodal.llava_next import LlavaNextFamily
 
-FAMILIES: tuple[type[VisionFamily], ...] = (LlavaFamily, Idefics3Family)
+FAMILIES: tuple[type[VisionFamily], ...] = (LlavaFamily, VipLlavaFamily, LlavaNextFamily, Idefics3Family)
 #: why the images of some well-known families are not served yet, beyond "no family"
 REASONS = {
     "Gemma3ForConditionalGeneration": "Gemma 3 attends bidirectionally among an image's tokens, and the paged "

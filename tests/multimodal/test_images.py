@@ -1,13 +1,14 @@
-"""Vision-language models on the paged engine (LLaVA, Idefics3): images in prompts give HF's own greedy tokens and
-top-5 logprobs (float64, HF's `generate` on the processor's outputs, one prompt at a time), batched with text-only
-requests, with a chunk boundary inside an image, with preemption, and through the prefix cache (the same image hits,
-another image never does)."""
+"""Vision-language models on the paged engine (LLaVA, VipLLaVA, LLaVA-NeXT, Idefics3): images in prompts give HF's
+own greedy tokens and top-5 logprobs (float64, HF's `generate` on the processor's outputs, one prompt at a time),
+batched with text-only requests, with a chunk boundary inside an image, with preemption, and through the prefix
+cache (the same image hits, another image never does)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_vlm import IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS, EncoderCalls, hf_generate, random_image, tiny_idefics3, tiny_llava
+from tiny_vlm import (IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS, EncoderCalls, hf_generate, random_image, tiny_idefics3, tiny_llava,
+                      tiny_llava_next, tiny_vipllava)
 
 import paged_hf
 from paged_hf import SamplingParams
@@ -23,9 +24,12 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llava", "idefics3"])
+TINY_VLMS = {"llava": tiny_llava, "vipllava": tiny_vipllava, "llava_next": tiny_llava_next, "idefics3": tiny_idefics3}
+
+
+@pytest.fixture(scope="module", params=list(TINY_VLMS))
 def vlm(request):
-    return tiny_llava() if request.param == "llava" else tiny_idefics3()
+    return TINY_VLMS[request.param]()
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +38,9 @@ def llava():
 
 
 def _blocks_needed(processor, text: str, seeds: list[int]) -> int:
-    """KV blocks (of 4 tokens) a prompt and its MAX_NEW tokens take."""
+    """KV blocks (of 4 tokens) a prompt and its MAX_NEW tokens take (the last new token is sampled, never computed)."""
     images = [random_image(seed) for seed in seeds]
-    num_tokens = len(processor(text=text, images=images or None)["input_ids"][0]) + MAX_NEW
+    num_tokens = len(processor(text=text, images=images or None)["input_ids"][0]) + MAX_NEW - 1
     return -(-num_tokens // 4)
 
 

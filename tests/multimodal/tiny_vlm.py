@@ -52,6 +52,44 @@ def tiny_llava(seed: int = 0, model_class=transformers.LlavaForConditionalGenera
     return model, processor
 
 
+def _clip_vision():
+    return transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, image_size=32, patch_size=8)
+
+
+def _llava_processor(processor_class=transformers.LlavaProcessor, image_processor=None):
+    image_processor = image_processor or transformers.CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                                                           crop_size={"height": 32, "width": 32})
+    return processor_class(image_processor=image_processor, tokenizer=tiny_tokenizer(), patch_size=8,
+                           vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
+                           num_additional_image_tokens=1)
+
+
+def tiny_vipllava(seed: int = 0):
+    """-> (model, processor): LLaVA's processor; the projector reads two vision layers' features concatenated."""
+    config = transformers.VipLlavaConfig(vision_config=_clip_vision(), text_config=_text_config(),
+                                         image_token_id=IMAGE_TOKEN_ID, vision_feature_layers=[-2, -1])
+    torch.manual_seed(seed)
+    model = transformers.VipLlavaForConditionalGeneration(config).to(torch.float64).eval()
+    model.generation_config.eos_token_id = None
+    return model, _llava_processor()
+
+
+def tiny_llava_next(seed: int = 0):
+    """-> (model, processor): "anyres" tiles of 32 pixels on a 64-pixel grid, unpadded rows with a newline each."""
+    pinpoints = [[32, 64], [64, 32], [64, 64]]
+    config = transformers.LlavaNextConfig(vision_config=_clip_vision(), text_config=_text_config(),
+                                          image_token_id=IMAGE_TOKEN_ID, vision_feature_layer=-2,
+                                          vision_feature_select_strategy="default", image_grid_pinpoints=pinpoints)
+    torch.manual_seed(seed)
+    model = transformers.LlavaNextForConditionalGeneration(config).to(torch.float64).eval()
+    model.generation_config.eos_token_id = None
+    image_processor = transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 32},
+                                                              crop_size={"height": 32, "width": 32},
+                                                              image_grid_pinpoints=pinpoints)
+    return model, _llava_processor(transformers.LlavaNextProcessor, image_processor)
+
+
 def tiny_idefics3(seed: int = 0):
     """-> (model, processor): float64, eval, no EOS; images cut into 32-pixel tiles of 4 rows each (+ a global one)."""
     vision = transformers.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
