@@ -20,6 +20,13 @@ class VisionFamily:
 
     name = ""
     encoder_modules: tuple[str, ...] = ()  # module paths of the vision tower and projector (what `encode` runs)
+    #: (model class, its inner model's class): recognised exactly, so a subclass whose forward merges images
+    #: otherwise is never taken for a family's model
+    classes: tuple[tuple[type, type], ...] = ()
+
+    @classmethod
+    def matches(cls, model: torch.nn.Module) -> bool:
+        return any(type(model) is outer and type(getattr(model, "model", None)) is inner for outer, inner in cls.classes)
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

@@ -22,12 +22,8 @@ from paged_hf.multimodal.family import VisionFamily
 class LlavaFamily(VisionFamily):
     name = "llava"
     encoder_modules = ("model.vision_tower", "model.multi_modal_projector")
-    classes: tuple[tuple[type, type], ...] = ((LlavaForConditionalGeneration, LlavaModel),)
+    classes = ((LlavaForConditionalGeneration, LlavaModel),)
     per_image_inputs: tuple[str, ...] = ("pixel_values",)  # the processor's outputs, one row per image
-
-    @classmethod
-    def matches(cls, model: torch.nn.Module) -> bool:
-        return any(type(model) is outer and type(model.model) is inner for outer, inner in cls.classes)
 
     def split(self, processed: Mapping, counts: list[int]) -> list[dict[str, torch.Tensor]]:
         other = sorted(set(processed) - {*self.per_image_inputs, "input_ids", "attention_mask"})
