@@ -297,3 +297,52 @@ def test_an_adapter_read_after_submission_is_checked_when_it_binds(llava, tmp_pa
     [output] = finals
     assert "vision encoder" in output.error
     assert gen.stats()["num_free_blocks"] == 64
+
+
+def _hf_beams(model, processor, text: str, images, width: int, max_new: int) -> list[tuple[list[int], float]]:
+    """HF's beam search on one image prompt -> [(generated tokens, sequences_score)], best first."""
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.float64)
+    out = model.generate(**inputs, num_beams=width, num_return_sequences=width, max_new_tokens=max_new,
+                         do_sample=False, return_dict_in_generate=True, output_scores=True)
+    prompt_length = inputs["input_ids"].shape[1]
+    return [(row[prompt_length:].tolist(), score) for row, score in zip(out.sequences, out.sequences_scores.tolist())]
+
+
+def test_beam_search_over_an_image_prompt_gives_hf_beams(vlm):
+    model, processor = vlm
+    gen = _engine(vlm, num_blocks=64, max_num_batched_tokens=16)  # the prompt is chunked through its image
+    prompts = [("USER: <image> what is this ASSISTANT:", [1]), ("USER: <image> and <image> which is more", [3, 4])]
+    params = paged_hf.BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    outputs = gen.beam_search([_prompt(text, seeds) for text, seeds in prompts], params)
+    for (text, seeds), output in zip(prompts, outputs):
+        expected = _hf_beams(model, processor, text, [random_image(seed) for seed in seeds], 3, 5)
+        assert [s.output_token_ids for s in output.sequences] == [tokens for tokens, _ in expected], text
+        assert [s.score for s in output.sequences] == [pytest.approx(score, rel=1e-9) for _, score in expected]
+    assert gen.stats()["num_free_blocks"] == 64
+
+
+def test_preempted_beams_recompute_their_images(llava):
+    """A pool that holds about one beam search, no prefix cache: beams give their blocks back and recompute their
+    prompt, image included, later; the hypotheses do not change."""
+    model, processor = llava
+    prompts = [("USER: <image> what is this ASSISTANT:", [1]), ("USER: the image <image> is it hot", [2])]
+    params = paged_hf.BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    blocks = max(_blocks_needed(processor, text, seeds) for text, seeds in prompts)
+    gen = _engine(llava, num_blocks=3 * blocks, enable_prefix_caching=False)
+    calls = EncoderCalls(model)
+    try:
+        beam_ids = [gen.add_beam_request(_prompt(text, seeds), params) for text, seeds in prompts]
+        for text, seeds in prompts:  # sampled requests beside them press on the pool
+            gen.add_request(_prompt(text, seeds), PARAMS)
+        finished = {}
+        while gen.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in gen.step() if o.finished)
+    finally:
+        calls.handle.remove()
+    outputs = [finished[request_id] for request_id in beam_ids]
+    assert gen.stats()["num_preemptions"] > 0 and calls.count > 4
+    for (text, seeds), output in zip(prompts, outputs):
+        expected = _hf_beams(model, processor, text, [random_image(seed) for seed in seeds], 3, 6)
+        assert [c.token_ids for c in output.outputs] == [tokens for tokens, _ in expected], text
+    assert gen.stats()["num_free_blocks"] == 3 * blocks
