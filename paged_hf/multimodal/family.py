@@ -46,6 +46,10 @@ class VisionFamily:
         """How many placeholder tokens each image takes in `token_ids` (the processor's expanded prompt)."""
         return [self.replacement_ids(processor, processed, i).count(self.image_token_id) for i in range(num_images)]
 
+    def num_images(self, processor, processed: Mapping, token_ids: list[int]) -> int:
+        """How many images a processor's outputs for one prompt hold (one row of `pixel_values` each)."""
+        return processed["pixel_values"].shape[0]
+
     def image_token_text(self, processor) -> str:
         """The placeholder as text in a prompt (what the user writes where an image goes)."""
         return processor.image_token

@@ -40,6 +40,10 @@ class Idefics3Family(VisionFamily):
     def replacement_ids(self, processor, processed: Mapping, index: int) -> list[int]:
         raise ValueError("the Idefics3 processor's expansion needs the tiling of its own call")
 
+    def num_images(self, processor, processed: Mapping, token_ids: list[int]) -> int:
+        """One `<global-img>` tag per image (its tiles share one row of `pixel_values`)."""
+        return token_ids.count(processor.global_image_token_id)
+
     def placeholder_counts(self, processor, processed: Mapping, token_ids: list[int], num_images: int) -> list[int]:
         """Each image's `<image>` tokens: its tiles' runs, up to and including the run after `<global-img>`."""
         counts, current = [], 0

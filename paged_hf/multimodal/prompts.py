@@ -79,6 +79,16 @@ class PromptProcessor:
         return ProcessedPrompt(token_ids, placeholder_items(token_ids, family.image_token_id, counts,
                                                            family.split(processed, counts)))
 
+    def from_model_inputs(self, token_ids: list[int], inputs: Mapping) -> ProcessedPrompt:
+        """One prompt's expanded token ids and the processor's image inputs for it, as a user hands them to HF's
+        `generate` (`**processor(text=..., images=...)`) -> its items; ValueError when they do not match."""
+        family = self.family
+        processed = {"input_ids": [token_ids], **inputs}
+        num_images = family.num_images(self.processor, processed, token_ids)
+        counts = family.placeholder_counts(self.processor, processed, token_ids, num_images)
+        return ProcessedPrompt(list(token_ids), placeholder_items(token_ids, family.image_token_id, counts,
+                                                                  family.split(processed, counts)))
+
     def _expand(self, token_ids: list[int], processed, expanded_alone: list[int], num_images: int) -> list[int]:
         """Ids with one image token per image -> each replaced by what the processor writes; expanded ids as given."""
         token_id = self.family.image_token_id

@@ -346,3 +346,18 @@ def test_preempted_beams_recompute_their_images(llava):
         expected = _hf_beams(model, processor, text, [random_image(seed) for seed in seeds], 3, 6)
         assert [c.token_ids for c in output.outputs] == [tokens for tokens, _ in expected], text
     assert gen.stats()["num_free_blocks"] == 3 * blocks
+
+
+def test_the_drop_in_generate_serves_pixel_values_on_the_engine(vlm):
+    """`wrap(model, processor).generate(**processor(...))`, as HF is called: the engine serves the image prompt
+    (no fall-back to HF's generate), greedy and beam search give HF's sequences."""
+    model, processor = vlm
+    paged = paged_hf.wrap(model, processor, block_size=4, num_blocks=64)
+    for index, (text, seeds) in enumerate(PROMPTS[:3]):
+        inputs = processor(text=text, images=[random_image(seed) for seed in seeds], return_tensors="pt")
+        inputs["pixel_values"] = inputs["pixel_values"].to(torch.float64)
+        for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 2})[: 1 + (index == 2)]:
+            queries = paged.generator.stats()["prefix_cache_queries"]
+            expected = model.generate(**inputs, max_new_tokens=MAX_NEW, **options)
+            assert torch.equal(paged.generate(**inputs, max_new_tokens=MAX_NEW, **options), expected), (text, options)
+            assert paged.generator.stats()["prefix_cache_queries"] > queries  # the engine ran it
