@@ -394,5 +394,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.gate.forget(request)
         self.kv_cache_manager.free(request)
+        request.mm_features.clear()  # the features kept for an image it had not finished computing
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

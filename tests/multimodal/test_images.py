@@ -361,3 +361,20 @@ def test_the_drop_in_generate_serves_pixel_values_on_the_engine(vlm):
             expected = model.generate(**inputs, max_new_tokens=MAX_NEW, **options)
             assert torch.equal(paged.generate(**inputs, max_new_tokens=MAX_NEW, **options), expected), (text, options)
             assert paged.generator.stats()["prefix_cache_queries"] > queries  # the engine ran it
+
+
+def test_an_image_request_aborted_inside_its_image_frees_everything(llava):
+    """Aborted after a chunk that ends inside its image: its blocks go back, the features kept for the rest of its
+    image are dropped, and a request after it still gives HF's tokens."""
+    gen = _engine(llava, num_blocks=64, max_num_batched_tokens=8, enable_prefix_caching=False)
+    aborted = gen.add_request(_prompt(*PROMPTS[0]), PARAMS)
+    request = gen.groups[aborted].children[0]
+    gen.step()  # the first 8 tokens: the image's placeholders start at 2, its 16 rows run past this chunk
+    assert 0 < request.num_computed_tokens < request.mm_items[0].end and request.mm_features
+    gen.abort(aborted)
+    outputs = gen.generate([_prompt(*PROMPTS[1])], PARAMS, use_tqdm=False)
+    assert not request.mm_features
+    _check_equal_hf(*llava, outputs, PROMPTS[1:2])
+    final = [o for o in gen.step() if o.request_id == aborted]  # an abort's final output, for step()'s caller
+    assert final and final[0].outputs[0].finish_reason == "abort"
+    assert gen.stats()["num_free_blocks"] == 64 and not gen.has_unfinished_requests()
