@@ -26,7 +26,8 @@ class VisionFamily:
 
     @classmethod
     def matches(cls, model: torch.nn.Module) -> bool:
-        return any(type(model) is outer and type(getattr(model, "model", None)) is inner for outer, inner in cls.classes)
+        inner_model = getattr(model, "model", None)
+        return any(type(model) is outer and type(inner_model) is inner for outer, inner in cls.classes)
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_vlm import (IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS, EncoderCalls, hf_generate, random_image, tiny_idefics3, tiny_llava,
-                      tiny_llava_next, tiny_vipllava)
+from tiny_vlm import (IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS, EncoderCalls, hf_generate, random_image, tiny_idefics3,
+                      tiny_llava, tiny_llava_next, tiny_vipllava)
 
 import paged_hf
 from paged_hf import SamplingParams
