@@ -7,7 +7,11 @@ the content of the image (or images) whose span overlaps it, as vLLM's multimoda
 the same place hits, another image never does. The content hash is taken over the processed pixel tensors (what
 the vision tower reads), so two inputs that the processor turns into equal pixels share, and no others.
 
-No torch math here (core is bookkeeping): `data` is opaque, the family's encoder inputs for this one item.
+Some families place a prompt's tokens at positions of their own (Qwen-VL's multimodal rotary positions: a temporal,
+height and width row per token, an image's tokens on its grid): `MultiModalPositions`, computed once at submission by
+the family and kept on the request, from which the family builds each step's position rows.
+
+No torch math here (core is bookkeeping): `data` and `rows` are opaque, the family's own tensors.
 """
 
 from __future__ import annotations
@@ -32,6 +36,19 @@ class MultiModalItem:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+@dataclass(frozen=True, eq=False)
+class MultiModalPositions:
+    """A prompt's own positions: `rows[:, p]` for prompt token p; a generated token at index p (p >= the prompt's
+    length) sits at p + `delta` on every row. Shared by the children of a request (never changed)."""
+
+    rows: Any = field(repr=False)  # [num_rows, num_prompt_tokens] int64 (the family's tensor)
+    delta: int  # the generated tokens' offset: the prompt's largest position + 1 - its length
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.rows.shape[1]
 
 
 def block_mm_keys(items: Sequence[MultiModalItem], start: int, end: int) -> bytes:

@@ -40,17 +40,18 @@ def prompt_processor(model: torch.nn.Module, processor) -> PromptProcessor | Non
     return PromptProcessor(family, processor)
 
 
-def prompt_and_items(engine, prompt) -> tuple[list[int], list]:
-    """Any prompt -> its checked token ids and image items (none but for a prompt dict with images, or what
-    `processed_prompt` made of one)."""
+def prompt_and_items(engine, prompt) -> ProcessedPrompt:
+    """Any prompt -> its checked token ids, image items and the family's own positions of it (no items nor positions
+    but for a prompt dict with images, or what `processed_prompt` made of one)."""
     if isinstance(prompt, ProcessedPrompt):
         if prompt.items and not_served(engine) is not None:
             raise ValueError(f"images are not served {not_served(engine)}")
-        return engine.prompt_token_ids(prompt.token_ids), prompt.items
-    if not isinstance(prompt, Mapping):
-        return engine.prompt_token_ids(prompt), []
-    processed = process_prompt(prompt, engine.prompt_processor, engine.tokenizer, not_served(engine))
-    return engine.prompt_token_ids(processed.token_ids), processed.items
+        processed = prompt
+    elif not isinstance(prompt, Mapping):
+        return ProcessedPrompt(engine.prompt_token_ids(prompt))
+    else:
+        processed = process_prompt(prompt, engine.prompt_processor, engine.tokenizer, not_served(engine))
+    return ProcessedPrompt(engine.prompt_token_ids(processed.token_ids), processed.items, processed.positions)
 
 
 def processed_prompt(engine, prompt: Mapping, add_special_tokens: bool | None = None) -> ProcessedPrompt:

@@ -8,7 +8,9 @@ pixels as with any text); each image's placeholder in the ids is either the sing
 what the processor writes, its `replace_image_token`) or already expanded.
 
 An item's span runs from its first to its last placeholder token; its content hash covers its processed pixels
-(`family.content_hash`), which the prefix cache mixes into the hash of every block the span overlaps.
+(`family.content_hash`), which the prefix cache mixes into the hash of every block the span overlaps. A family whose
+model places the prompt's tokens itself (Qwen-VL's 3-D rotary positions) gives their positions here, once
+(`family.prompt_positions`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from paged_hf.core.multimodal import MultiModalItem
+from paged_hf.core.multimodal import MultiModalItem, MultiModalPositions
 from paged_hf.multimodal.family import VisionFamily, content_hash
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
@@ -26,6 +28,7 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 class ProcessedPrompt:
     token_ids: list[int]
     items: list[MultiModalItem] = field(default_factory=list)
+    positions: MultiModalPositions | None = None  # the family's own positions of the prompt (None: its indices)
 
 
 def prompt_images(prompt: Mapping) -> list:
@@ -76,8 +79,8 @@ class PromptProcessor:
         if text is None:
             token_ids = self._expand(_token_id_list(prompt["prompt_token_ids"]), processed, token_ids, len(images))
         counts = family.placeholder_counts(self.processor, processed, token_ids, len(images))
-        return ProcessedPrompt(token_ids, placeholder_items(token_ids, family.image_token_id, counts,
-                                                           family.split(processed, counts)))
+        items = placeholder_items(token_ids, family.image_token_id, counts, family.split(processed, counts))
+        return ProcessedPrompt(token_ids, items, family.prompt_positions(token_ids, items))
 
     def from_model_inputs(self, token_ids: list[int], inputs: Mapping) -> ProcessedPrompt:
         """One prompt's expanded token ids and the processor's image inputs for it, as a user hands them to HF's

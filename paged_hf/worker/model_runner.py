@@ -84,7 +84,7 @@ class ModelRunner:
         device = self.info.input_device
         kwargs = dict(
             **self._stage_input(inputs.input_ids.to(device)[None]),  # [1, num_tokens]
-            position_ids=inputs.positions.to(device)[None],
+            position_ids=self._position_ids(out, inputs.positions).to(device),
             attention_mask=STEP_MASK_SENTINEL,
             cache=self.cache,
             use_cache=True,
@@ -112,6 +112,12 @@ class ModelRunner:
         if not self.info.accepts_logits_to_keep:
             logits = logits[inputs.logits_indices.to(logits.device)]
         return logits.to(self.logits_device), inputs  # a hook may hand them back elsewhere (io_same_device)
+
+    def _position_ids(self, out: SchedulerOutput, positions: torch.Tensor) -> torch.Tensor:
+        """[1, num_tokens], the token indices; a family's own rows where a request holds them (Qwen-VL's 3-D rotary
+        positions: [3, 1, num_tokens])."""
+        own = self.vision.step_position_ids(out, positions) if self.vision is not None else None
+        return positions[None] if own is None else own
 
     def _stage_input(self, input_ids: torch.Tensor) -> dict:
         """The token ids; on a pipeline stage after the first, the previous stage's hidden states instead."""

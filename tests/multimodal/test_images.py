@@ -1,14 +1,14 @@
-"""Vision-language models on the paged engine (LLaVA, VipLLaVA, LLaVA-NeXT, Idefics3): images in prompts give HF's
-own greedy tokens and top-5 logprobs (float64, HF's `generate` on the processor's outputs, one prompt at a time),
-batched with text-only requests, with a chunk boundary inside an image, with preemption, and through the prefix
-cache (the same image hits, another image never does)."""
+"""Vision-language models on the paged engine (LLaVA, VipLLaVA, LLaVA-NeXT, Idefics3, Qwen2-VL, Qwen2.5-VL): images in
+prompts give HF's own greedy tokens and top-5 logprobs (float64, HF's `generate` on the processor's outputs, one prompt
+at a time), batched with text-only requests, with a chunk boundary inside an image, with preemption, and through the
+prefix cache (the same image hits, another image never does)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_vlm import (IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS, EncoderCalls, hf_generate, random_image, tiny_idefics3,
-                      tiny_llava, tiny_llava_next, tiny_vipllava)
+from tiny_vlm import (IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS, EncoderCalls, hf_generate, prompt_text, random_image,
+                      tiny_idefics3, tiny_llava, tiny_llava_next, tiny_qwen_vl, tiny_vipllava)
 
 import paged_hf
 from paged_hf import SamplingParams
@@ -24,7 +24,8 @@ PROMPTS = [
 ]
 
 
-TINY_VLMS = {"llava": tiny_llava, "vipllava": tiny_vipllava, "llava_next": tiny_llava_next, "idefics3": tiny_idefics3}
+TINY_VLMS = {"llava": tiny_llava, "vipllava": tiny_vipllava, "llava_next": tiny_llava_next, "idefics3": tiny_idefics3,
+             "qwen2_vl": lambda: tiny_qwen_vl("2"), "qwen2_5_vl": lambda: tiny_qwen_vl("2.5")}
 
 
 @pytest.fixture(scope="module", params=list(TINY_VLMS))
@@ -40,12 +41,14 @@ def llava():
 def _blocks_needed(processor, text: str, seeds: list[int]) -> int:
     """KV blocks (of 4 tokens) a prompt and its MAX_NEW tokens take (the last new token is sampled, never computed)."""
     images = [random_image(seed) for seed in seeds]
-    num_tokens = len(processor(text=text, images=images or None)["input_ids"][0]) + MAX_NEW - 1
+    num_tokens = len(processor(text=prompt_text(processor, text), images=images or None)["input_ids"][0]) + MAX_NEW - 1
     return -(-num_tokens // 4)
 
 
-def _prompt(text: str, seeds: list[int]):
+def _prompt(text: str, seeds: list[int], processor=None):
+    """The prompt dict of `text` with `<image>` written as the processor's placeholder."""
     images = [random_image(seed) for seed in seeds]
+    text = text if processor is None else prompt_text(processor, text)
     return {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
 
 
@@ -68,7 +71,7 @@ def test_images_batched_with_text_give_hf_tokens_and_logprobs(vlm):
     gen = _engine(vlm, num_blocks=64)
     calls = EncoderCalls(vlm[0])
     try:
-        outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+        outputs = gen.generate([_prompt(text, seeds, vlm[1]) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
     finally:
         calls.handle.remove()
     assert calls.count == 4  # each image encoded once
@@ -83,7 +86,7 @@ def test_a_chunk_boundary_inside_an_image_encodes_it_once(vlm):
     gen = _engine(vlm, num_blocks=64, max_num_batched_tokens=8)  # every image spans several chunks
     calls = EncoderCalls(vlm[0])
     try:
-        outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+        outputs = gen.generate([_prompt(text, seeds, vlm[1]) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
     finally:
         calls.handle.remove()
     assert calls.count == 4
@@ -95,7 +98,7 @@ def test_preemption_recomputes_images(vlm):
     gen = _engine(vlm, num_blocks=most + 1, max_num_batched_tokens=16, enable_prefix_caching=False)
     calls = EncoderCalls(vlm[0])
     try:
-        outputs = gen.generate([_prompt(text, seeds) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
+        outputs = gen.generate([_prompt(text, seeds, vlm[1]) for text, seeds in PROMPTS], PARAMS, use_tqdm=False)
     finally:
         calls.handle.remove()
     assert gen.stats()["num_preemptions"] > 0 and calls.count >= 4
@@ -109,7 +112,7 @@ def test_a_request_preempted_after_its_prefill_encodes_its_image_again(vlm):
     gen = _engine(vlm, num_blocks=needed - 1, enable_prefix_caching=False)  # one block short: one decode preempts
     calls = EncoderCalls(vlm[0])
     try:
-        outputs = gen.generate([_prompt(text, seeds) for text, seeds in prompts], PARAMS, use_tqdm=False)
+        outputs = gen.generate([_prompt(text, seeds, vlm[1]) for text, seeds in prompts], PARAMS, use_tqdm=False)
     finally:
         calls.handle.remove()
     assert gen.stats()["num_preemptions"] > 0 and calls.count > 2  # the features were dropped after the prefill
@@ -121,14 +124,14 @@ def test_the_same_image_hits_the_prefix_cache_and_another_never_does(vlm):
     calls = EncoderCalls(vlm[0])
     text = PROMPTS[0][0]
     try:
-        first = gen.generate([_prompt(text, [1])], PARAMS, use_tqdm=False)
+        first = gen.generate([_prompt(text, [1], vlm[1])], PARAMS, use_tqdm=False)
         ids = first[0].prompt_token_ids
         num_hit = (len(ids) - 1) // 4 * 4  # full blocks before the last token
         assert max(p for p, t in enumerate(ids) if t == IMAGE_TOKEN_ID) < num_hit  # the image lies in them
         assert calls.count == 1 and gen.stats()["prefix_cache_hits"] == 0
-        again = gen.generate([_prompt(text, [1])], PARAMS, use_tqdm=False)
+        again = gen.generate([_prompt(text, [1], vlm[1])], PARAMS, use_tqdm=False)
         assert gen.stats()["prefix_cache_hits"] == num_hit and calls.count == 1  # no vision tower for the hit
-        other = gen.generate([_prompt(text, [3])], PARAMS, use_tqdm=False)  # the same tiling, another image
+        other = gen.generate([_prompt(text, [3], vlm[1])], PARAMS, use_tqdm=False)  # the same tiling, another image
         assert other[0].prompt_token_ids == ids
         assert gen.stats()["prefix_cache_hits"] == num_hit and calls.count == 2  # block 0 already holds the image
     finally:
@@ -140,7 +143,7 @@ def test_the_same_image_hits_the_prefix_cache_and_another_never_does(vlm):
 def test_n_children_share_the_images_prompt(vlm):
     gen = _engine(vlm, num_blocks=64)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, logprobs=5, n=2, ignore_eos=True)
-    output = gen.generate([_prompt(*PROMPTS[2])], params, use_tqdm=False)[0]
+    output = gen.generate([_prompt(*PROMPTS[2], vlm[1])], params, use_tqdm=False)[0]
     assert output.outputs[0].token_ids == output.outputs[1].token_ids
     _check_equal_hf(*vlm, [output], [PROMPTS[2]])
 
@@ -236,13 +239,13 @@ def test_idefics3_takes_expanded_token_ids_and_refuses_to_expand_one_token():
 def test_a_prefix_hit_that_ends_inside_an_image_takes_the_rest_of_its_rows(vlm):
     gen = _engine(vlm, num_blocks=64, max_num_batched_tokens=8)
     text, seeds = PROMPTS[0]
-    first = gen.add_request(_prompt(text, seeds), PARAMS)
+    first = gen.add_request(_prompt(text, seeds, vlm[1]), PARAMS)
     gen.step()  # 8 tokens computed (2 full blocks, cut inside the image), then aborted: its blocks stay cached
     gen.abort(first)
     gen.step()
     calls = EncoderCalls(vlm[0])
     try:
-        outputs = gen.generate([_prompt(text, seeds)], PARAMS, use_tqdm=False)
+        outputs = gen.generate([_prompt(text, seeds, vlm[1])], PARAMS, use_tqdm=False)
     finally:
         calls.handle.remove()
     assert gen.stats()["prefix_cache_hits"] == 8 and calls.count == 1
@@ -301,7 +304,7 @@ def test_an_adapter_read_after_submission_is_checked_when_it_binds(llava, tmp_pa
 
 def _hf_beams(model, processor, text: str, images, width: int, max_new: int) -> list[tuple[list[int], float]]:
     """HF's beam search on one image prompt -> [(generated tokens, sequences_score)], best first."""
-    inputs = processor(text=text, images=images, return_tensors="pt")
+    inputs = processor(text=prompt_text(processor, text), images=images, return_tensors="pt")
     inputs["pixel_values"] = inputs["pixel_values"].to(torch.float64)
     out = model.generate(**inputs, num_beams=width, num_return_sequences=width, max_new_tokens=max_new,
                          do_sample=False, return_dict_in_generate=True, output_scores=True)
@@ -314,7 +317,7 @@ def test_beam_search_over_an_image_prompt_gives_hf_beams(vlm):
     gen = _engine(vlm, num_blocks=64, max_num_batched_tokens=16)  # the prompt is chunked through its image
     prompts = [("USER: <image> what is this ASSISTANT:", [1]), ("USER: <image> and <image> which is more", [3, 4])]
     params = paged_hf.BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
-    outputs = gen.beam_search([_prompt(text, seeds) for text, seeds in prompts], params)
+    outputs = gen.beam_search([_prompt(text, seeds, processor) for text, seeds in prompts], params)
     for (text, seeds), output in zip(prompts, outputs):
         expected = _hf_beams(model, processor, text, [random_image(seed) for seed in seeds], 3, 5)
         assert [s.output_token_ids for s in output.sequences] == [tokens for tokens, _ in expected], text
