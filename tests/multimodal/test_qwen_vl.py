@@ -2,7 +2,8 @@
 
 A prompt's positions are the model's own `get_rope_index` (computed once at submission); a generated token sits at
 its index plus the prompt's delta on all three rows, so a long generation after images with a large delta gives HF's
-tokens only if every decode step is placed right. Token-id prompts are expanded and placed as text prompts are.
+tokens only if every decode step is placed right. Token-id prompts are expanded and placed as text prompts are; a LoRA
+adapter of the language model serves image prompts, one of the vision tower is refused with them.
 """
 
 from __future__ import annotations
@@ -105,3 +106,26 @@ def test_a_processor_of_another_merge_size_is_refused(qwen):
                             tokenizer=processor.tokenizer)
     with pytest.raises(ValueError, match="merge_size 1"):
         paged_hf.wrap(model, other, block_size=4, num_blocks=64)
+
+
+def test_a_language_model_adapter_serves_images_and_a_vision_one_is_refused(tmp_path):
+    from conftest import make_adapter  # noqa: PLC0415
+
+    qwen = model, processor = tiny_qwen_vl("2")  # LoRA routing is the language model's: one version is enough
+    peft_model = make_adapter(model, tmp_path / "a", seed=1, r=4, lora_alpha=8,
+                              target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    make_adapter(model, tmp_path / "v", seed=1, r=4, target_modules=r".*visual.*\.qkv")  # the vision tower's
+    gen = _engine(qwen)
+    gen.load_adapter("a", str(tmp_path / "a"))
+    gen.load_adapter("v", str(tmp_path / "v"))
+    images = [random_image(3), random_image(4)]
+    prompt = {"prompt": prompt_text(processor, TWO_IMAGES), "multi_modal_data": {"image": images}}
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    output = gen.generate([prompt], params, adapters="a", use_tqdm=False)[0]
+    inputs = processor(text=prompt_text(processor, TWO_IMAGES), images=images, return_tensors="pt")
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.float64)
+    expected = peft_model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert output.outputs[0].token_ids == expected.tolist()
+    assert output.outputs[0].token_ids != gen.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="LoRA weights in the vision encoder \\(model.visual"):
+        gen.add_request(prompt, params, adapter="v")
