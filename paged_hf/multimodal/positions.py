@@ -25,11 +25,13 @@ def step_position_rows(out: SchedulerOutput, positions: torch.Tensor, num_rows: 
     rows = positions.expand(num_rows, -1).clone()  # [num_rows, num_tokens]
     first = 0
     for scheduled in out.scheduled:  # the packed row holds each request's new tokens in this order
-        own = scheduled.request.mm_positions
-        if own is not None:
-            start = scheduled.request.num_computed_tokens
-            rows[:, first : first + scheduled.num_new_tokens] = request_rows(own, start, scheduled.num_new_tokens)
-        first += scheduled.num_new_tokens
+        request, count = scheduled.request, scheduled.num_new_tokens
+        own, start = request.mm_positions, request.num_computed_tokens
+        if own is not None and start >= own.num_prompt_tokens:  # generated tokens only (a decode): indices + delta
+            rows[:, first : first + count] += own.delta
+        elif own is not None:
+            rows[:, first : first + count] = request_rows(own, start, count)
+        first += count
     return rows
 
 

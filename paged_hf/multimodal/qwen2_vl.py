@@ -91,7 +91,8 @@ class Qwen2VLFamily(VisionFamily):
             rows, deltas = self.model.model.get_rope_index(input_ids, mm_token_type_ids=token_types,
                                                            image_grid_thw=grids)
         except (StopIteration, RuntimeError, IndexError) as error:  # e.g. two images' tokens with nothing between
-            raise ValueError(f"the model cannot place the prompt's image tokens: {type(error).__name__}: {error}") from None
+            raise ValueError(f"the model cannot place the prompt's image tokens: {type(error).__name__}: "
+                             f"{error}") from None
         return MultiModalPositions(rows[:, 0].clone(), int(deltas.reshape(-1)[0]))  # rows [3, num_tokens]
 
     def step_position_ids(self, out: SchedulerOutput, positions: torch.Tensor) -> torch.Tensor | None:
