@@ -89,8 +89,8 @@ class PromptProcessor:
         processed = {"input_ids": [token_ids], **inputs}
         num_images = family.num_images(self.processor, processed, token_ids)
         counts = family.placeholder_counts(self.processor, processed, token_ids, num_images)
-        return ProcessedPrompt(list(token_ids), placeholder_items(token_ids, family.image_token_id, counts,
-                                                                  family.split(processed, counts)))
+        items = placeholder_items(token_ids, family.image_token_id, counts, family.split(processed, counts))
+        return ProcessedPrompt(list(token_ids), items, family.prompt_positions(list(token_ids), items))
 
     def _expand(self, token_ids: list[int], processed, expanded_alone: list[int], num_images: int) -> list[int]:
         """Ids with one image token per image -> each replaced by what the processor writes; expanded ids as given."""

@@ -53,6 +53,10 @@ class Qwen2VLFamily(VisionFamily):
             raise ValueError(f"the processor's merge_size {images.merge_size} and patch_size {images.patch_size} are "
                              f"not the model's {self.merge_size} and {self.patch_size}")
 
+    def num_images(self, processor, processed: Mapping, token_ids: list[int]) -> int:
+        """One grid per image (`pixel_values` holds their patches, not one row per image)."""
+        return processed["image_grid_thw"].shape[0]
+
     def split(self, processed: Mapping, counts: list[int]) -> list[dict[str, torch.Tensor]]:
         other = sorted(set(processed) - IMAGE_KEYS - TEXT_KEYS)
         if other:

@@ -357,7 +357,8 @@ def test_the_drop_in_generate_serves_pixel_values_on_the_engine(vlm):
     model, processor = vlm
     paged = paged_hf.wrap(model, processor, block_size=4, num_blocks=64)
     for index, (text, seeds) in enumerate(PROMPTS[:3]):
-        inputs = processor(text=text, images=[random_image(seed) for seed in seeds], return_tensors="pt")
+        images = [random_image(seed) for seed in seeds]
+        inputs = processor(text=prompt_text(processor, text), images=images, return_tensors="pt")
         inputs["pixel_values"] = inputs["pixel_values"].to(torch.float64)
         for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 2})[: 1 + (index == 2)]:
             queries = paged.generator.stats()["prefix_cache_queries"]
