@@ -79,11 +79,14 @@ def test_rows_of_a_range_across_the_prompts_end():
     assert request_rows(own, 1, 2).tolist() == [[1, 1], [1, 2], [2, 1]]  # within the prompt
 
 
-def test_video_tokens_are_refused_at_submission(qwen):
+def test_video_tokens_and_images_the_model_cannot_place_are_refused_at_submission(qwen):
     gen = _engine(qwen)
     ids = qwen[1].tokenizer(f"USER: {QWEN_IMAGE} <|video_pad|> hi")["input_ids"]
     with pytest.raises(ValueError, match="videos are not served"):
         gen.add_request({"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image(1)]}})
+    adjacent = qwen[1].tokenizer("USER: <|vision_start|> <|image_pad|> <|image_pad|> <|vision_end|> hi")["input_ids"]
+    with pytest.raises(ValueError, match="cannot place the prompt's image tokens"):  # one run of tokens, two grids
+        gen.add_request({"prompt_token_ids": adjacent, "multi_modal_data": {"image": [random_image(1), random_image(3)]}})
     assert not gen.has_unfinished_requests()
 
 
