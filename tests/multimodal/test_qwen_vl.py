@@ -3,7 +3,8 @@
 A prompt's positions are the model's own `get_rope_index` (computed once at submission); a generated token sits at
 its index plus the prompt's delta on all three rows, so a long generation after images with a large delta gives HF's
 tokens only if every decode step is placed right. Token-id prompts are expanded and placed as text prompts are; a LoRA
-adapter of the language model serves image prompts, one of the vision tower is refused with them.
+adapter of the language model serves image prompts, one of the vision tower is refused with them; a chat `image_url` through
+the server gives HF's tokens.
 """
 
 from __future__ import annotations
@@ -132,3 +133,27 @@ def test_a_language_model_adapter_serves_images_and_a_vision_one_is_refused(tmp_
     assert output.outputs[0].token_ids != gen.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="LoRA weights in the vision encoder \\(model.visual"):
         gen.add_request(prompt, params, adapter="v")
+
+
+def test_a_chat_image_url_through_the_server_gives_hfs_tokens():
+    """The server's worker thread processes the chat's image (the positions with it) as `add_request` does."""
+    openai = pytest.importorskip("openai")
+    from test_serve_images import data_url, encoded  # noqa: PLC0415
+    from tiny_server import serving  # noqa: PLC0415
+
+    from paged_hf.serving.openai import create_app  # noqa: PLC0415
+
+    model, processor = tiny_qwen_vl("2")
+    processor.chat_template = ("{% for m in messages %}{{ m['role'] | upper }}: {% for p in m['content'] %}"
+                               "{% if p['type'] == 'image' %}" + QWEN_IMAGE + " {% else %}{{ p['text'] }} {% endif %}"
+                               "{% endfor %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    image = random_image(3)
+    gen = paged_hf.wrap(model, processor, block_size=4, num_blocks=64).generator
+    with serving(create_app(gen, processor, "tiny-qwen")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        content = [{"type": "text", "text": "what is this"},
+                   {"type": "image_url", "image_url": {"url": data_url(encoded(image))}}]
+        answer = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": content}],
+                                                max_tokens=LONG, temperature=0, extra_body={"ignore_eos": True})
+    tokens, _ = hf_generate(model, processor, "USER: what is this <image> ASSISTANT:", [image], LONG)
+    assert answer.choices[0].message.content == processor.tokenizer.decode(tokens, skip_special_tokens=True)
