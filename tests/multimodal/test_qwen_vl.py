@@ -3,8 +3,8 @@
 A prompt's positions are the model's own `get_rope_index` (computed once at submission); a generated token sits at
 its index plus the prompt's delta on all three rows, so a long generation after images with a large delta gives HF's
 tokens only if every decode step is placed right. Token-id prompts are expanded and placed as text prompts are; a LoRA
-adapter of the language model serves image prompts, one of the vision tower is refused with them; a chat `image_url` through
-the server gives HF's tokens.
+adapter of the language model serves image prompts, one of the vision tower is refused with them; a chat `image_url`
+through the server gives HF's tokens.
 """
 
 from __future__ import annotations
