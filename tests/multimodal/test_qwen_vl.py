@@ -87,7 +87,8 @@ def test_video_tokens_and_images_the_model_cannot_place_are_refused_at_submissio
         gen.add_request({"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image(1)]}})
     adjacent = qwen[1].tokenizer("USER: <|vision_start|> <|image_pad|> <|image_pad|> <|vision_end|> hi")["input_ids"]
     with pytest.raises(ValueError, match="cannot place the prompt's image tokens"):  # one run of tokens, two grids
-        gen.add_request({"prompt_token_ids": adjacent, "multi_modal_data": {"image": [random_image(1), random_image(3)]}})
+        gen.add_request({"prompt_token_ids": adjacent,
+                         "multi_modal_data": {"image": [random_image(1), random_image(3)]}})
     assert not gen.has_unfinished_requests()
 
 

@@ -134,7 +134,8 @@ def tiny_qwen_vl(version: str = "2", seed: int = 0):
     patches = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_heads=4, depth=2)
     if version == "2":
         vision = dict(embed_dim=32, hidden_size=64, mlp_ratio=2, **patches)
-        classes = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration, transformers.Qwen2VLProcessor
+        classes = (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration,
+                   transformers.Qwen2VLProcessor)
     else:  # its vision tower attends within windows of 2 x 2 merged squares but in its last (full) block
         vision = dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
                       fullatt_block_indexes=[1], **patches)
