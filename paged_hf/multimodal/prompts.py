@@ -8,13 +8,15 @@ pixels as with any text); each image's placeholder in the ids is either the sing
 what the processor writes, its `replace_image_token`) or already expanded.
 
 An item's span runs from its first to its last placeholder token; its content hash covers its processed pixels
-(`family.content_hash`), which the prefix cache mixes into the hash of every block the span overlaps.
+(`family.content_hash`), which the prefix cache mixes into the hash of every block the span overlaps. A family
+whose image tokens attend bidirectionally (`bidirectional_images`, Gemma 3) has each item name its runs of
+placeholder tokens (`with_bidirectional_runs`): HF's blocks are exactly those runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paged_hf.core.multimodal import MultiModalItem
 from paged_hf.multimodal.family import VisionFamily, content_hash
@@ -76,8 +78,10 @@ class PromptProcessor:
         if text is None:
             token_ids = self._expand(_token_id_list(prompt["prompt_token_ids"]), processed, token_ids, len(images))
         counts = family.placeholder_counts(self.processor, processed, token_ids, len(images))
-        return ProcessedPrompt(token_ids, placeholder_items(token_ids, family.image_token_id, counts,
-                                                           family.split(processed, counts)))
+        items = placeholder_items(token_ids, family.image_token_id, counts, family.split(processed, counts))
+        if family.bidirectional_images:
+            items = with_bidirectional_runs(token_ids, family.image_token_id, items)
+        return ProcessedPrompt(token_ids, items)
 
     def from_model_inputs(self, token_ids: list[int], inputs: Mapping) -> ProcessedPrompt:
         """One prompt's expanded token ids and the processor's image inputs for it, as a user hands them to HF's
@@ -130,3 +134,27 @@ def placeholder_items(token_ids: Sequence[int], token_id: int, counts: list[int]
         items.append(MultiModalItem(first, last - first + 1, content_hash(inputs), count, inputs))
         start += count
     return items
+
+
+def with_bidirectional_runs(token_ids: Sequence[int], token_id: int, items: list[MultiModalItem]) -> list[MultiModalItem]:
+    """Each item with its runs of placeholder tokens as bidirectional spans (HF's Gemma 3 blocks: a run of image
+    tokens sees itself whole). ValueError for a run that two images share (their placeholders touch) or that holds
+    the prompt's last token (a chunk must end after a run, and the prompt's last token is computed alone for n > 1)."""
+    runs, start = [], None
+    for position, token in enumerate([*token_ids, None]):
+        if token == token_id and start is None:
+            start = position
+        elif token != token_id and start is not None:
+            runs.append((start, position))
+            start = None
+    out = []
+    for item in items:
+        mine = tuple((a, b) for a, b in runs if item.offset <= a < item.end)
+        if any(b > item.end for _, b in mine):
+            raise ValueError(f"two images' placeholder tokens touch at position {item.end}: HF would let them see "
+                             "each other as one image; separate them (the processor frames each image)")
+        if any(b == len(token_ids) for _, b in mine):
+            raise ValueError("the prompt ends inside an image's placeholder tokens: end it with text (the "
+                             "processor frames each image with <end_of_image>)")
+        out.append(replace(item, bidirectional=mine))
+    return out

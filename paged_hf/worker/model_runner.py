@@ -41,8 +41,11 @@ class ModelRunner:
         self.block_size = config.block_size
         kv_dtype = storage_dtype(config.kv_cache_dtype, info.dtype)
         self.family_stand_ins = FamilyStandIns(model, text_config(model.config))  # attention code of their own
-        specs = [dataclasses.replace(spec, dtype=info.dtype, kv_dtype=None if kv_dtype == info.dtype else kv_dtype)
-                 for spec in info.attention_layers]  # as this cache stores them
+        self.vision = vision_family(model)  # the family that encodes a vision-language model's images, else None
+        # as this cache stores them; a family whose image tokens see each other needs a kernel that computes that
+        bidirectional = self.vision is not None and self.vision.bidirectional_images
+        specs = [dataclasses.replace(spec, dtype=info.dtype, kv_dtype=None if kv_dtype == info.dtype else kv_dtype,
+                                     bidirectional_spans=bidirectional) for spec in info.attention_layers]
         self.kernel = select_kernel(config.attention_backend, specs)
         states = RecurrentStates(info.state_layers, state_slot_count(config)) if info.is_hybrid else None
         self.cache = paged_cache_class(own_cache_class(model))(num_blocks, config.block_size, specs, info.dtype,
@@ -51,7 +54,6 @@ class ModelRunner:
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
-        self.vision = vision_family(model)  # the family that encodes a vision-language model's images, else None
         fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()
         fused = fused_layers.fused_linears if fused_layers is not None else set()

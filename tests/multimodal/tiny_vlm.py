@@ -1,6 +1,7 @@
 """Tiny random vision-language models (float64) with their processors built offline: LLaVA (CLIP vision tower,
-Llama language model) and Idefics3 (SigLIP tiles, pixel shuffle, Llama); random images, and HF's own `generate` on
-the processor's outputs: what the multimodal tests compare paged_hf against."""
+Llama language model), Idefics3 (SigLIP tiles, pixel shuffle, Llama) and Gemma 3 (SigLIP, pooled, Gemma 3 text with
+a sliding and a full layer); random images, and HF's own `generate` on the processor's outputs: what the multimodal
+tests compare paged_hf against."""
 
 from __future__ import annotations
 
@@ -21,13 +22,19 @@ IDEFICS3_TOKENS = [IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>", "<e
                    *[f"<row_{r}_col_{c}>" for r in range(1, 4) for c in range(1, 4)]]
 
 
-def tiny_tokenizer(specials=(IMAGE_TOKEN,)) -> PreTrainedTokenizerFast:
+#: Gemma 3's soft image token first (id IMAGE_TOKEN_ID, what its rows fill); its text placeholder, the processor's
+#: `boi_token`, is spelt "<image>" here so that the tests' prompts serve every family
+GEMMA3_TOKENS = ["<image_soft_token>", IMAGE_TOKEN, "<end_of_image>"]
+
+
+def tiny_tokenizer(specials=(IMAGE_TOKEN,), **named) -> PreTrainedTokenizerFast:
+    """`named`: the tokenizer's extra special tokens by name (Gemma 3's `image_token`, `boi_token`, ...)."""
     names = ["<pad>", "<s>", "</s>", "<unk>", *specials, "USER:", "ASSISTANT:", *WORDS]
     backend = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names[:128])}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>")
+                                   pad_token="<pad>", **({"extra_special_tokens": named} if named else {}))
 
 
 def _text_config():
@@ -104,6 +111,30 @@ def tiny_idefics3(seed: int = 0):
     processor = transformers.Idefics3Processor(image_processor=image_processor,
                                                tokenizer=tiny_tokenizer(IDEFICS3_TOKENS), image_seq_len=4)
     return model, processor
+
+
+def tiny_gemma3(seed: int = 0):
+    """-> (model, processor): float64, eval, no EOS. An image is 4 tokens (16 patches pooled 2 x 2) framed by
+    `<image>` (its begin-of-image) and `<end_of_image>`; layer 0 attends a window of 3 keys (shorter than an image,
+    so the window and the image's bidirectional span both shape its mask), layer 1 everything."""
+    text = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=3,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         max_position_embeddings=512, initializer_range=0.1)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=32, patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=IMAGE_TOKEN_ID, boi_token_index=5, eoi_token_index=6)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float64).eval()
+    with torch.no_grad():  # HF initialises the projection to zeros: images would not matter
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+    model.generation_config.eos_token_id = None
+    tokenizer = tiny_tokenizer(GEMMA3_TOKENS, image_token=GEMMA3_TOKENS[0], boi_token=IMAGE_TOKEN,
+                               eoi_token=GEMMA3_TOKENS[2])
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    return model, transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                               image_seq_length=4)
 
 
 def random_image(seed: int) -> Image.Image:
