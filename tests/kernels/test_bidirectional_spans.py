@@ -1,6 +1,6 @@
 """Bidirectional spans (Gemma 3's images: a span's tokens all see each other): the torch kernel against a dense
 masked softmax written out key by key, as HF composes it (causal OR same span, AND the window behind the query); and
-kernels that do not compute them say so and are not selected."""
+kernels that do not compute them say so: they are never selected for a step that carries spans."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paged_hf.kernels.cpu_kernel import CpuKernel
-from paged_hf.kernels.selection import select_kernel
+from paged_hf.kernels.selection import select_kernel, select_kernels
 from paged_hf.kernels.spec import AttentionSpec
 from paged_hf.kernels.torch_kernel import TorchKernel
 from paged_hf.worker.step_inputs import AttentionMetadata
@@ -86,10 +86,18 @@ def _spec(**fields) -> AttentionSpec:
                          dtype=torch.float32, **fields)
 
 
-def test_a_kernel_that_cannot_compute_spans_says_so_and_is_not_selected():
+def test_a_kernel_that_cannot_compute_spans_says_so_and_is_not_selected_for_them():
+    flagged = [_spec(bidirectional_spans=True)]
     assert CpuKernel.unsupported_reason(_spec()) is None
-    assert "bidirectional spans" in CpuKernel.unsupported_reason(_spec(bidirectional_spans=True))
-    assert TorchKernel.unsupported_reason(_spec(bidirectional_spans=True)) is None
-    assert select_kernel("auto", [_spec(bidirectional_spans=True)]).name == "torch"
+    assert "bidirectional spans" in CpuKernel.unsupported_reason(flagged[0])
+    assert TorchKernel.unsupported_reason(flagged[0]) is None
+    assert select_kernel("auto", flagged).name == "torch"  # one kernel for every step: the one that computes spans
     with pytest.raises(ValueError, match="bidirectional spans"):
-        select_kernel("cpu", [_spec(bidirectional_spans=True)])
+        select_kernel("cpu", flagged)
+    kernel, span_kernel = select_kernels("auto", flagged)  # two: the torch kernel takes the steps with spans
+    if kernel.name == "cpu":  # (where the CPU kernel builds; else torch alone)
+        assert span_kernel.name == "torch"
+    else:
+        assert kernel.name == "torch" and span_kernel is None
+    assert select_kernels("torch", flagged)[1] is None  # the torch kernel computes every step itself
+    assert select_kernels("auto", [_spec()])[1] is None  # no spans: one kernel, as select_kernel

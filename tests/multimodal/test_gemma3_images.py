@@ -1,7 +1,8 @@
 """Gemma 3's images beyond test_images.py's checks: its image tokens attend to each other (HF's `token_type_ids`
 mask), so a prefill chunk is cut before an image it would cut through, an image longer than the token budget is
-refused at submission, its steps run on the torch kernel with the image's span in their metadata, and the tiny model
-tells a bidirectional mask from a causal one (so the equality checks would see an engine that masked causally)."""
+refused at submission, a step through an image runs on the torch kernel with the image's span in its metadata (the
+others on the kernel selected for the model), and the tiny model tells a bidirectional mask from a causal one (so the
+equality checks would see an engine that masked causally)."""
 
 from __future__ import annotations
 
@@ -80,20 +81,29 @@ def test_an_image_longer_than_the_token_budget_is_refused_at_submission(gemma3):
     assert not gen.has_unfinished_requests()
 
 
-def test_its_steps_run_on_the_torch_kernel_with_the_image_span(gemma3):
-    gen = paged_hf.wrap(*gemma3, block_size=4, num_blocks=64).generator
-    assert gen.runner.kernel.name == "torch"
-    specs = gen.runner.cache.attention_layers
-    assert len(specs) == 2 and all(spec.bidirectional_spans for spec in specs)
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_step_through_an_image_runs_on_the_torch_kernel_with_its_span(gemma3, backend):
+    model, processor = gemma3
+    gen = paged_hf.wrap(model, processor, block_size=4, num_blocks=64, attention_backend=backend).generator
+    cache = gen.runner.cache
+    assert len(cache.attention_layers) == 2 and all(spec.bidirectional_spans for spec in cache.attention_layers)
+    # auto: the compiled CPU kernel (where it builds) for the model's steps, the torch kernel for those with spans
+    assert (cache.span_kernel is None) == (gen.runner.kernel.name == "torch")
     seen = []
-    begin_step = gen.runner.cache.begin_step
-    gen.runner.cache.begin_step = lambda metadata: (seen.append(metadata.bidirectional), begin_step(metadata))
+    begin_step = cache.begin_step
+
+    def record(metadata):
+        begin_step(metadata)
+        seen.append((cache.step_kernel.name, metadata.bidirectional))
+
+    cache.begin_step = record
     try:
-        gen.generate([_prompt(), {"prompt": "USER: hot ASSISTANT:"}], PARAMS, use_tqdm=False)
+        outputs = gen.generate([_prompt(), {"prompt": "USER: hot ASSISTANT:"}], PARAMS, use_tqdm=False)
     finally:
-        del gen.runner.cache.begin_step
-    assert seen[0] == [((4, 8),), ()]  # the prefill step names the image's span, the text request none
-    assert all(spans is None for spans in seen[1:])  # decodes: no spans
+        del cache.begin_step
+    assert seen[0] == ("torch", [((4, 8),), ()])  # the prefill step names the image's span, the text request none
+    assert all(spans is None and name == gen.runner.kernel.name for name, spans in seen[1:])  # decodes: none
+    _check_equal_hf(model, processor, outputs[0])
 
 
 def test_expanded_token_ids_are_served_and_one_token_per_image_is_refused(gemma3):
