@@ -8,11 +8,10 @@ Parallel sampling (`n > 1`): only child 0 is queued. It stops one token short of
 it (sharing its blocks) and join the running requests, and every child computes the last prompt token itself. A sibling
 without a seat (`max_num_seqs`) at fork time is queued as a plain request (it finds the prompt's blocks cached).
 
-Policies (request_queue.py): `fcfs` runs the loop of `schedule` as it always did; `priority` and `fair` rank
-running and waiting requests together (`_schedule_ranked`). What a waiting request waits for besides seats,
-blocks and budget (`is_ready`, an adapter slot, with a bounded wait) is admission.py's; short steps while a
-request in a hurry waits for its first token (ranked policies only) are step_pacing.py's; the bound on a stream's
-gap between tokens (any policy, when set) is stream_pace.py's.
+Policies (request_queue.py): `fcfs` runs `schedule`'s loop; `priority` and `fair` rank running and waiting requests
+together (`_schedule_ranked`). What a waiting request waits for besides seats, blocks and budget (`is_ready`, an
+adapter slot, with a bounded wait) is admission.py's; short steps while a request in a hurry waits for its first
+token (ranked policies only) are step_pacing.py's; the bound on a stream's token gaps is stream_pace.py's.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def prompt_and_items(engine, prompt) -> tuple[list[int], list]:
 
 
 def check_span_budget(items: list, budget: int) -> None:
-    """ValueError for an image whose tokens attend to each other (one chunk) that the step's token budget cannot hold."""
+    """ValueError for an image whose tokens attend to each other (one chunk) that the token budget cannot hold."""
     span = span_over_budget(items, budget)
     if span is not None:
         raise ValueError(f"an image of {span[1] - span[0]} tokens that attend to each other must be computed in one "

@@ -78,10 +78,7 @@ class PromptProcessor:
         if text is None:
             token_ids = self._expand(_token_id_list(prompt["prompt_token_ids"]), processed, token_ids, len(images))
         counts = family.placeholder_counts(self.processor, processed, token_ids, len(images))
-        items = placeholder_items(token_ids, family.image_token_id, counts, family.split(processed, counts))
-        if family.bidirectional_images:
-            items = with_bidirectional_runs(token_ids, family.image_token_id, items)
-        return ProcessedPrompt(token_ids, items)
+        return ProcessedPrompt(token_ids, self._items(token_ids, processed, counts))
 
     def from_model_inputs(self, token_ids: list[int], inputs: Mapping) -> ProcessedPrompt:
         """One prompt's expanded token ids and the processor's image inputs for it, as a user hands them to HF's
@@ -90,8 +87,20 @@ class PromptProcessor:
         processed = {"input_ids": [token_ids], **inputs}
         num_images = family.num_images(self.processor, processed, token_ids)
         counts = family.placeholder_counts(self.processor, processed, token_ids, num_images)
-        return ProcessedPrompt(list(token_ids), placeholder_items(token_ids, family.image_token_id, counts,
-                                                                  family.split(processed, counts)))
+        if family.bidirectional_images:  # HF's forward attends bidirectionally where its token_type_ids say
+            types = inputs.get("token_type_ids")
+            if types is None or types.reshape(-1).tolist() != [int(t == family.image_token_id) for t in token_ids]:
+                raise ValueError("token_type_ids that mark exactly the image tokens are needed (HF's forward attends "
+                                 "bidirectionally among an image's tokens where they say, causally without them)")
+        return ProcessedPrompt(list(token_ids), self._items(token_ids, processed, counts))
+
+    def _items(self, token_ids: list[int], processed: Mapping, counts: list[int]) -> list[MultiModalItem]:
+        """The prompt's items, each with its bidirectional spans where the family's image tokens see each other."""
+        family = self.family
+        items = placeholder_items(token_ids, family.image_token_id, counts, family.split(processed, counts))
+        if family.bidirectional_images:
+            items = with_bidirectional_runs(token_ids, family.image_token_id, items)
+        return items
 
     def _expand(self, token_ids: list[int], processed, expanded_alone: list[int], num_images: int) -> list[int]:
         """Ids with one image token per image -> each replaced by what the processor writes; expanded ids as given."""
@@ -136,7 +145,8 @@ def placeholder_items(token_ids: Sequence[int], token_id: int, counts: list[int]
     return items
 
 
-def with_bidirectional_runs(token_ids: Sequence[int], token_id: int, items: list[MultiModalItem]) -> list[MultiModalItem]:
+def with_bidirectional_runs(token_ids: Sequence[int], token_id: int,
+                            items: list[MultiModalItem]) -> list[MultiModalItem]:
     """Each item with its runs of placeholder tokens as bidirectional spans (HF's Gemma 3 blocks: a run of image
     tokens sees itself whole). ValueError for a run that two images share (their placeholders touch) or that holds
     the prompt's last token (a chunk must end after a run, and the prompt's last token is computed alone for n > 1)."""
