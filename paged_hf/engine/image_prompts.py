@@ -4,7 +4,8 @@ dict with `multi_modal_data` becomes token ids and items (`multimodal/prompts.py
 Refused at `wrap()`, naming why: a processor for a vision-language model that no vision family serves. Refused
 per request (a ValueError at submission): images without a processor, and images with what this engine does not
 serve with them yet (speculative decoding, a pipeline of stages: their other ranks and draft models see token ids
-only).
+only), and an image whose tokens attend to each other (Gemma 3) that is longer than the step's token budget: such an
+image is computed in one chunk (core/multimodal.py), so it could never be.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from paged_hf.core.multimodal import span_over_budget
 from paged_hf.multimodal.prompts import ProcessedPrompt, PromptProcessor, prompt_images
 from paged_hf.multimodal.registry import vision_family, vision_refusal
 from paged_hf.worker.probes.model_probe import UnsupportedModelError
@@ -51,7 +53,17 @@ def prompt_and_items(engine, prompt) -> ProcessedPrompt:
         return ProcessedPrompt(engine.prompt_token_ids(prompt))
     else:
         processed = process_prompt(prompt, engine.prompt_processor, engine.tokenizer, not_served(engine))
+    check_span_budget(processed.items, engine.config.max_num_batched_tokens)
     return ProcessedPrompt(engine.prompt_token_ids(processed.token_ids), processed.items, processed.positions)
+
+
+def check_span_budget(items: list, budget: int) -> None:
+    """ValueError for an image whose tokens attend to each other (one chunk) that the token budget cannot hold."""
+    span = span_over_budget(items, budget)
+    if span is not None:
+        raise ValueError(f"an image of {span[1] - span[0]} tokens that attend to each other must be computed in one "
+                         f"step, and the step's token budget max_num_batched_tokens is {budget}: raise it to at least "
+                         f"{span[1] - span[0]}")
 
 
 def processed_prompt(engine, prompt: Mapping, add_special_tokens: bool | None = None) -> ProcessedPrompt:

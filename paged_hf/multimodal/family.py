@@ -28,6 +28,9 @@ class VisionFamily:
     #: (model class, its inner model's class): recognised exactly, so a subclass whose forward merges images
     #: otherwise is never taken for a family's model
     classes: tuple[tuple[type, type], ...] = ()
+    # each run of an image's placeholder tokens attends bidirectionally (Gemma 3): its items name the runs as
+    # bidirectional spans (core/multimodal.py), which the scheduler keeps whole and the kernels unmask
+    bidirectional_images = False
 
     @classmethod
     def matches(cls, model: torch.nn.Module) -> bool:

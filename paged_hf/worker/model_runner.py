@@ -10,7 +10,7 @@ import torch
 from paged_hf.config import PagedConfig
 from paged_hf.core.scheduler_output import SchedulerOutput
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
-from paged_hf.kernels.selection import select_kernel
+from paged_hf.kernels.selection import select_kernels
 from paged_hf.kernels.quant import storage_dtype
 from paged_hf.multimodal.embeddings import has_images, step_embeds
 from paged_hf.multimodal.registry import vision_family
@@ -41,17 +41,20 @@ class ModelRunner:
         self.block_size = config.block_size
         kv_dtype = storage_dtype(config.kv_cache_dtype, info.dtype)
         self.family_stand_ins = FamilyStandIns(model, text_config(model.config))  # attention code of their own
-        specs = [dataclasses.replace(spec, dtype=info.dtype, kv_dtype=None if kv_dtype == info.dtype else kv_dtype)
-                 for spec in info.attention_layers]  # as this cache stores them
-        self.kernel = select_kernel(config.attention_backend, specs)
+        self.vision = vision_family(model)  # the family that encodes a vision-language model's images, else None
+        # as this cache stores them; a family whose image tokens see each other needs a kernel that computes that
+        bidirectional = self.vision is not None and self.vision.bidirectional_images
+        specs = [dataclasses.replace(spec, dtype=info.dtype, kv_dtype=None if kv_dtype == info.dtype else kv_dtype,
+                                     bidirectional_spans=bidirectional) for spec in info.attention_layers]
+        # the kernel of every step, and where it cannot compute an image step's spans the torch kernel for those
+        self.kernel, span_kernel = select_kernels(config.attention_backend, specs)
         states = RecurrentStates(info.state_layers, state_slot_count(config)) if info.is_hybrid else None
         self.cache = paged_cache_class(own_cache_class(model))(num_blocks, config.block_size, specs, info.dtype,
-                                                               self.kernel, kv_dtype, states)
+                                                               self.kernel, kv_dtype, states, span_kernel)
         self.recurrent_mixers = RecurrentMixers(model, states)  # a hybrid's recurrent layers, request by request
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
-        self.vision = vision_family(model)  # the family that encodes a vision-language model's images, else None
         fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()
         fused = fused_layers.fused_linears if fused_layers is not None else set()
