@@ -139,11 +139,52 @@ def tiny_gemma3(seed: int = 0):
                                                image_seq_length=4)
 
 
-Llama language model), Idefics3 (SigLIP tiles, pixel shuffle, Llama) and Qwen2-VL / Qwen2.5-VL (patches at the
-image's resolution, 3-D rotary positions); random images, and HF's own `generate` on the processor's outputs: what
-the multimodal tests compare paged_hf against.
+#: Qwen-VL's tokens (the image token first: IMAGE_TOKEN_ID); a prompt frames its image as the chat template does
+QWEN_TOKENS = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
-A prompt text writes `<image>` where an image goes (`prompt_text` turns it into the processor's own placeholder)."""
+
+def _image_only(processor_class):
+    """The processor without its video processor, which needs torchvision (its wheel does not import with the CPU
+    torch): the same image path and token expansion."""
+
+    class ImageOnly(processor_class):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageOnly
+
+
+def tiny_qwen_vl(version: str = "2", seed: int = 0):
+    """-> (model, processor) of Qwen2-VL ("2") or Qwen2.5-VL ("2.5"): float64, eval, no EOS; an image is resized to
+    4 to 8 merged 28-pixel squares (2 x 4 or 2 x 3 rows of the grid, one token each)."""
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    patches = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_heads=4, depth=2)
+    if version == "2":
+        vision = dict(embed_dim=32, hidden_size=64, mlp_ratio=2, **patches)
+        classes = (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration,
+                   transformers.Qwen2VLProcessor)
+    else:  # its vision tower attends within windows of 2 x 2 merged squares but in its last (full) block
+        vision = dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
+                      fullatt_block_indexes=[1], **patches)
+        classes = (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
+                   transformers.Qwen2_5_VLProcessor)
+    config = classes[0](vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID, vision_start_token_id=5,
+                        vision_end_token_id=6, video_token_id=7)
+    torch.manual_seed(seed)
+    model = classes[1](config).to(torch.float64).eval()
+    model.generation_config.eos_token_id = None
+    image_processor = transformers.Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=8 * 28 * 28,
+                                                            patch_size=14, merge_size=2, temporal_patch_size=2)
+    processor = _image_only(classes[2])(image_processor=image_processor, tokenizer=tiny_tokenizer(QWEN_TOKENS))
+    return model, processor
+
+
+def prompt_text(processor, text: str) -> str:
+    """`<image>` -> the processor's placeholder text (Qwen-VL's framed `<|image_pad|>`)."""
+    return text.replace(IMAGE_TOKEN, QWEN_IMAGE) if processor.image_token == QWEN_TOKENS[0] else text
 
 
 def random_image(seed: int) -> Image.Image:
