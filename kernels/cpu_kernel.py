@@ -144,6 +144,8 @@ class CpuKernel(TorchKernel):
             return "chunked attention (Llama 4): the torch kernel serves it"
         if spec.score_terms:
             return f"{_terms_named(spec.score_terms)} in the scores: the torch kernel serves them"
+        if spec.bidirectional_spans:
+            return "bidirectional spans (an image's tokens see each other, Gemma 3): the torch kernel serves them"
         return None
 
     def plan_queries(self, slot_mapping: torch.Tensor, queries: list[Query], device: torch.device) -> CpuPlan:
@@ -151,6 +153,7 @@ class CpuKernel(TorchKernel):
         token with its drafts) computed in float32 on an AVX-512 CPU, whose tiles serve them faster than SDPA at
         every length, and elsewhere (float64, float32 without AVX-512) those of up to MAX_FLOAT64_QUERY_LEN
         tokens. The rest are prefill chunks: the bf16 prefill kernel's where it serves the model, else SDPA's."""
+        assert not any(q.spans for q in queries), "bidirectional spans are the torch kernel's (unsupported_reason)"
         if self._prefill_functions:
             limit = 1
         elif self.compute_dtype == torch.float64:

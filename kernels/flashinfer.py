@@ -90,8 +90,9 @@ class FlashInferKernel:
             return f"FlashInfer reads an fp8 cache or one in the model's dtype, not {spec.kv_dtype}"
         if spec.head_dim not in SUPPORTED_HEAD_DIMS or spec.value_head_dim != spec.head_dim:
             return f"FlashInfer does not support head_dim {spec.head_dim} (values {spec.value_head_dim})"
-        if spec.chunk_size is not None or spec.score_terms:
-            return "chunked attention and score terms (sinks, biases, key selections) are the torch kernel's"
+        if spec.chunk_size is not None or spec.score_terms or spec.bidirectional_spans:
+            return ("chunked attention, score terms (sinks, biases, key selections) and bidirectional spans are the "
+                    "torch kernel's")
         try:
             import flashinfer  # noqa: F401, PLC0415
         except ImportError as error:
@@ -99,6 +100,7 @@ class FlashInferKernel:
         return None
 
     def plan(self, metadata, device: torch.device) -> FlashInferPlan:
+        assert not getattr(metadata, "bidirectional", None), "bidirectional spans are the torch kernel's"
         return FlashInferPlan(build_csr(metadata, device), metadata.slot_mapping.to(device), metadata.block_size)
 
     def write_kv(self, key, value, key_cache, value_cache, plan: FlashInferPlan, scales=None) -> None:

@@ -5,9 +5,16 @@ The kernels share one small interface (`base.AttentionKernel`: plan once per ste
 says what it does not compute (`unsupported_reason(spec)`). `torch` is pure PyTorch (runs anywhere, and is the
 reference every other kernel is tested against); `cpu` is the torch kernel with its attention compiled for this
 machine (built on first use, cached); `flashinfer` runs on NVIDIA GPUs and is imported only when selected.
+
+Layers whose steps may carry bidirectional spans (`AttentionSpec.bidirectional_spans`, Gemma 3's images) get two
+(`select_kernels`): the kernel chosen as for any model, for every step, and where it cannot compute spans the torch
+kernel for the steps that carry some (a prefill through an image); every kernel writes and reads the same paged
+layout, so decodes and text-only steps keep the fast kernel and an image step is never masked causally.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from transformers.utils import logging
@@ -47,6 +54,22 @@ def select_kernel(name: str, specs: list[AttentionSpec]) -> AttentionKernel:
     return TorchKernel()
 
 
+def select_kernels(name: str, specs: list[AttentionSpec]) -> tuple[AttentionKernel, AttentionKernel | None]:
+    """-> (the kernel of every step, the kernel of the steps that carry bidirectional spans, or None where the
+    first computes those too). A quantized cache whose scales the two kernels would read differently (FlashInfer's
+    one per tensor) takes the torch kernel for every step."""
+    if not any(spec.bidirectional_spans for spec in specs):
+        return select_kernel(name, specs), None
+    kernel = select_kernel(name, [dataclasses.replace(spec, bidirectional_spans=False) for spec in specs])
+    if all(kernel.unsupported_reason(spec) is None for spec in specs):
+        return kernel, None
+    if kernel.per_block_kv_scales != TorchKernel.per_block_kv_scales and any(spec.kv_dtype for spec in specs):
+        logger.info("paged_hf attention backend: torch (bidirectional spans over a cache of per-tensor scales)")
+        return TorchKernel(), None
+    logger.info(f"paged_hf attention backend: {kernel.name}, torch for the steps with bidirectional spans")
+    return kernel, TorchKernel()
+
+
 def _try(name: str, specs: list[AttentionSpec]) -> tuple[AttentionKernel | None, str | None]:
     """The kernel `name` for these layers, or (None, why not)."""
     kernel_class = _kernel_class(name)
@@ -79,4 +102,4 @@ def _build_cpu(kernel_class, specs: list[AttentionSpec]) -> tuple[AttentionKerne
         return None, str(error)
 
 
-__all__ = ["BACKENDS", "select_kernel"]
+__all__ = ["BACKENDS", "select_kernel", "select_kernels"]

@@ -28,6 +28,9 @@ class AttentionSpec:
     chunk_size: int | None = None  # a query sees the keys of its own chunk of positions only (Llama 4)
     score_terms: frozenset[str] = frozenset()  # the ScoreTerms fields the layer's calls carry
     indexer_dim: int | None = None  # a sparse-attention indexer's key per token beside the K/V (`update_indexer`)
+    # a step may name spans of positions whose tokens all see each other (Gemma 3's images): a query also sees the
+    # later keys of its own span, in full and windowed layers alike (the step's `AttentionMetadata.bidirectional`)
+    bidirectional_spans: bool = False
 
     @property
     def storage_dtype(self) -> torch.dtype:

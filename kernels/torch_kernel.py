@@ -6,6 +6,12 @@ padded to the group's longest context with a key mask; grouping keeps that paddi
 run one SDPA call each: a fresh prompt attends to its own new K/V with `is_causal`; a chunk with a past
 gathers its context's blocks with an offset causal mask. Everything index-shaped is built once per step in
 `plan`; per layer only gathers and SDPA calls remain.
+
+Bidirectional spans (`AttentionSpec.bidirectional_spans`, Gemma 3's images): a step's metadata may name, per
+sequence, spans of positions whose tokens all see each other. A chunk's mask is then HF's: (causal OR same span)
+AND window AND chunk, the window bounding only the keys behind a query. The scheduler never ends a chunk inside a
+span, so a span's later keys are in the context of every query that needs them; a one-token query has no later
+key in its context, so decodes need no span.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class Query:
     length: int
     context_len: int
     block_table: list[int]  # the blocks that hold its context_len tokens
+    spans: tuple[tuple[int, int], ...] = ()  # [start, end) positions whose tokens all see each other
 
 
 @dataclass
@@ -49,6 +56,7 @@ class PrefillChunk:
     context_len: int
     block_ids: torch.Tensor  # [num_blocks] the context's blocks
     fresh: bool  # a whole prompt in one chunk: without quantization its context is this step's K/V
+    spans: tuple[tuple[int, int], ...] = ()  # [start, end) positions whose tokens all see each other
 
 
 @dataclass
@@ -69,13 +77,16 @@ class TorchKernel:
         block_size = metadata.block_size
         starts = metadata.query_start_loc
         queries = []
+        spans = getattr(metadata, "bidirectional", None)  # None: every query is causal
         for i, context_len in enumerate(metadata.context_lens):
             table = metadata.block_tables[i][: cdiv(context_len, block_size)]
-            queries.append(Query(starts[i], starts[i + 1] - starts[i], context_len, table))
+            queries.append(Query(starts[i], starts[i + 1] - starts[i], context_len, table,
+                                 tuple(spans[i]) if spans else ()))
         return self.plan_queries(metadata.slot_mapping.to(device), queries, device)
 
     def plan_queries(self, slot_mapping: torch.Tensor, queries: list[Query], device: torch.device) -> TorchPlan:
-        """One-token queries are decodes (grouped by context length), longer ones prefill chunks."""
+        """One-token queries are decodes (grouped by context length), longer ones prefill chunks (a one-token
+        query's context holds no later key of its span: its spans are dropped)."""
         decodes = [(q.context_len, q.start, q.block_table) for q in queries if q.length == 1]
         prefills = [prefill_chunk(q, device) for q in queries if q.length > 1]
         return TorchPlan(slot_mapping, self.plan_decodes(decodes, device), prefills)
@@ -146,7 +157,8 @@ class TorchKernel:
                 v = v.view(-1, num_kv_heads, value_head_dim)[: chunk.context_len]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_dim]
             v = v.transpose(0, 1).unsqueeze(0)
-            plain = sliding_window is None and softcap is None and chunk_size is None and terms.none
+            plain = (sliding_window is None and softcap is None and chunk_size is None and terms.none
+                     and not chunk.spans)
             if chunk.fresh and plain:
                 out = attention(q, k, v, None, scaling, None, is_causal=True)
             else:
@@ -190,6 +202,8 @@ class TorchKernel:
             query_pos = torch.arange(offset, chunk.context_len, device=device)[:, None]
             key_pos = torch.arange(chunk.context_len, device=device)[None, :]
             mask = key_pos <= query_pos
+            for start, end in chunk.spans:  # a span's tokens see each other: its later keys too
+                mask |= (query_pos >= start) & (query_pos < end) & (key_pos >= start) & (key_pos < end)
             if window is not None:
                 mask &= key_pos > query_pos - window
             if chunk_size is not None:
@@ -223,7 +237,8 @@ def _gather_blocks(plan: TorchPlan, key, key_cache, value_cache, block_ids, scal
 
 def prefill_chunk(query: Query, device) -> PrefillChunk:
     block_ids = torch.tensor(query.block_table, dtype=torch.long, device=device)
-    return PrefillChunk(query.start, query.length, query.context_len, block_ids, query.length == query.context_len)
+    return PrefillChunk(query.start, query.length, query.context_len, block_ids, query.length == query.context_len,
+                        query.spans)
 
 
 def _group_by_length(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:

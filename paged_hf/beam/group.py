@@ -171,5 +171,7 @@ def _extended(parent: Request, token: int) -> Request:
                     cache_salt=parent.cache_salt, arrival_time=parent.arrival_time)
     child.output_token_ids = list(parent.output_token_ids)
     child.all_token_ids = list(parent.all_token_ids)
+    child.mm_items = parent.mm_items  # the prompt's images (never changed once queued): a recompute encodes them
+    child.mm_positions = parent.mm_positions  # the prompt's own positions (Qwen-VL's), never changed either
     child.append_token(token)
     return child

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from paged_hf.core.multimodal import MultiModalItem
+from paged_hf.core.multimodal import MultiModalItem, MultiModalPositions
 from paged_hf.outputs import FinishReason
 from paged_hf.sampling_params import SamplingParams
 
@@ -106,6 +106,9 @@ class Request:
     # their embeddings once the vision tower ran ({item index: features}, opaque here): kept until the prompt's last
     # placeholder is computed, then dropped (a preempted request recomputes them if it needs them again)
     mm_features: dict = field(default_factory=dict, repr=False)
+    # the prompt's own positions where its family's model does not count tokens (Qwen-VL's 3-D rotary positions),
+    # shared by the children; None: a token's position is its index
+    mm_positions: MultiModalPositions | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

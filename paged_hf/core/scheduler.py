@@ -1,19 +1,17 @@
 """Decides each step's work: running requests first, then waiting ones, all within one token budget.
 
-One rule covers everything (vLLM V1): a request's `num_computed_tokens` catches up with its `num_tokens`.
-Decodes take one token, prompts are chunked to what the budget leaves, prefix hits skip ahead, and a
-preempted request simply starts again from zero (its tokens are recomputed, its outputs unchanged).
+One rule covers everything (vLLM V1): a request's `num_computed_tokens` catches up with its `num_tokens`. Decodes take
+one token, prompts are chunked to what the budget leaves (a chunk never ends inside an image's bidirectional span,
+`multimodal.fit_chunk`), prefix hits skip ahead, and a preempted request starts again from zero (recomputed).
 
-Parallel sampling (`n > 1`): only child 0 is queued. It stops one token short of its prompt; then its
-siblings fork from it (sharing its blocks) and join the running requests, and every child computes the
-last prompt token itself. A sibling that finds no seat (`max_num_seqs`) at fork time is queued as a plain
-request instead (it still finds the prompt's full blocks in the prefix cache).
+Parallel sampling (`n > 1`): only child 0 is queued. It stops one token short of its prompt; then its siblings fork from
+it (sharing its blocks) and join the running requests, and every child computes the last prompt token itself. A sibling
+without a seat (`max_num_seqs`) at fork time is queued as a plain request (it finds the prompt's blocks cached).
 
-Policies (request_queue.py): `fcfs` runs the loop of `schedule` as it always did; `priority` and `fair` rank
-running and waiting requests together (`_schedule_ranked`). What a waiting request waits for besides seats,
-blocks and budget (`is_ready`, an adapter slot, with a bounded wait) is admission.py's; short steps while a
-request in a hurry waits for its first token (ranked policies only) are step_pacing.py's; the bound on a stream's
-gap between tokens (any policy, when set) is stream_pace.py's.
+Policies (request_queue.py): `fcfs` runs `schedule`'s loop; `priority` and `fair` rank running and waiting requests
+together (`_schedule_ranked`). What a waiting request waits for besides seats, blocks and budget (`is_ready`, an
+adapter slot, with a bounded wait) is admission.py's; short steps while a request in a hurry waits for its first
+token (ranked policies only) are step_pacing.py's; the bound on a stream's token gaps is stream_pace.py's.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from collections.abc import Callable
 
 from paged_hf.core.admission import AdmissionGate
 from paged_hf.core.kv_cache_manager import KVCacheManager, request_cache_key
+from paged_hf.core.multimodal import fit_chunk
 from paged_hf.core.request import Request, RequestStatus
 from paged_hf.core.request_queue import RankedQueue, make_waiting_queue
 from paged_hf.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -103,12 +102,11 @@ class Scheduler:
             pace.num_paced_steps += 1
         return out
 
-    def _paced(self, request: Request, num_new: int) -> int:
-        """`num_new`, cut to the prefill tokens the stream pace leaves this step (decodes are never cut)."""
-        if not is_prefill(request) or num_new <= self._prefill_left:
-            return num_new
-        self._prefill_cut = True
-        return self._prefill_left
+    def _paced(self, request: Request, num_new: int, start: int | None = None) -> int:
+        """`num_new` from `start` (None: the computed tokens), cut to the stream pace and out of image spans."""
+        if is_prefill(request) and num_new > self._prefill_left:
+            self._prefill_cut, num_new = True, self._prefill_left
+        return fit_chunk(request.mm_items, request.num_computed_tokens if start is None else start, num_new)
 
     def _schedule_fcfs(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -166,8 +164,9 @@ class Scheduler:
             hits = ([] if request.wants_prompt_logprobs or request.pools_every_token else
                     kv_cache_manager.find_cached_prefix(request, request_cache_key(request)))
             num_cached = len(hits) * kv_cache_manager.block_size
-            num_new = self._paced(request, min(request.num_tokens_to_compute - num_cached, budget))
-            if not kv_cache_manager.allocate_slots(request, num_new, hits):
+            num_new = self._paced(request, min(request.num_tokens_to_compute - num_cached, budget), num_cached)
+            if (num_new == 0 < request.num_tokens_to_compute - num_cached  # its image's span waits for a step
+                    or not kv_cache_manager.allocate_slots(request, num_new, hits)):
                 break
             self._count_lookup(request, num_cached)
             num_seats += request.num_seats
@@ -264,7 +263,9 @@ class Scheduler:
         hits = ([] if request.wants_prompt_logprobs or request.pools_every_token else
                 kv_cache_manager.find_cached_prefix(request, request_cache_key(request)))
         num_cached = len(hits) * kv_cache_manager.block_size
-        num_new = min(request.num_tokens_to_compute - num_cached, allowed)
+        num_new = self._paced(request, min(request.num_tokens_to_compute - num_cached, allowed), num_cached)
+        if num_new == 0 < request.num_tokens_to_compute - num_cached:  # its image's span waits for a step
+            return budget, False
         while not kv_cache_manager.allocate_slots(request, num_new, hits):
             if not self._preempt_for(request, pending, out):
                 return budget, False
@@ -394,5 +395,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.gate.forget(request)
         self.kv_cache_manager.free(request)
+        request.mm_features.clear()  # the features kept for an image it had not finished computing
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

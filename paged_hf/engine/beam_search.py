@@ -17,6 +17,7 @@ import torch
 from paged_hf.beam.group import BeamCohort, BeamGroup
 from paged_hf.core.request import Request
 from paged_hf.core.scheduler import Scheduler
+from paged_hf.engine.image_prompts import check_adapter, prompt_and_items
 from paged_hf.engine.request_checks import per_prompt
 from paged_hf.outputs import BeamSearchOutput
 from paged_hf.sampling_params import BeamSearchParams, SamplingParams
@@ -29,12 +30,16 @@ def add_beam_request(generator, prompt, params: BeamSearchParams, adapter: str |
     """Validate and queue one beam search; its first beam computes the prompt, the others fork from it.
     `cohort` and `record` serve the drop-in's `output_scores` (HF runs a batch until every prompt is done
     and keeps every round's scores)."""
-    prompt_ids = generator.prompt_token_ids(prompt)
+    processed = prompt_and_items(generator, prompt)  # a prompt dict may hold images (and its family's positions)
+    prompt_ids = processed.token_ids
     internal = check_beam_request(generator, prompt_ids, params)
     lora = generator.resolve_adapter(adapter)
+    check_adapter(generator.runner.vision, lora, processed.items)  # images meet no adapter of the vision encoder
     request_id = generator.new_request_id(request_id)
     first = Request(request_id, 0, list(prompt_ids), internal, adapter, lora=lora,
                     adapter_version=None if lora is None else lora.version)
+    first.mm_items = list(processed.items)  # every beam carries them: a preempted beam recomputes its images
+    first.mm_positions = processed.positions  # and the prompt's own positions (Qwen-VL's), for its every step
     first.reserved_seats = params.beam_width - 1  # the beams it forks after the prompt have seats waiting
     stop_ids = list(params.stop_token_ids or ())
     if not params.ignore_eos:

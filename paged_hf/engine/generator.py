@@ -129,16 +129,16 @@ class ContinuousBatchGenerator(EngineFace):
             self.enqueue(group, group.children[0])
             return group
         params = self.request_builder.sampling_params(sampling_params, cache_salt)
-        prompt_ids, mm_items = prompt_and_items(self, prompt)  # a dict prompt may hold images
-        self.check_fits(prompt_ids, params)
+        processed = prompt_and_items(self, prompt)  # a dict prompt may hold images (and its family's positions)
+        self.check_fits(processed.token_ids, params)
         check_token_ids(params, self.info.vocab_size)
         lora = self.resolve_adapter(adapter)
-        check_adapter(self.runner.vision, lora, mm_items)  # images meet no adapter of the vision encoder
+        check_adapter(self.runner.vision, lora, processed.items)  # images meet no adapter of the vision encoder
         if adapter is not None and self.speculator is not None and not self.speculator.proposer.serves_adapters:
             raise ValueError(f"adapter {adapter!r}: this engine speculates with a draft model, which serves "
                              f"base-model requests only (the ngram method serves any adapter)")
         request_id = self.new_request_id(request_id)
-        group = self.request_builder.group(request_id, prompt_ids, params, adapter, lora, cache_salt, mm_items)
+        group = self.request_builder.group(request_id, processed, params, adapter, lora, cache_salt)
         self.request_builder.assign_scheduling(group, priority, tenant, adapter)
         self.enqueue(group, group.children[0])
         return group

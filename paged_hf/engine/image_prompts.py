@@ -4,7 +4,8 @@ dict with `multi_modal_data` becomes token ids and items (`multimodal/prompts.py
 Refused at `wrap()`, naming why: a processor for a vision-language model that no vision family serves. Refused
 per request (a ValueError at submission): images without a processor, and images with what this engine does not
 serve with them yet (speculative decoding, a pipeline of stages: their other ranks and draft models see token ids
-only).
+only), and an image whose tokens attend to each other (Gemma 3) that is longer than the step's token budget: such an
+image is computed in one chunk (core/multimodal.py), so it could never be.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from paged_hf.core.multimodal import span_over_budget
 from paged_hf.multimodal.prompts import ProcessedPrompt, PromptProcessor, prompt_images
 from paged_hf.multimodal.registry import vision_family, vision_refusal
 from paged_hf.worker.probes.model_probe import UnsupportedModelError
@@ -48,17 +50,28 @@ def prompt_processor(model: torch.nn.Module, processor) -> PromptProcessor | Non
     return PromptProcessor(family, processor)
 
 
-def prompt_and_items(engine, prompt) -> tuple[list[int], list]:
-    """Any prompt -> its checked token ids and image items (none but for a prompt dict with images, or what
-    `processed_prompt` made of one)."""
+def prompt_and_items(engine, prompt) -> ProcessedPrompt:
+    """Any prompt -> its checked token ids, image items and the family's own positions of it (no items nor positions
+    but for a prompt dict with images, or what `processed_prompt` made of one)."""
     if isinstance(prompt, ProcessedPrompt):
         if prompt.items and not_served(engine) is not None:
             raise ValueError(f"images are not served {not_served(engine)}")
-        return engine.prompt_token_ids(prompt.token_ids), prompt.items
-    if not isinstance(prompt, Mapping):
-        return engine.prompt_token_ids(prompt), []
-    processed = process_prompt(prompt, engine.prompt_processor, engine.tokenizer, not_served(engine))
-    return engine.prompt_token_ids(processed.token_ids), processed.items
+        processed = prompt
+    elif not isinstance(prompt, Mapping):
+        return ProcessedPrompt(engine.prompt_token_ids(prompt))
+    else:
+        processed = process_prompt(prompt, engine.prompt_processor, engine.tokenizer, not_served(engine))
+    check_span_budget(processed.items, engine.config.max_num_batched_tokens)
+    return ProcessedPrompt(engine.prompt_token_ids(processed.token_ids), processed.items, processed.positions)
+
+
+def check_span_budget(items: list, budget: int) -> None:
+    """ValueError for an image whose tokens attend to each other (one chunk) that the token budget cannot hold."""
+    span = span_over_budget(items, budget)
+    if span is not None:
+        raise ValueError(f"an image of {span[1] - span[0]} tokens that attend to each other must be computed in one "
+                         f"step, and the step's token budget max_num_batched_tokens is {budget}: raise it to at least "
+                         f"{span[1] - span[0]}")
 
 
 def processed_prompt(engine, prompt: Mapping, add_special_tokens: bool | None = None) -> ProcessedPrompt:

@@ -24,6 +24,7 @@ from paged_hf.config.groups import RequestLimits, SchedulerConfig
 from paged_hf.core.request import Request
 from paged_hf.engine.detokenizer import IncrementalDetokenizer
 from paged_hf.engine.request_group import RequestGroup
+from paged_hf.multimodal.prompts import ProcessedPrompt
 from paged_hf.sample.sampler import make_rng
 from paged_hf.sample.structured_output import GrammarCompiler, GrammarLimits, grammar_compiler
 from paged_hf.sample.thinking import ThinkingGate
@@ -86,15 +87,18 @@ class RequestBuilder:
             child.priority = priority or 0
             child.tenant = tenant if tenant is not None else adapter
 
-    def group(self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
-              lora: LoRAAdapter | None, cache_salt: str | None, mm_items: list = ()) -> RequestGroup:
+    def group(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, adapter: str | None,
+              lora: LoRAAdapter | None, cache_salt: str | None) -> RequestGroup:
         """The request's children, child 0 first (the one to queue); ValueError for an invalid grammar spec.
-        `mm_items`: the prompt's images (core/multimodal.py), the same for every child."""
+        `prompt`: its checked token ids, images and the family's own positions of it (multimodal/prompts.py), the
+        same for every child."""
         grammar = self._compile_grammar(params)
+        prompt_ids = prompt.token_ids
         children = [self._child(request_id, i, prompt_ids, params, adapter, lora, cache_salt, grammar)
                     for i in range(params.n)]
         for child in children:
-            child.mm_items = list(mm_items)
+            child.mm_items = list(prompt.items)
+            child.mm_positions = prompt.positions
         parent, *siblings = children
         bad_words = self._bad_words_ids(params.bad_words, pop=True)
         for child in children:

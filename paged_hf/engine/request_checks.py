@@ -15,7 +15,7 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     """A text prompt (tokenized, special tokens added), a list of token ids or a 1-D tensor -> token ids."""
     if isinstance(prompt, Mapping):
         raise ValueError("a prompt dict (prompt, prompt_token_ids, multi_modal_data) is served by generate(), "
-                         "add_request() and stream() only")
+                         "beam_search(), add_request() and stream() only")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to wrap() or give token ids")

@@ -83,7 +83,7 @@ def _translate(paged_model, args: tuple, kwargs: dict) -> _Call:
         named = dict(_GENERATE_SIGNATURE.bind(model, *args, **kwargs).arguments)
         extra = dict(named.pop("kwargs", {}))
         input_ids, attention_mask, tokenizer = _pop_inputs(named, extra)
-        config = _merged_config(model, named.get("generation_config"), extra, input_ids, attention_mask)
+        config, model_inputs = _merged_config(model, named.get("generation_config"), extra, input_ids, attention_mask)
         mask = _prompt_mask(model, config, input_ids, attention_mask)
         params = _sampling_params(config, input_ids.shape[1])
         if params.repetition_penalty != 1.0 and not bool(mask.all()):
@@ -96,6 +96,7 @@ def _translate(paged_model, args: tuple, kwargs: dict) -> _Call:
             generator.check_fits(generator.prompt_token_ids(prompt), params)
             if beam is not None:
                 check_beam_request(generator, prompt, beam)
+        prompts = _with_images(generator, prompts, model_inputs)
     except _Fallback:
         raise
     except Exception as error:  # noqa: BLE001 - HF refuses the call, or the engine would: let HF answer
@@ -105,6 +106,19 @@ def _translate(paged_model, args: tuple, kwargs: dict) -> _Call:
         raise _Fallback("a streamer with more than one sequence, or with beam search")
     pad = None if config._pad_token_tensor is None else int(config._pad_token_tensor)
     return _Call(input_ids, prompts, config, params, pad, streamer, criteria, beam)
+
+
+def _with_images(generator, prompts: list[list[int]], model_inputs: dict) -> list:
+    """The prompts, with a processor's image inputs (`pixel_values`, ...) as the engine's image items; `_Fallback`
+    for other model inputs, or images the engine cannot take from this call."""
+    if not model_inputs:
+        return prompts
+    if generator.prompt_processor is None or "pixel_values" not in model_inputs:
+        raise _Fallback(f"unsupported argument(s) {sorted(model_inputs)}"
+                        + ("" if generator.prompt_processor is None else " (images go in pixel_values)"))
+    if len(prompts) != 1:
+        raise _Fallback("images in a batch of several prompts (one prompt with its images is served)")
+    return [generator.prompt_processor.from_model_inputs(prompts[0], model_inputs)]
 
 
 def _pop_inputs(named: dict, extra: dict) -> tuple[torch.Tensor, torch.Tensor | None, object]:
@@ -123,9 +137,10 @@ def _pop_inputs(named: dict, extra: dict) -> tuple[torch.Tensor, torch.Tensor | 
     return input_ids, extra.pop("attention_mask", None), extra.pop("tokenizer", None)
 
 
-def _merged_config(model, given, extra: dict, input_ids: torch.Tensor, attention_mask) -> GenerationConfig:
+def _merged_config(model, given, extra: dict, input_ids: torch.Tensor, attention_mask) -> tuple[GenerationConfig, dict]:
     """kwargs > given `generation_config` > the model's > HF's global defaults, via HF's own code, then the
-    special tokens and lengths exactly as `generate` prepares them (its warnings included)."""
+    special tokens and lengths exactly as `generate` prepares them (its warnings included). -> (the config, the
+    model inputs beside the prompt: a processor's `pixel_values`, ...)."""
     has_default_max_length = extra.get("max_length") is None and (given is None or given.max_length is None) \
         and model.generation_config.max_length is None
     has_default_min_length = extra.get("min_length") is None and (given is None or given.min_length is None) \
@@ -133,8 +148,6 @@ def _merged_config(model, given, extra: dict, input_ids: torch.Tensor, attention
     config, model_kwargs = model._prepare_generation_config(given, **extra)
     model_kwargs = {k: v for k, v in model_kwargs.items()
                     if v is not None and k not in ("output_attentions", "output_hidden_states")}
-    if model_kwargs:
-        raise _Fallback(f"unsupported argument(s) {sorted(model_kwargs)}")
     mode = config.get_generation_mode()
     supported = getattr(model, "_supported_generation_modes", None)
     if mode not in _SERVED_MODES or (supported is not None and mode not in supported):
@@ -145,7 +158,7 @@ def _merged_config(model, given, extra: dict, input_ids: torch.Tensor, attention
     config = model._prepare_generated_length(config, has_default_max_length, has_default_min_length,
                                              "input_ids", input_ids.shape[1], input_ids)
     model._validate_generated_length(config, input_ids.shape[1], has_default_max_length)
-    return config
+    return config, model_kwargs
 
 
 def _check_config(config: GenerationConfig) -> None:

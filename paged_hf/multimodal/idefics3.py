@@ -22,6 +22,7 @@ from paged_hf.multimodal.family import VisionFamily
 class Idefics3Family(VisionFamily):
     name = "idefics3"
     encoder_modules = ("model.vision_model", "model.connector")
+    classes = ((Idefics3ForConditionalGeneration, Idefics3Model),)
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(model)
@@ -29,9 +30,6 @@ class Idefics3Family(VisionFamily):
         patches = config.vision_config.image_size // config.vision_config.patch_size
         self.tile_tokens = int(patches**2 / config.scale_factor**2)  # rows per tile, the processor's image_seq_len
 
-    @staticmethod
-    def matches(model: torch.nn.Module) -> bool:
-        return type(model) is Idefics3ForConditionalGeneration and type(model.model) is Idefics3Model
 
     def check_processor(self, processor) -> None:
         super().check_processor(processor)
@@ -41,6 +39,10 @@ class Idefics3Family(VisionFamily):
 
     def replacement_ids(self, processor, processed: Mapping, index: int) -> list[int]:
         raise ValueError("the Idefics3 processor's expansion needs the tiling of its own call")
+
+    def num_images(self, processor, processed: Mapping, token_ids: list[int]) -> int:
+        """One `<global-img>` tag per image (its tiles share one row of `pixel_values`)."""
+        return token_ids.count(processor.global_image_token_id)
 
     def placeholder_counts(self, processor, processed: Mapping, token_ids: list[int], num_images: int) -> list[int]:
         """Each image's `<image>` tokens: its tiles' runs, up to and including the run after `<global-img>`."""

@@ -8,15 +8,18 @@ pixels as with any text); each image's placeholder in the ids is either the sing
 what the processor writes, its `replace_image_token`) or already expanded.
 
 An item's span runs from its first to its last placeholder token; its content hash covers its processed pixels
-(`family.content_hash`), which the prefix cache mixes into the hash of every block the span overlaps.
+(`family.content_hash`), which the prefix cache mixes into the hash of every block the span overlaps. A family
+whose image tokens attend bidirectionally (`bidirectional_images`, Gemma 3) has each item name its runs of
+placeholder tokens (`with_bidirectional_runs`): HF's blocks are exactly those runs. A family whose model places the
+prompt's tokens itself (Qwen-VL's 3-D rotary positions) gives their positions here, once (`family.prompt_positions`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from paged_hf.core.multimodal import MultiModalItem
+from paged_hf.core.multimodal import MultiModalItem, MultiModalPositions
 from paged_hf.multimodal.family import VisionFamily, content_hash
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
@@ -26,6 +29,7 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 class ProcessedPrompt:
     token_ids: list[int]
     items: list[MultiModalItem] = field(default_factory=list)
+    positions: MultiModalPositions | None = None  # the family's own positions of the prompt (None: its indices)
 
 
 def prompt_images(prompt: Mapping) -> list:
@@ -76,8 +80,31 @@ class PromptProcessor:
         if text is None:
             token_ids = self._expand(_token_id_list(prompt["prompt_token_ids"]), processed, token_ids, len(images))
         counts = family.placeholder_counts(self.processor, processed, token_ids, len(images))
-        return ProcessedPrompt(token_ids, placeholder_items(token_ids, family.image_token_id, counts,
-                                                           family.split(processed, counts)))
+        items = self._items(token_ids, processed, counts)
+        return ProcessedPrompt(token_ids, items, family.prompt_positions(token_ids, items))
+
+    def from_model_inputs(self, token_ids: list[int], inputs: Mapping) -> ProcessedPrompt:
+        """One prompt's expanded token ids and the processor's image inputs for it, as a user hands them to HF's
+        `generate` (`**processor(text=..., images=...)`) -> its items; ValueError when they do not match."""
+        family = self.family
+        processed = {"input_ids": [token_ids], **inputs}
+        num_images = family.num_images(self.processor, processed, token_ids)
+        counts = family.placeholder_counts(self.processor, processed, token_ids, num_images)
+        if family.bidirectional_images:  # HF's forward attends bidirectionally where its token_type_ids say
+            types = inputs.get("token_type_ids")
+            if types is None or types.reshape(-1).tolist() != [int(t == family.image_token_id) for t in token_ids]:
+                raise ValueError("token_type_ids that mark exactly the image tokens are needed (HF's forward attends "
+                                 "bidirectionally among an image's tokens where they say, causally without them)")
+        items = self._items(token_ids, processed, counts)
+        return ProcessedPrompt(list(token_ids), items, family.prompt_positions(list(token_ids), items))
+
+    def _items(self, token_ids: list[int], processed: Mapping, counts: list[int]) -> list[MultiModalItem]:
+        """The prompt's items, each with its bidirectional spans where the family's image tokens see each other."""
+        family = self.family
+        items = placeholder_items(token_ids, family.image_token_id, counts, family.split(processed, counts))
+        if family.bidirectional_images:
+            items = with_bidirectional_runs(token_ids, family.image_token_id, items)
+        return items
 
     def _expand(self, token_ids: list[int], processed, expanded_alone: list[int], num_images: int) -> list[int]:
         """Ids with one image token per image -> each replaced by what the processor writes; expanded ids as given."""
@@ -120,3 +147,28 @@ def placeholder_items(token_ids: Sequence[int], token_id: int, counts: list[int]
         items.append(MultiModalItem(first, last - first + 1, content_hash(inputs), count, inputs))
         start += count
     return items
+
+
+def with_bidirectional_runs(token_ids: Sequence[int], token_id: int,
+                            items: list[MultiModalItem]) -> list[MultiModalItem]:
+    """Each item with its runs of placeholder tokens as bidirectional spans (HF's Gemma 3 blocks: a run of image
+    tokens sees itself whole). ValueError for a run that two images share (their placeholders touch) or that holds
+    the prompt's last token (a chunk must end after a run, and the prompt's last token is computed alone for n > 1)."""
+    runs, start = [], None
+    for position, token in enumerate([*token_ids, None]):
+        if token == token_id and start is None:
+            start = position
+        elif token != token_id and start is not None:
+            runs.append((start, position))
+            start = None
+    out = []
+    for item in items:
+        mine = tuple((a, b) for a, b in runs if item.offset <= a < item.end)
+        if any(b > item.end for _, b in mine):
+            raise ValueError(f"two images' placeholder tokens touch at position {item.end}: HF would let them see "
+                             "each other as one image; separate them (the processor frames each image)")
+        if any(b == len(token_ids) for _, b in mine):
+            raise ValueError("the prompt ends inside an image's placeholder tokens: end it with text (the "
+                             "processor frames each image with <end_of_image>)")
+        out.append(replace(item, bidirectional=mine))
+    return out

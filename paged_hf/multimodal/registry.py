@@ -12,16 +12,16 @@ import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from paged_hf.multimodal.family import VisionFamily
+from paged_hf.multimodal.gemma3 import Gemma3Family
 from paged_hf.multimodal.idefics3 import Idefics3Family
-from paged_hf.multimodal.llava import LlavaFamily
+from paged_hf.multimodal.llava import LlavaFamily, VipLlavaFamily
+from paged_hf.multimodal.llava_next import LlavaNextFamily
+from paged_hf.multimodal.qwen2_vl import Qwen2_5_VLFamily, Qwen2VLFamily
 
-FAMILIES: tuple[type[VisionFamily], ...] = (LlavaFamily, Idefics3Family)
+FAMILIES: tuple[type[VisionFamily], ...] = (LlavaFamily, VipLlavaFamily, LlavaNextFamily, Idefics3Family,
+                                            Gemma3Family, Qwen2VLFamily, Qwen2_5_VLFamily)
 #: why the images of some well-known families are not served yet, beyond "no family"
-REASONS = {
-    "Gemma3ForConditionalGeneration": "Gemma 3 attends bidirectionally among an image's tokens, and the paged "
-                                      "kernels mask causally only",
-    "Qwen2VLForConditionalGeneration": "Qwen2-VL's multimodal (3-D) rotary positions are not built by the engine",
-    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL's multimodal (3-D) rotary positions are not built by the engine",
+REASONS: dict[str, str] = {
 }
 
 

@@ -47,5 +47,5 @@ class GatheredAttention:
         position = {block: i for i, block in enumerate(blocks)}
         renumbered = AttentionMetadata(metadata.block_size, metadata.query_start_loc, metadata.context_lens,
                                        [[position[block] for block in table] for table in tables],
-                                       metadata.slot_mapping)
+                                       metadata.slot_mapping, bidirectional=metadata.bidirectional)
         return torch.tensor(blocks, dtype=torch.long, device=device), self.kernel.plan(renumbered, device)

@@ -10,7 +10,7 @@ import torch
 from paged_hf.config import PagedConfig
 from paged_hf.core.scheduler_output import SchedulerOutput
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
-from paged_hf.kernels.selection import select_kernel
+from paged_hf.kernels.selection import select_kernels
 from paged_hf.kernels.quant import storage_dtype
 from paged_hf.multimodal.embeddings import has_images, step_embeds
 from paged_hf.multimodal.encoder_cache import EncoderCache
@@ -42,17 +42,20 @@ class ModelRunner:
         self.block_size = config.block_size
         kv_dtype = storage_dtype(config.kv_cache_dtype, info.dtype)
         self.family_stand_ins = FamilyStandIns(model, text_config(model.config))  # attention code of their own
-        specs = [dataclasses.replace(spec, dtype=info.dtype, kv_dtype=None if kv_dtype == info.dtype else kv_dtype)
-                 for spec in info.attention_layers]  # as this cache stores them
-        self.kernel = select_kernel(config.attention_backend, specs)
+        self.vision = vision_family(model)  # the family that encodes a vision-language model's images, else None
+        # as this cache stores them; a family whose image tokens see each other needs a kernel that computes that
+        bidirectional = self.vision is not None and self.vision.bidirectional_images
+        specs = [dataclasses.replace(spec, dtype=info.dtype, kv_dtype=None if kv_dtype == info.dtype else kv_dtype,
+                                     bidirectional_spans=bidirectional) for spec in info.attention_layers]
+        # the kernel of every step, and where it cannot compute an image step's spans the torch kernel for those
+        self.kernel, span_kernel = select_kernels(config.attention_backend, specs)
         states = RecurrentStates(info.state_layers, state_slot_count(config)) if info.is_hybrid else None
         self.cache = paged_cache_class(own_cache_class(model))(num_blocks, config.block_size, specs, info.dtype,
-                                                               self.kernel, kv_dtype, states)
+                                                               self.kernel, kv_dtype, states, span_kernel)
         self.recurrent_mixers = RecurrentMixers(model, states)  # a hybrid's recurrent layers, request by request
         self.logits_device = info.logits_device  # seeded requests' generators live there
         self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
-        self.vision = vision_family(model)  # the family that encodes a vision-language model's images, else None
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if self.vision is not None else None
         fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()
@@ -86,7 +89,7 @@ class ModelRunner:
         device = self.info.input_device
         kwargs = dict(
             **self._stage_input(inputs.input_ids.to(device)[None]),  # [1, num_tokens]
-            position_ids=inputs.positions.to(device)[None],
+            position_ids=self._position_ids(out, inputs.positions).to(device),
             attention_mask=STEP_MASK_SENTINEL,
             cache=self.cache,
             use_cache=True,
@@ -114,6 +117,12 @@ class ModelRunner:
         if not self.info.accepts_logits_to_keep:
             logits = logits[inputs.logits_indices.to(logits.device)]
         return logits.to(self.logits_device), inputs  # a hook may hand them back elsewhere (io_same_device)
+
+    def _position_ids(self, out: SchedulerOutput, positions: torch.Tensor) -> torch.Tensor:
+        """[1, num_tokens], the token indices; a family's own rows where a request holds them (Qwen-VL's 3-D rotary
+        positions: [3, 1, num_tokens])."""
+        own = self.vision.step_position_ids(out, positions) if self.vision is not None else None
+        return positions[None] if own is None else own
 
     def _stage_input(self, input_ids: torch.Tensor) -> dict:
         """The token ids; on a pipeline stage after the first, the previous stage's hidden states instead."""

@@ -53,15 +53,18 @@ class NoLayer:
 
 class PagedCache(Cache):
     def __init__(self, num_blocks: int, block_size: int, layers: list[AttentionSpec], dtype: torch.dtype, kernel,
-                 kv_dtype: torch.dtype | None = None, states: RecurrentStates | None = None):
+                 kv_dtype: torch.dtype | None = None, states: RecurrentStates | None = None, span_kernel=None):
         """layers: one spec per cache slot (worker.model_probe); dtype: the model's; kv_dtype: the cache's storage
-        dtype when it is quantized (int8/fp8); states: a hybrid model's recurrent-state slots."""
+        dtype when it is quantized (int8/fp8); states: a hybrid model's recurrent-state slots; span_kernel: the kernel
+        of the steps whose metadata carries bidirectional spans where `kernel` cannot compute them (None: `kernel`)."""
         Cache.__init__(self, layers=NoLayerObjects())  # (not a model's own cache class's __init__)
         kv_dtype = kv_dtype or dtype
         self.model_dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kernel = kernel
+        self.span_kernel = span_kernel
+        self.step_kernel = kernel  # the kernel of the running step (`span_kernel` for a step with spans)
         self.attention_layers = layers
         self.layer_devices = [torch.device(layer.device) for layer in layers]
         # zeros, not empty: padded decode gathers read unwritten slots (masked, but NaN * 0 would leak)
@@ -93,7 +96,9 @@ class PagedCache(Cache):
     def begin_step(self, metadata: AttentionMetadata) -> None:
         """Plan the step once per device; every layer on that device reuses the plan."""
         self.metadata = metadata
-        self._plans = {device: self.kernel.plan(metadata, device) for device in dict.fromkeys(self.layer_devices)}
+        spans = self.span_kernel is not None and metadata.bidirectional
+        self.step_kernel = self.span_kernel if spans else self.kernel
+        self._plans = {device: self.step_kernel.plan(metadata, device) for device in dict.fromkeys(self.layer_devices)}
         self._decode_rows = {}
         self.books.begin()
         self.gathered_attention.begin_step()
@@ -107,6 +112,7 @@ class PagedCache(Cache):
 
     def end_step(self) -> None:
         self.metadata = None
+        self.step_kernel = self.kernel
         self._plans = {}
         self._decode_rows = {}
         self.recurrent_step = None
@@ -146,8 +152,8 @@ class PagedCache(Cache):
 
     def _write_rows(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """key/value [num_tokens, kv_heads, dim] into cache slot `slot`'s blocks, through the step's plan."""
-        self.kernel.write_kv(key, value, self.key_cache[slot], self.value_cache[slot],
-                             self._plans[self.layer_devices[slot]], self.scales[slot])
+        self.step_kernel.write_kv(key, value, self.key_cache[slot], self.value_cache[slot],
+                                  self._plans[self.layer_devices[slot]], self.scales[slot])
 
     def write_and_attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          *, scaling: float) -> torch.Tensor:
@@ -160,10 +166,10 @@ class PagedCache(Cache):
         with span("attention"):
             layer_idx, transform = self.books.resolve(module, key, value)
             assert layer_idx == slot and transform is None
-            return self.kernel.attend(query, key, value, self.key_cache[slot], self.value_cache[slot],
-                                      self._plans[self.layer_devices[slot]],
-                                      scales=self.scales[slot], scaling=scaling, sliding_window=None, softcap=None,
-                                      chunk_size=self.attention_layers[slot].chunk_size)
+            return self.step_kernel.attend(query, key, value, self.key_cache[slot], self.value_cache[slot],
+                                           self._plans[self.layer_devices[slot]],
+                                           scales=self.scales[slot], scaling=scaling, sliding_window=None,
+                                           softcap=None, chunk_size=self.attention_layers[slot].chunk_size)
 
     def decode_rows(self, slot: int):
         """For a step whose every query the CPU kernel's decode call serves, over cache slot `slot`'s unquantized
@@ -172,7 +178,7 @@ class PagedCache(Cache):
         key_cache = self.key_cache[slot]
         memo = (self.layer_devices[slot], key_cache.shape[3])
         if memo not in self._decode_rows:
-            decode_rows = getattr(self.kernel, "decode_rows", None)
+            decode_rows = getattr(self.step_kernel, "decode_rows", None)
             usable = (decode_rows is not None and self.in_step and self.scales[slot] is None
                       and self.attention_layers[slot].chunk_size is None and self.layer_devices[slot].type == "cpu")
             self._decode_rows[memo] = decode_rows(self._plans[memo[0]], self.model_dtype, key_cache.dtype,
@@ -192,9 +198,9 @@ class PagedCache(Cache):
                            chunk_size=self.attention_layers[layer_idx].chunk_size, terms=terms)
             key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
             if transform is None:
-                output = self.kernel.attend(query, key, value, key_cache, value_cache,
-                                            self._plans[self.layer_devices[layer_idx]],
-                                            scales=self.scales[layer_idx], **masking)
+                output = self.step_kernel.attend(query, key, value, key_cache, value_cache,
+                                                 self._plans[self.layer_devices[layer_idx]],
+                                                 scales=self.scales[layer_idx], **masking)
             elif self.scales[layer_idx] is not None:
                 raise UnservedAttention("an attention of transformed K/V (MLA, rearranged heads) over an int8/fp8 "
                                         "cache")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paged_hf.core.multimodal import step_spans
 from paged_hf.core.scheduler_output import SchedulerOutput
 from paged_hf.worker.pooling import PoolingSpan
 
@@ -20,6 +21,9 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # [num_requests][num_blocks_of_request]
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes (block * size + offset)
     state_slots: list[int | None] | None = None  # [num_requests]: a hybrid model's recurrent-state slots
+    # [num_requests][spans]: (start, end) positions whose tokens all see each other (Gemma 3's images) that each
+    # request's chunk overlaps; None when no request has any (kernels whose spec has `bidirectional_spans` read it)
+    bidirectional: list[tuple[tuple[int, int], ...]] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -60,6 +64,16 @@ def token_adapter_slots(out: SchedulerOutput, request_slots: list[int] | None) -
     return torch.tensor(request_slots, dtype=torch.long).repeat_interleave(counts)
 
 
+def bidirectional_spans(out: SchedulerOutput) -> list[tuple[tuple[int, int], ...]] | None:
+    """Each scheduled request's bidirectional spans that its chunk overlaps (core/multimodal.py); None when no
+    request has any, as in every step of a model without such images (a text request costs one check)."""
+    spans = []
+    for scheduled in out.scheduled:
+        request, start = scheduled.request, scheduled.request.num_computed_tokens
+        spans.append(step_spans(request.mm_items, start, start + scheduled.num_new_tokens) if request.mm_items else ())
+    return spans if any(spans) else None
+
+
 def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list[int] | None = None) -> StepInputs:
     """Packs the step's tokens with no padding; all tensors on CPU (each device copies what it needs).
     `request_slots`: the LoRA slot of each scheduled request (-1 = base), or None without adapters."""
@@ -67,8 +81,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
     positions: list[int] = []
     slots: list[int] = []
     query_start_loc = [0]
-    context_lens = []
-    block_tables = []
+    context_lens, block_tables = [], []
     logits_indices = []
     sampled = []
     sample_rows = []
@@ -114,6 +127,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, request_slots: list
             block_tables=block_tables,
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             state_slots=[scheduled.request.state_slot for scheduled in out.scheduled],
+            bidirectional=bidirectional_spans(out),
         ),
         adapter_slots=token_adapter_slots(out, request_slots),
         prompt_logprob_spans=spans,

@@ -1,12 +1,15 @@
 """Hostile and malformed images get a 400 naming the content part and what is wrong, through a real server: bad
 base64, a truncated PNG, a payload that is no image, an unsupported media type, a decompression bomb (refused from
 its header), too many bytes or images, a domain not allowed, a file outside the allowed folder, a slow remote
-server (the fetch timeout); and a served request still answers after them."""
+server (the fetch timeout); a served request still answers after them, and a running stream never stalls past
+250 ms while they are refused."""
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import struct
+import threading
 import time
 import zlib
 
@@ -145,3 +148,32 @@ def test_the_serve_flags_set_the_image_limits(tmp_path):
     for bad in ('{"video": 1}', "3", '{"image": "x"}'):
         with pytest.raises(ValueError, match="limit-mm-per-prompt"):
             serve_settings(cli.build_parser().parse_args(["serve", "--limit-mm-per-prompt", bad]), None)
+
+
+def test_a_running_stream_does_not_stall_while_hostile_images_are_refused(server):
+    """Hostile images (a bomb, a stalled remote, bad bytes, too many bytes) refused while a stream runs: the gaps
+    between its chunks stay under 250 ms (their decoding and fetching are off the event loop and the engine)."""
+    url, _, _, slow = server
+    arrivals, first_chunk = [], threading.Event()
+
+    def stream():
+        body = {"model": MODEL, "max_tokens": 200, "stream": True, "messages": [{"role": "user", "content": "what"}]}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                    first_chunk.set()
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    assert first_chunk.wait(30)
+    hostile = [HOSTILE[name][0] for name in ("bomb", "truncated png", "too many bytes")] + [f"{slow.url}/a.png"]
+    with concurrent.futures.ThreadPoolExecutor(len(hostile)) as pool:
+        started = time.monotonic()
+        replies = list(pool.map(lambda image: post(url, [image_url(image)]), hostile))
+        ended = time.monotonic()
+    streaming.join(60)
+    assert [reply.status_code for reply in replies] == [400] * len(hostile)
+    during = [t for t in arrivals if started <= t <= ended]  # the stream may end first (the stall takes 1 s)
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert len(during) > 10 and max(gaps) < 0.25, (len(during), max(gaps, default=None))
