@@ -84,3 +84,18 @@ def test_paged_hf_serve_on_a_vision_folder_answers_an_image(folder):
                 {"role": "user", "content": [{"type": "text", "text": "what is this"},
                                              {"type": "image_url", "image_url": {"url": data_url(image)}}]}])
     assert answer.choices[0].message.content == processor.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_a_vision_model_no_family_serves_is_wrapped_with_its_tokenizer():
+    """What `LLM` and `paged-hf serve` do with a loaded folder whose images no family serves (a subclass here)."""
+    from transformers import LlavaForConditionalGeneration
+
+    from paged_hf.engine.image_prompts import served_processor
+
+    class Patched(LlavaForConditionalGeneration):
+        pass
+
+    model, processor = tiny_llava(model_class=Patched)
+    tokenizer, why = served_processor(model, processor)
+    assert tokenizer is processor.tokenizer and "Patched" in why
+    assert served_processor(tiny_llava()[0], processor) == (processor, None)
