@@ -2,9 +2,11 @@
 each image's features over the placeholder rows that this step computes.
 
 An image is encoded once, in the step that first reaches one of its placeholders (unless the engine's encoder-output
-cache holds its features already: encoder_cache.py), and its features are kept on the request (`request.mm_features`) until the request has computed its last placeholder: a chunked prefill that
-cuts through an image takes the next rows of the same features in the next step, never encodes it again. A
-request preempted after that point recomputes its prompt, and its images with it, from zero.
+cache holds its features already: encoder_cache.py), and its features are kept on the request
+(`request.mm_features`) until the request has computed its last placeholder: a chunked prefill that cuts through an
+image takes the next rows of the same features in the next step, never encodes it again. A request preempted after
+that point recomputes its prompt, and its images with it, from zero (their features from the encoder cache where it
+still holds them).
 
 The vision tower runs before the step's forward, outside the step's swaps: its attention layers are the model's
 own, not paged.
