@@ -27,6 +27,7 @@ import torch
 from paged_hf.bench import machine, measured_where
 from paged_hf.bench.llamacpp import LlamaCpp, find_llamacpp, run_batched_bench, run_llama_bench
 from paged_hf.bench.llamacpp_gguf import gguf_file, model_folder, step_weight_bytes
+from paged_hf.bench.peer_plot import write_curve_plot
 from paged_hf.bench.peer_report import PRECISIONS, format_report, precision_rows
 from paged_hf.bench.systems import stderr_fd
 
@@ -143,4 +144,7 @@ def run_peer_bench(args) -> int:
         path = os.path.join(args.out, REPORT_FILE)
         Path(path).write_text(json.dumps(report, indent=1))
         _log(f"wrote {path}")
+        plot = write_curve_plot(report, args.out)
+        if plot:
+            _log(f"wrote {plot}")
     return 1 if any(r["paged_hf"].get("error") or r["llamacpp"].get("error") for r in results.values()) else 0
