@@ -226,3 +226,10 @@ def peak_rss_bytes() -> int | None:
         import psutil  # noqa: PLC0415 - optional (the bench extra), Windows' fallback only
 
         return psutil.Process().memory_info().rss
+
+
+def current_rss_bytes() -> int:
+    """This process's resident set size now (psutil: the bench extra)."""
+    import psutil  # noqa: PLC0415 - optional (the bench extra)
+
+    return psutil.Process().memory_info().rss

@@ -6,6 +6,10 @@ and its tok/s is N x 128 / seconds, as llama-batched-bench's whole run is. Each 
 N (16 new tokens), then three timed runs, the median taken. Every run has prompts of its own, so that no run
 finds an earlier one's prompt in the prefix cache (llama.cpp clears its cache between runs too).
 
+Memory: the process's resident set before and after ``LLM(...)``, beside the bytes of the weights as the model
+holds them (every parameter and buffer storage once) and of the KV cache: what loading adds beyond the two, over
+the weights (the issue's target: no more than 1.1x; the engine's packed and fused copies of the linears count).
+
 Run as ``python -m paged_hf.bench.peer_paged SPEC.json``; the result (JSON) goes to the spec's ``result_path``.
 """
 
@@ -20,7 +24,7 @@ import traceback
 import torch
 
 import paged_hf
-from paged_hf.bench.machine import peak_rss_bytes, step_weight_bytes
+from paged_hf.bench.machine import current_rss_bytes, peak_rss_bytes, step_weight_bytes
 from paged_hf.utils import cdiv
 
 WARMUP_TOKENS = 16
@@ -62,15 +66,28 @@ def run_spec(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     streams, prompt_tokens, new_tokens = spec["streams"], spec["prompt_tokens"], spec["new_tokens"]
     blocks = max(streams) * cdiv(prompt_tokens + new_tokens, BLOCK_SIZE) + 8  # all streams at once, no more
-    start = time.perf_counter()
+    start, rss_before = time.perf_counter(), current_rss_bytes()
     llm = paged_hf.LLM(spec["model"], dtype=spec["dtype"], device="cpu", quantization=spec["quantization"],
                        num_blocks=blocks, block_size=BLOCK_SIZE)
     load_s = time.perf_counter() - start
+    memory = load_memory(llm, current_rss_bytes() - rss_before)
     results = {}
     for count in streams:
         results[str(count)] = time_streams(llm, count, prompt_tokens, new_tokens, spec["rounds"], spec["seed"])
     return {"streams": results, "load_s": load_s, "step_weight_bytes": step_weight_bytes(llm.paged_model.unwrap()),
-            "num_threads": torch.get_num_threads(), "peak_rss_bytes": peak_rss_bytes()}
+            "num_threads": torch.get_num_threads(), "peak_rss_bytes": peak_rss_bytes(), "memory": memory}
+
+
+def load_memory(llm, load_rss_bytes: int) -> dict:
+    """What loading added to the resident set, beside the weights' and the KV cache's bytes."""
+    model = llm.paged_model.unwrap()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    cache = llm.paged_model.generator.runner.cache
+    kv_bytes = sum(t.nbytes for t in [*cache.key_cache, *cache.value_cache])
+    weight_bytes = sum(storages.values())
+    return {"weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "load_rss_bytes": load_rss_bytes,
+            "load_over_weights": (load_rss_bytes - kv_bytes) / weight_bytes}
 
 
 def main(spec_path: str) -> int:

@@ -128,6 +128,10 @@ def test_bench_streams_runs_paged_hf_alone_without_llama_cpp(tmp_path, capsys, m
     report = json.loads((tmp_path / "out" / peer.REPORT_FILE).read_text())
     streams = report["raw"]["float32"]["paged_hf"]["streams"]
     assert set(streams) == {"1", "2"} and all(s["tokens_per_s"] > 0 for s in streams.values())
+    memory = report["raw"]["float32"]["paged_hf"]["memory"]  # what loading added, beside weights and KV cache
+    assert memory["weight_bytes"] > 0 and memory["kv_cache_bytes"] > 0 and memory["load_rss_bytes"] > 0
+    assert memory["load_over_weights"] == (memory["load_rss_bytes"] - memory["kv_cache_bytes"]) / memory["weight_bytes"]
+    assert (tmp_path / "out" / "bench_llamacpp.png").exists()  # the curve, drawn from the report
 
 
 @pytest.mark.slow
