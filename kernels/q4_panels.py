@@ -92,19 +92,18 @@ def quantize_blocks(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def reference(x32: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               group_size: int) -> torch.Tensor:
     """float32 [m, n] of x32 [m, k]: values [n, k] integers, scales and zeros [n, groups] float32 (not repacked).
-    Per block b: t = float(sum q u) - z * float(sum q), y += (s_x * s) * t, in k order."""
+    Per block b: t = float(sum q u) - z * float(sum q), y = sum over b of (s_x * s) * t (the kernel sums in k
+    order with FMAs: equal up to the order and rounding of that float sum)."""
     q, sx = quantize_blocks(x32)  # [m, blocks, 32], [m, blocks]
-    m, blocks, _ = q.shape
+    blocks = q.shape[1]
     u = values.float().view(values.shape[0], blocks, BLOCK)  # [n, blocks, 32]
-    dots = torch.einsum("mbi,nbi->mbn", q.double(), u.double()).float()  # exact integers
+    # exact in float32 in any order: every partial sum is an integer below 32 * 127 * 15 < 2^24
+    dots = torch.bmm(q.transpose(0, 1), u.permute(1, 2, 0)).transpose(0, 1)  # [m, blocks, n]
     sums = q.sum(-1)  # [m, blocks], exact
     per_group = group_size // BLOCK
-    y = torch.zeros(m, values.shape[0], dtype=torch.float32)
-    for b in range(blocks):
-        g = b // per_group
-        t = dots[:, b] - zeros[:, g][None, :] * sums[:, b, None]
-        y = y + (sx[:, b, None] * scales[:, g][None, :]) * t
-    return y
+    s_b, z_b = scales.repeat_interleave(per_group, 1).T, zeros.repeat_interleave(per_group, 1).T  # [blocks, n]
+    t = dots - z_b[None] * sums[..., None]  # [m, blocks, n]
+    return ((sx[..., None] * s_b[None]) * t).sum(1)
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
