@@ -37,6 +37,7 @@ from paged_hf.integrations.transformers import check_step_call, paged_attention_
 from paged_hf.kernels import layer_ops
 from paged_hf.kernels.quant_linear import QuantizedLinear, linear_dtype, stack_linears, stackable
 from paged_hf.kernels.q4_panels import PanelLinear
+from paged_hf.kernels.quant_gemm import FewRowsW8A8
 from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.code_match import forward_globals, runs_forward_of, runs_own_class_code, same_code
@@ -94,7 +95,8 @@ class ProjectionGroup:
     def _build(self) -> None:
         if self.quantized:
             self.stack = stack_linears(self.linears)
-            self.small = PanelLinear.of(self.stack, self.linears[0])  # W4A8 panels: the compiled layer's (only)
+            # W4A8 panels, a bf16 W8A8 call: the compiled decode layer's (only)
+            self.small = PanelLinear.of(self.stack, self.linears[0]) or FewRowsW8A8.of(self.stack, self.linears[0])
             return
         weights, biases = [linear.weight.detach() for linear in self.linears], [linear.bias for linear in self.linears]
         self.small = SmallLinear(weights, biases) if SmallLinear.usable(weights, biases) else None

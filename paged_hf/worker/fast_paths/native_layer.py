@@ -20,7 +20,8 @@ import torch
 from paged_hf import profiling
 from paged_hf.kernels import layer_ops, native, small_gemm
 from paged_hf.kernels.q4_panels import PanelLinear
-from paged_hf.kernels.quant_linear import Int4Linear
+from paged_hf.kernels.quant_gemm import FewRowsW8A8
+from paged_hf.kernels.quant_linear import Int4Linear, Int8Linear
 from paged_hf.kernels.small_gemm import MAX_ROWS, SmallLinear
 from paged_hf.worker.code_match import runs_own_class_code
 from paged_hf.worker.fast_paths.packed_linears import PackedLinear
@@ -71,18 +72,21 @@ def entry_point(dtype: torch.dtype):
     return function, kernels
 
 
-def _linear(small: SmallLinear | PanelLinear) -> _Linear:
+def _linear(small) -> _Linear:
     """A linear's struct; a W4A8 one names its own entry point (null: the kernels' gemm)."""
     return _Linear(*small.segments(), small.in_features, small.out_features, getattr(small, "gemm", None))
 
 
-def few_rows_of(linear) -> SmallLinear | PanelLinear | None:
-    """What the compiled layer calls for o_proj / down_proj: a packed float linear's few-row loops, or a W4A8
-    linear's panels (kernels/q4_panels.py; exactly that class, no hooks); None: the layer is not compiled."""
+def few_rows_of(linear) -> SmallLinear | PanelLinear | FewRowsW8A8 | None:
+    """What the compiled layer calls for o_proj / down_proj: a packed float linear's few-row loops, a W4A8
+    linear's panels (kernels/q4_panels.py) or a bf16 W8A8 linear's call (exactly those classes, no hooks); None:
+    the layer is not compiled."""
     if type(linear) is PackedLinear:
         return linear.small_linear()
     if type(linear) is Int4Linear and runs_own_class_code(linear):
         return PanelLinear.of(linear)
+    if type(linear) is Int8Linear and runs_own_class_code(linear):
+        return FewRowsW8A8.of(linear)
     return None
 
 
