@@ -1,5 +1,6 @@
 """Builds the compiled kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `csrc/lora_sgmv.cpp`,
-`csrc/layer_ops.cpp`, `csrc/quant_gemm.cpp`, `csrc/small_gemm.cpp`) for this machine and loads them with ctypes.
+`csrc/layer_ops.cpp`, `csrc/quant_gemm.cpp`, `csrc/small_gemm.cpp`,
+`csrc/q4_panels.cpp`) for this machine and loads them with ctypes.
 
 Why at run time: the kernel is specialized to the model's head_dim and compiled with `-march=native`, so it
 cannot ship prebuilt. A build takes ~2 s with the system C++ compiler and is cached on disk, keyed by the
@@ -35,6 +36,7 @@ LAYER_OPS_SOURCE = CSRC / "layer_ops.cpp"
 QUANT_GEMM_SOURCE = CSRC / "quant_gemm.cpp"
 SMALL_GEMM_SOURCE = CSRC / "small_gemm.cpp"
 LEAN_LAYER_SOURCE = CSRC / "lean_layer.cpp"
+Q4_PANELS_SOURCE = CSRC / "q4_panels.cpp"
 #: included by the sources: part of every build's cache key
 HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h", CSRC / "quant_gemm_avx512.h", CSRC / "quant_gemm_bf16.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
@@ -144,6 +146,14 @@ def load_small_gemm(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     `kernels.small_gemm`. `extra_flags`: e.g. ("-mno-avx512bf16",) builds the loop for CPUs without AVX512-BF16
     (tests). Raises NativeBuildError when it cannot be built."""
     return _load(SMALL_GEMM_SOURCE, None, extra_flags)
+
+
+@functools.lru_cache(maxsize=None)
+def load_q4_panels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """W4A8 on 4-bit weights repacked in panels of 16 channels, built on first use; typed by `kernels.q4_panels`.
+    `extra_flags`: ("-mno-avx512f",) builds the AVX2 loops, ("-mno-avx2", "-mno-fma") the portable ones (tests).
+    Raises NativeBuildError when it cannot be built."""
+    return _load(Q4_PANELS_SOURCE, None, extra_flags)
 
 
 @functools.lru_cache(maxsize=None)

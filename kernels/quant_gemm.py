@@ -38,6 +38,7 @@ def library(extra_flags: tuple[str, ...] = ()):
     native.entry_point(lib, "w8a16_linear", [p, i64, i64, i64, p, p, p, i64, i64, p, i64, c_int])
     native.entry_point(lib, "w4a16_linear", [p, i64, i64, i64, p, p, p, i64, p, i64, p, i64, c_int])
     native.entry_point(lib, "w4a16_linear_bf16", [p, i64, i64, i64, p, p, p, i64, p, i64, p, i64, p, c_int])
+    native.entry_point(lib, "w8a8_gemm_bf16", [p, i64, i64, i64, p, p, p, i64, p, i64, c_int])
     lib.quant_gemm_isa.restype = ctypes.c_char_p
     return lib
 
@@ -153,3 +154,50 @@ def zero_point_part(x32: torch.Tensor, scaled_zeros: torch.Tensor, group_size: i
     """sum_g s z (sum of x over group g) [m, n]: what the zero points take off each output."""
     m, k = x32.shape
     return (x32.view(m, k // group_size, group_size).sum(-1) @ scaled_zeros.T).contiguous()
+
+
+class _W8A8Struct(ctypes.Structure):  # csrc/quant_gemm.cpp's W8A8Linear
+    _fields_ = [("qw", ctypes.c_void_p), ("sw", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("input_scale", ctypes.c_void_p), ("k", ctypes.c_int64), ("kp", ctypes.c_int64), ("n", ctypes.c_int64)]
+
+
+class FewRowsW8A8:
+    """A bf16 model's W8A8 linear (`Int8Linear` with act_quant) as the compiled decode layer calls it
+    (worker/fast_paths/native_layer.py): small_gemm.SmallLinear's `segments()` plus `gemm`, the entry point of that
+    signature (`w8a8_gemm_bf16`: `w8a8_linear_bf16`, the call the linear itself makes, bit for bit). `modes_of`: the
+    linear whose `act_quant` is read at each call (switched off, as the engine probe does: not served)."""
+
+    def __init__(self, linear, modes_of):
+        self.linear, self.modes_of = linear, modes_of
+        self.dtype, self.in_features, self.out_features = linear.dtype, linear.in_features, linear.out_features
+        self.bias = linear.bias32()  # kept: the struct holds its address
+        self._struct = _W8A8Struct(linear.qweight.data_ptr(), linear.weight_scale.data_ptr(), _ptr(self.bias),
+                                   _ptr(linear.input_scale), linear.in_features, linear.qweight.shape[1],
+                                   linear.out_features)
+        self._pointers = (ctypes.c_void_p * 1)(ctypes.addressof(self._struct))
+        self._rows = (ctypes.c_int64 * 1)(linear.out_features)
+        self._biases = (ctypes.c_void_p * 1)(None)
+        self.gemm = ctypes.cast(library().w8a8_gemm_bf16, ctypes.c_void_p).value
+
+    @classmethod
+    def of(cls, linear, modes_of=None) -> FewRowsW8A8 | None:
+        """The linear's FewRowsW8A8 (kept on it while its buffers stay), or None where it is not a bf16 W8A8 one
+        (its scheme, fixed when made: its act_quant may be switched off for the while, see `serves`)."""
+        if getattr(linear, "scheme", None) != "w8a8" or not hasattr(linear, "weight_scale") \
+                or linear.dtype != torch.bfloat16 or linear.qweight.device.type != "cpu" or library() is None:
+            return None
+        modes_of = modes_of or linear
+        sources = (linear.qweight, linear.weight_scale, linear.bias, linear.input_scale, modes_of)
+        made = linear.__dict__.get("_few_rows_w8a8")
+        if made is None or any(a is not b for a, b in zip(made.sources, sources)):
+            made = linear.__dict__["_few_rows_w8a8"] = cls(linear, modes_of)
+            made.sources = sources
+        return made
+
+    def segments(self) -> tuple[int, int, int, int]:
+        return (ctypes.addressof(self._pointers), ctypes.addressof(self._rows), ctypes.addressof(self._biases), 1)
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """bf16 x of in_features, at most 8 rows, W8A8 switched on."""
+        return (self.modes_of.act_quant and self.modes_of.use_kernel and x.dtype == torch.bfloat16
+                and x.shape[-1] == self.in_features and 0 < x.numel() <= 8 * self.in_features)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_hf.kernels import layer_ops, quant_gemm
+from paged_hf.kernels import layer_ops, q4_panels, quant_gemm
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -109,37 +109,68 @@ class Int8Linear(QuantizedLinear):
 
 class Int4Linear(QuantizedLinear):
     scheme = "w4a16"
+    modes = ("use_kernel", "act_quant")
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-                 bias: torch.Tensor | None, dtype: torch.dtype):
+                 bias: torch.Tensor | None, dtype: torch.dtype, act_quant: bool = False):
         """values [out, in] integers in [0, 15] (any int dtype), scales [out, in / group_size], zeros likewise
-        (None: symmetric, z = 8)."""
+        (None: symmetric, z = 8). `act_quant` (W4A8, kernels/q4_panels.py): the activations quantized per block of
+        32 to int8, the weights kept repacked in panels of 16 channels (`qweight`, `scales`, `zeros` in that layout,
+        in place of the row-major ones; `panels`); where the sizes do not allow panels (`q4_panels.fits`): a
+        ValueError. `act_quant` switched off later (the engine probe) computes W4A16's arithmetic on the panels
+        (by the torch reference)."""
         out_features, in_features = values.shape
         if in_features % group_size or group_size % 2:
             raise ValueError(f"a group size of {group_size} does not divide in_features={in_features}")
+        if act_quant and not q4_panels.fits(out_features, in_features, group_size):
+            raise ValueError(f"W4A8 needs out_features % 16 == 0 and whole 32-blocks, got {out_features}x"
+                             f"{in_features} in groups of {group_size}")
         super().__init__(in_features, out_features, bias, dtype)
-        self.group_size = group_size
-        self.register_buffer("qweight", pack_int4(values))
-        self.register_buffer("scales", scales.detach().float().reshape(out_features, -1).clone())
-        z = torch.full_like(self.scales, 8.0) if zeros is None else zeros.detach().float().reshape(out_features, -1)
+        self.group_size, self.act_quant, self.panels = group_size, act_quant, act_quant
+        self.scheme = "w4a8" if act_quant else "w4a16"
+        scales = scales.detach().float().reshape(out_features, -1)
+        z = torch.full_like(scales, 8.0) if zeros is None else zeros.detach().float().reshape(out_features, -1)
+        if act_quant:
+            self.register_buffer("qweight", q4_panels.repack(values))
+            scales, z = q4_panels.repack_groups(scales), q4_panels.repack_groups(z)
+        else:
+            self.register_buffer("qweight", pack_int4(values))
+        self.register_buffer("scales", scales.clone())
         self.register_buffer("zeros", z.clone())
         self.has_zero_points = zeros is not None
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.panels:
+            return q4_panels.linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias) \
+                if self.act_quant else None
         return quant_gemm.w4a16(x, self.qweight, self.scales, self.scaled_zeros(), self.group_size, self.bias32())
 
     def scaled_zeros(self) -> torch.Tensor:
         if getattr(self, "_scaled_zeros", None) is None or self._scaled_zeros.device != self.scales.device:
-            self._scaled_zeros = (self.scales * self.zeros).contiguous()  # [out, groups]
+            _, scales, zeros = self.unpacked()
+            self._scaled_zeros = (scales * zeros).contiguous()  # [out, groups]
         return self._scaled_zeros
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(values [out, in] uint8, scales, zeros [out, groups] float32) in the row-major layout."""
+        if self.panels:
+            return (q4_panels.unrepack(self.qweight, self.in_features), q4_panels.unrepack_groups(self.scales),
+                    q4_panels.unrepack_groups(self.zeros))
+        return unpack_int4(self.qweight, self.in_features), self.scales, self.zeros
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.reshape(-1, self.in_features).float()
-        groups, size = self.scales.shape[1], self.group_size
-        u = unpack_int4(self.qweight, self.in_features).float()  # [out, in]: integers, exactly
+        if self.act_quant:
+            y = q4_panels.reference(x32, *self.unpacked(), self.group_size)
+            if self.bias is not None:
+                y = y + self.bias32()
+            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        values, scales, _ = self.unpacked()
+        groups, size = scales.shape[1], self.group_size
+        u = values.float()  # [out, in]: integers, exactly
         y = torch.zeros(x32.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         for g in range(groups):
-            y += (x32[:, g * size:(g + 1) * size] @ u[:, g * size:(g + 1) * size].T) * self.scales[:, g]
+            y += (x32[:, g * size:(g + 1) * size] @ u[:, g * size:(g + 1) * size].T) * scales[:, g]
         y = y - quant_gemm.zero_point_part(x32, self.scaled_zeros(), size)
         if self.bias is not None:
             y = y + self.bias32()
@@ -232,10 +263,12 @@ def stack_linears(linears: list[torch.nn.Module]) -> QuantizedLinear | None:
     with torch.inference_mode(False):  # plain tensors, whatever mode the step runs in: they become the linears'
         for name in (*names, *(() if first.bias is None else ("bias",))):
             stack.register_buffer(name, torch.cat([getattr(linear, name) for linear in linears]))
-            for linear, rows in zip(linears, getattr(stack, name).split([lin.out_features for lin in linears])):
+            sizes = [_buffer_rows(lin, name) for lin in linears]
+            for linear, rows in zip(linears, getattr(stack, name).split(sizes)):
                 linear._buffers[name] = rows
     if isinstance(first, Int4Linear):
-        stack.group_size, stack.has_zero_points = first.group_size, first.has_zero_points
+        stack.group_size, stack.has_zero_points, stack.panels = first.group_size, first.has_zero_points, first.panels
+        stack.act_quant, stack.scheme = first.act_quant, first.scheme
     else:
         stack.register_buffer("input_scale", first.input_scale)
         stack.scheme = first.scheme
@@ -253,11 +286,18 @@ def stackable(linears: list[torch.nn.Module]) -> bool:
            or linear.qweight.device != first.qweight.device for linear in linears):
         return False
     if isinstance(first, Int4Linear):
-        return all(linear.group_size == first.group_size for linear in linears)
+        return all(linear.group_size == first.group_size and linear.panels == first.panels
+                   and linear.act_quant == first.act_quant for linear in linears)
     scales = [linear.input_scale for linear in linears]
     return all(linear.act_quant == first.act_quant for linear in linears) and (
         all(scale is None for scale in scales)
         or all(scale is not None and torch.equal(scale, scales[0]) for scale in scales))
+
+
+def _buffer_rows(linear: QuantizedLinear, name: str) -> int:
+    """How many rows of its buffer `name` a linear holds: its output channels, or its panels of 16 (W4A8)."""
+    return linear.out_features // q4_panels.PANEL if getattr(linear, "panels", False) and name != "bias" \
+        else linear.out_features
 
 
 def linear_dtype(module: torch.nn.Module) -> torch.dtype:

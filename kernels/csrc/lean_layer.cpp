@@ -36,12 +36,14 @@ using DecodeFn = int (*)(const void *, const void *, const void *, const float *
 
 extern "C" {
 
-// A linear's weights side by side (kernels/small_gemm.py's SmallLinear): the few-row loops' segments.
+// A linear's weights side by side (kernels/small_gemm.py's SmallLinear): the few-row loops' segments; `gemm`: the
+// linear's own entry point of that signature (W4A8 panels, kernels/q4_panels.py), or null for the kernels' gemm.
 struct LeanLinear {
   const void *const *weights;
   const int64_t *rows;
   const void *const *biases;
   int64_t count, in_features, out_features;
+  void *gemm;
 };
 
 struct LeanKernels {
@@ -76,7 +78,7 @@ struct LeanStep {
 namespace {
 
 int linear(const LeanKernels &k, const LeanLinear &w, const void *x, int64_t rows, void *y, int threads) {
-  return reinterpret_cast<GemmFn>(k.gemm)(x, w.in_features, rows, w.in_features, w.weights, w.rows, w.biases, w.count,
+  return reinterpret_cast<GemmFn>(w.gemm ? w.gemm : k.gemm)(x, w.in_features, rows, w.in_features, w.weights, w.rows, w.biases, w.count,
                                           y, w.out_features, threads);
 }
 

@@ -455,6 +455,26 @@ int w8a8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, 
   return w8a8(x32_scratch, k, m, k, qw, sw, bias, n, kp, nullptr, out, out_stride, qx_scratch, sx_scratch, threads);
 }
 
+// A W8A8 linear of a bf16 model as the compiled decode layer calls it (csrc/lean_layer.cpp, the few-row loops'
+// signature: weights[0] is a W8A8Linear, count 1): w8a8_linear_bf16 with the calling thread's scratch.
+struct W8A8Linear {
+  const int8_t *qw;
+  const float *sw, *bias, *input_scale;  // bias float32 or null; input_scale [k] or null
+  int64_t k, kp, n;
+};
+
+int w8a8_gemm_bf16(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *const *weights,
+                   const int64_t *, const void *const *, int64_t count, void *out, int64_t out_stride, int threads) {
+  const W8A8Linear *l = static_cast<const W8A8Linear *>(weights[0]);
+  if (count != 1 || k != l->k) return 1;
+  thread_local std::vector<float> widened, sx;
+  thread_local std::vector<int16_t> qx;
+  widened.resize(m * k), qx.resize(m * l->kp), sx.resize(m);
+  return w8a8_linear_bf16(static_cast<const uint16_t *>(x), x_stride, m, k, l->input_scale, l->qw, l->sw, l->bias,
+                          l->n, l->kp, static_cast<uint16_t *>(out), out_stride, widened.data(), qx.data(), sx.data(),
+                          threads);
+}
+
 // the per-token quantization alone (tests: its q and scales against the reference)
 int quantize_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t kp, int16_t *q, float *scales) {
   for (int64_t i = 0; i < m; ++i) quantize_row(x + i * x_stride, k, kp, q + i * kp, scales + i);

@@ -16,9 +16,10 @@ PRECISIONS = {
     "bfloat16": ("bfloat16", None, "bf16"),
     "int8": ("bfloat16", "int8", "q8_0"),
     "w4a16": ("bfloat16", "w4a16", "q4_0"),
+    "w4a8": ("bfloat16", "w4a8", "q4_0"),
 }
 LABELS = {"float32": "float32 vs F32", "bfloat16": "bfloat16 vs BF16", "int8": "int8 (W8A8) vs Q8_0",
-          "w4a16": "w4a16 vs Q4_0"}
+          "w4a16": "w4a16 vs Q4_0", "w4a8": "w4a8 vs Q4_0"}
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:

@@ -13,8 +13,9 @@ from paged_hf.config.kv_transfer import KVTransferConfig
 from paged_hf.config.options import Flag, one_of, option
 from paged_hf.config.speculative import SpeculativeConfig
 
-#: what `quantization` accepts (paged_hf/loader/quantized.py): W8A8, and 4-bit weights by round to nearest or GPTQ
-QUANTIZATION_NAMES = ("int8", "w4a16", "w4a16_gptq")
+#: what `quantization` accepts (paged_hf/loader/quantized.py): W8A8, 4-bit weights by round to nearest or GPTQ,
+#: and those 4-bit weights with int8 activations (W4A8)
+QUANTIZATION_NAMES = ("int8", "w4a16", "w4a16_gptq", "w4a8")
 #: group name -> its dataclass, in the order the docs and the flags list them
 GROUPS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig, "limits": RequestLimits,
           "cpu": CpuPaths}
@@ -35,7 +36,8 @@ class _Nested:
                     parse=lambda text: dataclasses.asdict(KVTransferConfig.parse(text))),))
     quantization: str | None = option(
         None, "quantize the model's linears at load (int8: W8A8 per channel; w4a16: 4-bit groups of 64, round to "
-        "nearest; w4a16_gptq: the same by GPTQ on text the model writes, minutes to load); a quantized checkpoint "
+        "nearest; w4a16_gptq: the same by GPTQ on text the model writes, minutes to load; w4a8: w4a16's weights "
+        "repacked, activations int8 per block of 32, as llama.cpp's Q4_0); a quantized checkpoint "
         "folder is served quantized without it", one_of(None, *QUANTIZATION_NAMES),
         (Flag(("--quantization",), choices=QUANTIZATION_NAMES),))
 

@@ -4,7 +4,7 @@
     paged-hf bench --workload mixed --out bench_out [--systems paged_hf,hf_static_8] [--requests N]
     paged-hf bench --workload embed [--concurrency 32] [--requests 256]   (/v1/embeddings beside sentence-transformers)
     paged-hf bench --workload vision [--vision-shape tiny] [--requests 8]   (images: SmolVLM-256M's shape, HF generate)
-    paged-hf bench --streams 1,2,4,8,16 [--precisions float32,bfloat16,int8,w4a16]   (against llama.cpp)
+    paged-hf bench --streams 1,2,4,8,16 [--precisions float32,bfloat16,int8,w4a16,w4a8]   (against llama.cpp)
     paged-hf bench --serve [--concurrency 32] [--request-rate R] [--vllm-python .venv-vllm/bin/python]
     paged-hf serve [MODEL] [--api-key KEY] [--port 8000] [engine flags]   (OpenAI-compatible API; vLLM's flags too)
     paged-hf proxy --prefill URL --decode URL [--port 8000]   (disaggregated prefill and decode: the router)

@@ -18,6 +18,7 @@ import torch
 from transformers.utils import logging
 
 from paged_hf.config.engine import QUANTIZATION_NAMES
+from paged_hf.kernels import q4_panels
 from paged_hf.kernels.quant_linear import (
     Int4Linear,
     Int8Linear,
@@ -127,9 +128,11 @@ def _swap(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
 def quantize_model(model: torch.nn.Module, quantization: str) -> int:
     """Quantize the float model's linears in place: "int8" symmetric per output channel, round to nearest, W8A8
     with dynamic per-token activations, smoothed (SmoothQuant, loader/smoothing.py); "w4a16" 4-bit in groups of 64
-    with zero points (min/max), round to nearest; "w4a16_gptq" the same grid, the values by GPTQ (loader/gptq.py).
-    A linear whose input size is not a multiple of 64 takes int8 weights (W8A16) instead. The output layer
-    (lm_head) and the embeddings stay as they are. Returns how many linears were quantized. A model already
+    with zero points (min/max), round to nearest; "w4a16_gptq" the same grid, the values by GPTQ (loader/gptq.py);
+    "w4a8" w4a16's weights repacked in panels, the activations int8 per block of 32 (kernels/q4_panels.py; a linear
+    whose output size is not a multiple of 16 keeps W4A16). A linear whose input size is not a multiple of 64 takes
+    int8 weights (W8A16) instead. The output layer (lm_head) and the embeddings stay as they are, but for "w4a8",
+    whose output layer is W8A8 (`_quantize_head`). Returns how many linears were quantized. A model already
     quantized keeps its quantized modules."""
     if quantization not in QUANTIZATION_NAMES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_NAMES)}, got {quantization!r}")
@@ -150,10 +153,21 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> int:
     for name, module in linears.items():
         swapped = _quantized(module, quantization, smoothing.get(name), gptq.get(name))
         _swap(model, name, swapped.to(module.weight.device))
-    count = len(linears)
+    count = len(linears) + (quantization == "w4a8" and _quantize_head(model, output))
     if count == 0 and not any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError(f"quantization={quantization!r}: the model has no plain nn.Linear layers to quantize")
     return count
+
+
+def _quantize_head(model: torch.nn.Module, output: torch.nn.Module | None) -> bool:
+    """W4A8's output layer: W8A8 per channel (as llama.cpp's Q4_0 keeps its output at 6-8 bits, not 4), a module of
+    its own beside the embeddings it may be tied to (they stay as they are). Whether it was quantized."""
+    if type(output) is not torch.nn.Linear or output.weight.device.type != "cpu":
+        return False
+    name = next(name for name, module in model.named_modules() if module is output)
+    q, scale = quantize_int8_per_channel(output.weight)
+    _swap(model, name, Int8Linear(q, scale, output.bias, output.weight.dtype, act_quant=True))
+    return True
 
 
 def _quantized(linear: torch.nn.Linear, quantization: str, smooth: torch.Tensor | None = None,
@@ -166,7 +180,8 @@ def _quantized(linear: torch.nn.Linear, quantization: str, smooth: torch.Tensor 
         return Int8Linear(q, scale, linear.bias, linear.weight.dtype, act_quant=quantization == "int8",
                           input_scale=None if smooth is None else 1 / smooth)
     values, scales, zeros = int4 if int4 is not None else quantize_int4_groups(linear.weight, W4A16_GROUP)
-    return Int4Linear(values, scales, zeros, W4A16_GROUP, linear.bias, linear.weight.dtype)
+    act_quant = quantization == "w4a8" and q4_panels.fits(linear.out_features, linear.in_features, W4A16_GROUP)
+    return Int4Linear(values, scales, zeros, W4A16_GROUP, linear.bias, linear.weight.dtype, act_quant=act_quant)
 
 
 def describe_linears(model: torch.nn.Module) -> str:

@@ -156,21 +156,24 @@ def test_at_load_int8_smooths_the_linears_of_one_input_alike_and_runs_them_as_on
 
 
 @pytest.mark.parametrize("quantization, module_class", [("int8", Int8Linear), ("w4a16", Int4Linear),
-                                                      ("w4a16_gptq", Int4Linear)])
+                                                      ("w4a16_gptq", Int4Linear), ("w4a8", Int4Linear)])
 def test_quantization_quantizes_a_float_model_at_wrap(quantization, module_class):
     model = tiny_llama(seed=3, dtype=torch.float64)
     model.generation_config.eos_token_id = None
     reference = tiny_llama(seed=3, dtype=torch.float64)
-    assert quantize_model(reference, quantization) == 14
+    head = quantization == "w4a8"  # W4A8's output layer is W8A8
+    assert quantize_model(reference, quantization) == 14 + head
     for module in reference.modules():
         if isinstance(module, QuantizedLinear):
             module.use_kernel = False
     prompts = random_prompts([9, 30], seed=4)
     expected = [hf_greedy(reference, prompt, 10) for prompt in prompts]
     pm = paged_hf.wrap(model, quantization=quantization, num_blocks=32, block_size=8)
-    assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
+    assert type(model.lm_head) is (Int8Linear if head else torch.nn.Linear)
+    assert type(model.model.embed_tokens) is torch.nn.Embedding
     assert all(type(m) is module_class for n, m in model.named_modules() if n.endswith("proj"))
-    assert describe_linears(model) == f"float x1, {'w8a8' if quantization == 'int8' else 'w4a16'} x14"
+    expected_schemes = {"int8": "float x1, w8a8 x14", "w4a8": "w4a8 x14, w8a8 x1"}
+    assert describe_linears(model) == expected_schemes.get(quantization, "float x1, w4a16 x14")
     outputs = pm.generator.generate(prompts, paged_hf.SamplingParams(max_new_tokens=10, temperature=0),
                                     use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected

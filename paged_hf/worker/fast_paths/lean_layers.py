@@ -25,7 +25,7 @@ from paged_hf.integrations.transformers import check_step_call, paged_attention_
 from paged_hf.kernels import layer_ops
 from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import attention_function
-from paged_hf.worker.fast_paths.native_layer import NativeLayers, NativeStep
+from paged_hf.worker.fast_paths.native_layer import NativeLayers, NativeStep, few_rows_of
 from paged_hf.worker.fast_paths.packed_linears import PackedLinear
 
 
@@ -108,7 +108,7 @@ class LeanStep:
         check_step_call(module, attention_mask, module.attention_dropout, kwargs)
         o_proj, down_proj = module._modules["o_proj"], mlp.owner._modules["down_proj"]
         if (self.native_layers.enabled and self.native.serves(x) and qkv_of is attention.group
-                and gate_up_of is mlp.group and type(o_proj) is PackedLinear and type(down_proj) is PackedLinear):
+                and gate_up_of is mlp.group and None not in (few_rows_of(o_proj), few_rows_of(down_proj))):
             output = self.native.run(self.native_layers, layer, module, (attention.group, mlp.group),
                                      (o_proj, down_proj), norms, slot, decode, x)
             if output is not None:

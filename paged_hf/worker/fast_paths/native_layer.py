@@ -19,14 +19,19 @@ import torch
 
 from paged_hf import profiling
 from paged_hf.kernels import layer_ops, native, small_gemm
+from paged_hf.kernels.q4_panels import PanelLinear
+from paged_hf.kernels.quant_gemm import FewRowsW8A8
+from paged_hf.kernels.quant_linear import Int4Linear, Int8Linear
 from paged_hf.kernels.small_gemm import MAX_ROWS, SmallLinear
+from paged_hf.worker.code_match import runs_own_class_code
+from paged_hf.worker.fast_paths.packed_linears import PackedLinear
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("weights", _P), ("rows", _P), ("biases", _P), ("count", _I), ("in_features", _I),
-                ("out_features", _I)]
+                ("out_features", _I), ("gemm", _P)]
 
 
 class _Kernels(ctypes.Structure):
@@ -67,8 +72,22 @@ def entry_point(dtype: torch.dtype):
     return function, kernels
 
 
-def _linear(small: SmallLinear) -> _Linear:
-    return _Linear(*small.segments(), small.in_features, small.out_features)
+def _linear(small) -> _Linear:
+    """A linear's struct; a W4A8 one names its own entry point (null: the kernels' gemm)."""
+    return _Linear(*small.segments(), small.in_features, small.out_features, getattr(small, "gemm", None))
+
+
+def few_rows_of(linear) -> SmallLinear | PanelLinear | FewRowsW8A8 | None:
+    """What the compiled layer calls for o_proj / down_proj: a packed float linear's few-row loops, a W4A8
+    linear's panels (kernels/q4_panels.py) or a bf16 W8A8 linear's call (exactly those classes, no hooks); None:
+    the layer is not compiled."""
+    if type(linear) is PackedLinear:
+        return linear.small_linear()
+    if type(linear) is Int4Linear and runs_own_class_code(linear):
+        return PanelLinear.of(linear)
+    if type(linear) is Int8Linear and runs_own_class_code(linear):
+        return FewRowsW8A8.of(linear)
+    return None
 
 
 class NativeLayers:
@@ -111,9 +130,9 @@ class NativeStep:
     def run(self, layers: NativeLayers, layer, module, groups: tuple, linears: tuple, norms: tuple, slot: int,
             decode, x: torch.Tensor) -> torch.Tensor | None:
         """The layer's output for x [1, tokens, hidden], or None where a linear is not the few-row loops'."""
-        smalls = (groups[0].current().small, linears[0].small_linear(), groups[1].current().small,
-                  linears[1].small_linear())
-        if None in smalls or not (smalls[0].serves(x) and smalls[2].serves(x)):  # (o and down: of the same rows)
+        smalls = (groups[0].current().small, few_rows_of(linears[0]), groups[1].current().small,
+                  few_rows_of(linears[1]))
+        if None in smalls or not all(small.serves(x) for small in smalls[::2]):  # (o and down: of the same rows)
             return None
         lean = self.lean
         struct = layers.layer_struct((layer, lean.cache), module, smalls, norms, lean.cache, slot, decode)
