@@ -59,7 +59,8 @@ def precision_rows(name: str, paged: dict, llama: dict, streams: list[int], read
                        "llamacpp": engine_figures(theirs_one, 1, their_bytes, read_bps),
                        "ratio": ratio(ours_one, theirs_one)},
             "curve": curve, "paged_hf_step_weight_bytes": ours_bytes, "llamacpp_step_weight_bytes": their_bytes,
-            "paged_hf_error": paged.get("error"), "llamacpp_error": llama.get("error") or llama.get("skipped")}
+            "paged_hf_error": paged.get("error"), "llamacpp_error": llama.get("error") or llama.get("skipped"),
+            "paged_hf_memory": paged.get("memory")}
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -110,6 +111,18 @@ def format_curve(rows: list[dict]) -> list[str]:
     return lines
 
 
+def format_memory(rows: list[dict]) -> list[str]:
+    """What loading paged_hf added to its process's resident set, beside the weights and the KV cache."""
+    lines = ["| paged_hf, loaded | weights MB | KV cache MB | resident set added by loading, MB | "
+             "(added - KV cache) / weights |", "|---|---|---|---|---|"]
+    for row in rows:
+        memory = row.get("paged_hf_memory")
+        if memory:
+            lines.append(f"| {row['label']} | {_mb(memory['weight_bytes'])} | {_mb(memory['kv_cache_bytes'])} | "
+                         f"{_mb(memory['load_rss_bytes'])} | {memory['load_over_weights']:.2f}x |")
+    return lines if len(lines) > 2 else []
+
+
 def format_report(report: dict) -> str:
     """The two tables (markdown), what was measured where, and every error or skip."""
     settings = report["settings"]
@@ -119,6 +132,8 @@ def format_report(report: dict) -> str:
              f"{settings['cpu']}; measured read bandwidth {_num(read / 1e9 if read else None)} GB/s; "
              f"{settings['date']}; `{settings['command']}`", ""]
     lines += format_batch1(report["rows"]) + [""] + format_curve(report["rows"])
+    memory = format_memory(report["rows"])
+    lines += [""] + memory if memory else []
     notes = [f"- {row['precision']}: paged_hf: {row['paged_hf_error']}" for row in report["rows"]
              if row["paged_hf_error"]]
     llama_notes = {row["llamacpp_error"] for row in report["rows"] if row["llamacpp_error"]}

@@ -132,6 +132,7 @@ def test_bench_streams_runs_paged_hf_alone_without_llama_cpp(tmp_path, capsys, m
     assert memory["weight_bytes"] > 0 and memory["kv_cache_bytes"] > 0 and memory["load_rss_bytes"] > 0
     assert memory["load_over_weights"] == (memory["load_rss_bytes"] - memory["kv_cache_bytes"]) / memory["weight_bytes"]
     assert (tmp_path / "out" / "bench_llamacpp.png").exists()  # the curve, drawn from the report
+    assert f"| float32 vs F32 | {memory['weight_bytes'] / 1e6:.0f} |" in table  # printed beside the tables
 
 
 @pytest.mark.slow
