@@ -128,8 +128,8 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
     or tied tensors share one), quantized ones at their stored size; the input embedding's table only where the
     lm_head shares it (a step reads one row of it per token)."""
     embedding = model.get_input_embeddings().weight.untyped_storage()
-    output = model.get_output_embeddings()
-    skip = None if output is not None and output.weight.untyped_storage().data_ptr() == embedding.data_ptr() else \
+    output = getattr(model.get_output_embeddings(), "weight", None)  # none on a quantized head (w4a8's Int8Linear)
+    skip = None if output is not None and output.untyped_storage().data_ptr() == embedding.data_ptr() else \
         embedding.data_ptr()
     storages = {}
     for tensor in [*model.parameters(), *model.buffers()]:

@@ -152,3 +152,20 @@ def test_bench_streams_against_a_real_llama_cpp_build(tmp_path, capsys, monkeypa
     assert row["batch1"]["ratio"] > 0 and row["curve"][0]["ratio"] > 0
     assert 0 < row["batch1"]["llamacpp"]["read_fraction"] < 2 and 0 < row["batch1"]["paged_hf"]["read_fraction"] < 2
     assert row["llamacpp_step_weight_bytes"] < row["paged_hf_step_weight_bytes"] * 2
+
+
+def test_step_weight_bytes_of_a_quantized_output_layer():
+    """w4a8's output layer is an Int8Linear (no `weight`): the step reads it, not the embedding table it no longer
+    shares."""
+    import torch  # noqa: PLC0415
+    from tests.loader.test_quantized import tiny_llama  # noqa: PLC0415
+
+    from paged_hf.bench.machine import step_weight_bytes  # noqa: PLC0415
+    from paged_hf.loader.quantized import quantize_model  # noqa: PLC0415
+
+    model = tiny_llama(seed=3, dtype=torch.float32)
+    quantize_model(model, "w4a8")
+    embedding = model.get_input_embeddings().weight
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()] if t is not embedding}
+    assert step_weight_bytes(model) == sum(storages.values())
