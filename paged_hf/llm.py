@@ -16,7 +16,7 @@ from functools import partial
 
 from transformers.utils import logging
 
-from paged_hf.engine.image_prompts import served_processor, split_processor
+from paged_hf.multimodal.registry import served_processor, split_processor
 from paged_hf.hf.paged_model import wrap
 from paged_hf.llm_stages import PipelineStages, load_stage_model, stage_generator
 from paged_hf.loader.device_dtype import checkpoint_dtype, resolve_device, resolve_dtype

@@ -29,8 +29,7 @@ from paged_hf.engine.adapters import adapter_slots, lora_manager, split_peft_mod
 from paged_hf.engine.embedding import embedding_group
 from paged_hf.engine.face import EngineFace, EngineLimits, Preparation
 from paged_hf.engine.hybrid import hybrid_config
-from paged_hf.engine.image_prompts import (check_adapter, processed_prompt, prompt_and_items, prompt_processor,
-                                           split_processor)
+from paged_hf.engine.image_prompts import check_adapter, processed_prompt, prompt_and_items, prompt_processor
 from paged_hf.engine.pipeline_step import PipelineStep, pipeline_config
 from paged_hf.engine.request_builder import RequestBuilder
 from paged_hf.engine.request_checks import check_fits, check_token_ids, per_prompt, prompt_list, prompt_token_ids
@@ -39,6 +38,7 @@ from paged_hf.engine.step import EngineStep
 from paged_hf.engine.stopping import StopChecker
 from paged_hf.engine.token_stream import TokenStream
 from paged_hf.loader.pipeline_stage import stage_of
+from paged_hf.multimodal.registry import split_processor
 from paged_hf.outputs import CompletionOutput, EmbeddingRequestOutput, FinishReason, RequestOutput
 from paged_hf.pooling_params import PoolingParams
 from paged_hf.sample.sampler import Sampler

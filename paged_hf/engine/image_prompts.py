@@ -20,21 +20,6 @@ from paged_hf.multimodal.registry import vision_family, vision_refusal
 from paged_hf.worker.probes.model_probe import UnsupportedModelError
 
 
-def split_processor(tokenizer) -> tuple[object, object | None]:
-    """(tokenizer, processor): a multimodal processor (it has an image processor and a tokenizer) gives both."""
-    if tokenizer is not None and hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
-        return tokenizer.tokenizer, tokenizer
-    return tokenizer, None
-
-
-def served_processor(model: torch.nn.Module, tokenizer) -> tuple[object, str | None]:
-    """What to wrap a loaded checkpoint with: `(tokenizer, None)` as given, or, for a processor of a vision-language
-    model that no family serves, `(its tokenizer, why)`: its text is served, as `wrap` with the tokenizer serves it."""
-    text_tokenizer, processor = split_processor(tokenizer)
-    reason = None if processor is None else vision_refusal(model)
-    return (tokenizer, None) if reason is None else (text_tokenizer, reason)
-
-
 def prompt_processor(model: torch.nn.Module, processor) -> PromptProcessor | None:
     """The model's prompt processor (None without a processor); UnsupportedModelError when no family serves the
     images of this vision-language model, ValueError for a processor that is not the model's."""

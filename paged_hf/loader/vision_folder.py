@@ -9,7 +9,7 @@ processor that made the model's pixel inputs and placeholder tokens, and none is
 `load_model` loads the model (its image-text-to-text class where no causal-LM class loads it) and the tokenizer;
 `default_model.with_processor` (what `LLM` and `paged-hf serve` call after it) gives the folder's processor for the
 tokenizer. Whether a family of paged_hf serves the model's images is decided above this layer
-(`engine/image_prompts.py`, `served_processor`), where the families are known.
+(`multimodal/registry.py`, `served_processor`), where the families are known.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A model is vision-language when transformers maps its class to image-text-to-text or its config has a vision
 sub-config. Such a model is still served as a text model without a processor (its text path is the language model's);
 given a processor, it must be a family of `FAMILIES`, or `wrap()` refuses it naming why: images are never merged in
-some other way than the model's own forward does.
+some other way than the model's own forward does. A checkpoint loaded by path (`LLM`, `paged-hf serve`) whose
+images no family serves is wrapped with its processor's tokenizer instead (`served_processor`).
 """
 
 from __future__ import annotations
@@ -53,3 +54,18 @@ def vision_refusal(model: torch.nn.Module) -> str | None:
     why = REASONS.get(type(model).__name__, "no vision family of paged_hf matches its classes")
     return (f"{type(model).__name__} is a vision-language model whose images paged_hf does not serve yet: {why} "
             f"(served: {served}); wrap it with its tokenizer instead of its processor to serve its text")
+
+
+def split_processor(tokenizer) -> tuple[object, object | None]:
+    """(tokenizer, processor): a multimodal processor (it has an image processor and a tokenizer) gives both."""
+    if tokenizer is not None and hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
+        return tokenizer.tokenizer, tokenizer
+    return tokenizer, None
+
+
+def served_processor(model: torch.nn.Module, tokenizer) -> tuple[object, str | None]:
+    """What to wrap a loaded checkpoint with: `(tokenizer, None)` as given, or, for a processor of a vision-language
+    model that no family serves, `(its tokenizer, why)`: its text is served, as `wrap` with the tokenizer serves it."""
+    text_tokenizer, processor = split_processor(tokenizer)
+    reason = None if processor is None else vision_refusal(model)
+    return (tokenizer, None) if reason is None else (text_tokenizer, reason)

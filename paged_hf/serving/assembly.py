@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 import paged_hf
-from paged_hf.engine.image_prompts import served_processor
+from paged_hf.multimodal.registry import served_processor
 from paged_hf.loader import default_model
 from paged_hf.utils import describe_host
 

@@ -90,7 +90,7 @@ def test_a_vision_model_no_family_serves_is_wrapped_with_its_tokenizer():
     """What `LLM` and `paged-hf serve` do with a loaded folder whose images no family serves (a subclass here)."""
     from transformers import LlavaForConditionalGeneration
 
-    from paged_hf.engine.image_prompts import served_processor
+    from paged_hf.multimodal.registry import served_processor
 
     class Patched(LlavaForConditionalGeneration):
         pass
