@@ -16,11 +16,11 @@ from functools import partial
 
 from transformers.utils import logging
 
-from paged_hf.multimodal.registry import served_processor, split_processor
 from paged_hf.hf.paged_model import wrap
 from paged_hf.llm_stages import PipelineStages, load_stage_model, stage_generator
 from paged_hf.loader.device_dtype import checkpoint_dtype, resolve_device, resolve_dtype
-from paged_hf.multimodal.media import MediaLimits, load_image
+from paged_hf.multimodal.media import MediaLimits, load_image, part_url
+from paged_hf.multimodal.registry import served_processor, split_processor
 from paged_hf.outputs import EmbeddingRequestOutput, RequestOutput
 from paged_hf.pooling_params import PoolingParams
 from paged_hf.sampling_params import SamplingParams
@@ -95,17 +95,19 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-        prompts = [self._image_chat(conversation, template) if _image_urls(conversation) else
-                   list(self.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **template))
-                   for conversation in conversations]
+        prompts = []
+        for conversation in conversations:
+            urls = _image_urls(conversation)
+            prompts.append(self._image_chat(conversation, urls, template) if urls else list(
+                self.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **template)))
         return self.generate(prompts, sampling_params, use_tqdm, adapter)
 
-    def _image_chat(self, conversation, template: dict):
+    def _image_chat(self, conversation, urls: list[tuple[str, str]], template: dict):
         """A conversation with `image_url` parts (data: URLs; multimodal/media.py's checks and limits) -> the
         processor's chat template with an image where each part is, processed as a prompt dict with its images."""
         if self.processor is None:
             raise ValueError("image_url parts need a vision-language model served with its processor (docs/vision.md)")
-        images = [load_image(url, where, MediaLimits()) for where, url in _image_urls(conversation)]
+        images = [load_image(url, where, MediaLimits()) for where, url in urls]
         parts = [{**message, "content": [{"type": "image"} if part.get("type") == "image_url" else part
                                          for part in message["content"]]} if isinstance(message["content"], list)
                  else message for message in conversation]
@@ -120,9 +122,8 @@ def _image_urls(conversation) -> list[tuple[str, str]]:
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             if isinstance(part, dict) and part.get("type") == "image_url":
-                value = part.get("image_url")
-                url = value.get("url") if isinstance(value, dict) else value
-                found.append((f"messages[{i}].content[{j}]", url))
+                where = f"messages[{i}].content[{j}]"
+                found.append((where, part_url(part, where)))
     return found
 
 

@@ -131,10 +131,16 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
     output = getattr(model.get_output_embeddings(), "weight", None)  # none on a quantized head (w4a8's Int8Linear)
     skip = None if output is not None and output.untyped_storage().data_ptr() == embedding.data_ptr() else \
         embedding.data_ptr()
+    return weight_bytes(model, skip)
+
+
+def weight_bytes(model: torch.nn.Module, skip_storage: int | None = None) -> int:
+    """Bytes of the model's parameter and buffer storages, each once (stacked or tied tensors share one), but the
+    storage at `skip_storage`."""
     storages = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() != skip:
+        if storage.data_ptr() != skip_storage:
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 

@@ -24,7 +24,7 @@ import traceback
 import torch
 
 import paged_hf
-from paged_hf.bench.machine import current_rss_bytes, peak_rss_bytes, step_weight_bytes
+from paged_hf.bench.machine import current_rss_bytes, peak_rss_bytes, step_weight_bytes, weight_bytes
 from paged_hf.utils import cdiv
 
 WARMUP_TOKENS = 16
@@ -80,14 +80,11 @@ def run_spec(spec: dict) -> dict:
 
 def load_memory(llm, load_rss_bytes: int) -> dict:
     """What loading added to the resident set, beside the weights' and the KV cache's bytes."""
-    model = llm.paged_model.unwrap()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers()]}
+    weights = weight_bytes(llm.paged_model.unwrap())
     cache = llm.paged_model.generator.runner.cache
     kv_bytes = sum(t.nbytes for t in [*cache.key_cache, *cache.value_cache])
-    weight_bytes = sum(storages.values())
-    return {"weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "load_rss_bytes": load_rss_bytes,
-            "load_over_weights": (load_rss_bytes - kv_bytes) / weight_bytes}
+    return {"weight_bytes": weights, "kv_cache_bytes": kv_bytes, "load_rss_bytes": load_rss_bytes,
+            "load_over_weights": (load_rss_bytes - kv_bytes) / weights}
 
 
 def main(spec_path: str) -> int:

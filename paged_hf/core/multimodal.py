@@ -42,7 +42,6 @@ class MultiModalItem:
     modality: str = "image"
     bidirectional: tuple[tuple[int, int], ...] = ()  # [start, end) prompt spans whose tokens all see each other
 
-
     @property
     def end(self) -> int:
         return self.offset + self.length

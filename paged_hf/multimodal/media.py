@@ -29,6 +29,7 @@ from dataclasses import dataclass
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
 FETCH_CHUNK_BYTES = 1 << 16
+DETAILS = ("auto", "low", "high")  # OpenAI's `detail`: accepted; the processor decides the resolution
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,22 @@ class MediaError(ValueError):
 
 def bad_image(where: str, message: str) -> MediaError:
     return MediaError(where, message)
+
+
+def part_url(part: dict, where: str) -> str:
+    """The URL of a chat `image_url` part (`{"type": "image_url", "image_url": {"url": ..., "detail": ...}}`, or the
+    URL as a string); a MediaError naming `where` for a malformed one."""
+    value = part.get("image_url")
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict) or not isinstance(value.get("url"), str):
+        raise bad_image(where, 'an image_url part is {"type": "image_url", "image_url": {"url": "data:..."}}')
+    unknown = sorted(set(value) - {"url", "detail"})
+    if unknown:
+        raise bad_image(where, f"image_url fields {unknown} are not served (url and detail are)")
+    if value.get("detail", "auto") not in DETAILS:
+        raise bad_image(where, f"detail must be one of {', '.join(DETAILS)}")
+    return value["url"]
 
 
 def load_image(url: str, where: str, limits: MediaLimits):

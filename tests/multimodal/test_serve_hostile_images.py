@@ -177,3 +177,14 @@ def test_a_running_stream_does_not_stall_while_hostile_images_are_refused(server
     during = [t for t in arrivals if started <= t <= ended]  # the stream may end first (the stall takes 1 s)
     gaps = [b - a for a, b in zip(during, during[1:])]
     assert len(during) > 10 and max(gaps) < 0.25, (len(during), max(gaps, default=None))
+
+
+def test_a_malformed_image_url_part_is_a_400_naming_it(server):
+    url, *_ = server
+    for part, named in (({"type": "image_url", "image_url": {"url": data_url(PNG), "detail": "ultra"}},
+                         "detail must be one of"),
+                        ({"type": "image_url", "image_url": {"url": data_url(PNG), "size": 3}}, "['size']"),
+                        ({"type": "image_url", "image_url": 7}, "an image_url part is")):
+        reply = post(url, [part])
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "messages[0].content[1]" and named in error["message"]

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 from paged_hf.serving.openai.chat_template import render_chat
 from paged_hf.serving.openai.errors import ApiError
-from paged_hf.serving.openai.media import bad_image, load_image
+from paged_hf.serving.openai.media import bad_image, load_image, part_url
 
 #: an image part's param path as its client sent it (set by the routes that translate into chat requests)
 WHERE_KEY = "paged_hf_param"
-DETAILS = ("auto", "low", "high")  # OpenAI's `detail`: accepted; the processor decides the resolution
 
 
 @dataclass(frozen=True)
@@ -39,20 +38,6 @@ def image_parts(request) -> list[ImagePart]:
                 where = part.get(WHERE_KEY) or f"messages[{i}].content[{j}]"
                 found.append(ImagePart(part_url(part, where), where))
     return found
-
-
-def part_url(part: dict, where: str) -> str:
-    value = part.get("image_url")
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, dict) or not isinstance(value.get("url"), str):
-        raise bad_image(where, 'an image_url part is {"type": "image_url", "image_url": {"url": "data:..."}}')
-    unknown = sorted(set(value) - {"url", "detail"})
-    if unknown:
-        raise bad_image(where, f"image_url fields {unknown} are not served (url and detail are)")
-    if value.get("detail", "auto") not in DETAILS:
-        raise bad_image(where, f"detail must be one of {', '.join(DETAILS)}")
-    return value["url"]
 
 
 def check_images(parts: list[ImagePart], ctx) -> None:
