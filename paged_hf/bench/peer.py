@@ -27,6 +27,7 @@ import torch
 from paged_hf.bench import machine, measured_where
 from paged_hf.bench.llamacpp import LlamaCpp, find_llamacpp, run_batched_bench, run_llama_bench
 from paged_hf.bench.llamacpp_gguf import gguf_file, model_folder, step_weight_bytes
+from paged_hf.bench.model_shapes import resolve_model_shape
 from paged_hf.bench.peer_plot import write_curve_plot
 from paged_hf.bench.peer_report import PRECISIONS, format_report, precision_rows
 from paged_hf.bench.systems import stderr_fd
@@ -119,6 +120,9 @@ def run_peer_bench(args) -> int:
     """Every precision, paged_hf then llama.cpp; the read bandwidth; the tables. 0 if everything ran (llama.cpp
     missing counts as ran: it is reported and skipped), 1 if anything failed."""
     streams, precisions = parse_counts(args.streams), parse_precisions(args.precisions)
+    if getattr(args, "model_shape", None):  # --model-shape: its folder, in bfloat16 (every precision loads from it)
+        args.dtype = "bfloat16" if args.dtype in (None, "auto") else args.dtype
+        resolve_model_shape(args)
     threads, load_before = args.threads or torch.get_num_threads(), list(os.getloadavg())
     build, reason = find_llamacpp(args.llamacpp_dir)
     if reason:

@@ -114,12 +114,14 @@ def format_curve(rows: list[dict]) -> list[str]:
 def format_memory(rows: list[dict]) -> list[str]:
     """What loading paged_hf added to its process's resident set, beside the weights and the KV cache."""
     lines = ["| paged_hf, loaded | weights MB | KV cache MB | resident set added by loading, MB | "
-             "(added - KV cache) / weights |", "|---|---|---|---|---|"]
+             "(added - KV cache) / weights | the same after every stream count |", "|---|---|---|---|---|---|"]
     for row in rows:
         memory = row.get("paged_hf_memory")
         if memory:
+            after = memory.get("after_streams_over_weights")
             lines.append(f"| {row['label']} | {_mb(memory['weight_bytes'])} | {_mb(memory['kv_cache_bytes'])} | "
-                         f"{_mb(memory['load_rss_bytes'])} | {memory['load_over_weights']:.2f}x |")
+                         f"{_mb(memory['load_rss_bytes'])} | {memory['load_over_weights']:.2f}x | "
+                         f"{'-' if after is None else format(after, '.2f') + 'x'} |")
     return lines if len(lines) > 2 else []
 
 

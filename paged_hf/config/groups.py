@@ -157,8 +157,10 @@ class RequestLimits(OptionGroup):
 @dataclass
 class CpuPaths(OptionGroup):
     """The CPU fast paths a step swaps in (paged_hf/worker/fast_paths/)."""
-    # 2.3x faster float32 matmuls than MKL's on AMD; costs the weights' memory once more
+    # 2.3x faster float32 matmuls than MKL's on AMD; costs the weights' memory once more, so the copies are made at
+    # the first step of more sequences than the few-row loops compute (one chat never makes them)
     pack_linear_weights: bool = option(True, "run the model's float32/bfloat16 linears on oneDNN-packed copies of "
-                                       "their weights during steps", boolean)
+                                       "their weights in steps of more sequences than the few-row loops compute "
+                                       "(made at the first such step)", boolean)
     fuse_layers: bool = option(True, "q/k/v and gate/up as one matmul each, RMSNorm and SiLU-and-multiply as single "
                                "compiled ops, in modules that run Llama's forward code", boolean)

@@ -16,6 +16,7 @@ from paged_hf.multimodal.embeddings import has_images, step_embeds
 from paged_hf.multimodal.encoder_cache import EncoderCache
 from paged_hf.multimodal.registry import vision_family
 from paged_hf.profiling import span
+from paged_hf.utils import trim_heap
 from paged_hf.worker.attention_switch import AttentionSwitch
 from paged_hf.worker.probes.engine_probe import verify_engine
 from paged_hf.worker.fast_paths.fused_layers import FusedLayers
@@ -25,7 +26,7 @@ from paged_hf.worker.families.registry import FamilyStandIns
 from paged_hf.worker.hybrid.recurrent_mixers import RecurrentMixers
 from paged_hf.worker.hybrid.recurrent_state import RecurrentStates
 from paged_hf.worker.cache_sizing import state_slot_count
-from paged_hf.worker.fast_paths.packed_linears import PackedLinears
+from paged_hf.worker.fast_paths.packed_linears import PackedLinears, PackingSwitch
 from paged_hf.worker.probes.model_probe import own_cache_class
 from paged_hf.worker.paged_cache import paged_cache_class
 from paged_hf.worker.pipeline import stage_links
@@ -57,10 +58,12 @@ class ModelRunner:
         self.attention_switch = AttentionSwitch(model, ATTENTION_NAME)
         self.lora = None  # a LoRAManager once adapters are loaded (paged_hf.integrations.lora)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if self.vision is not None else None
-        fused_layers = FusedLayers(model, config.pack_linear_weights) if config.fuse_layers else None
+        self.packing = PackingSwitch()  # the packed copies are made once a step's batch is past the few-row loops
+        fused_layers = FusedLayers(model, config.pack_linear_weights, self.packing) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()
         fused = fused_layers.fused_linears if fused_layers is not None else set()
-        self.packed_linears = PackedLinears(model, fused) if config.pack_linear_weights else contextlib.nullcontext()
+        self.packed_linears = (PackedLinears(model, fused, self.packing) if config.pack_linear_weights
+                               else contextlib.nullcontext())
         self.swaps = StepSwaps(self.attention_switch, self.family_stand_ins, self.recurrent_mixers,
                                self.packed_linears, self.fused_layers)
         self.kv_offload = None
@@ -70,11 +73,13 @@ class ModelRunner:
         # the KV tier under the prefix cache (host memory, a directory): None unless configured
         self.kv_offload = make_kv_offload(model, info.dtype, self.cache, config)
         self.kv_tier = self.kv_offload.tier if self.kv_offload is not None else None
+        trim_heap()  # what loading freed (float weights a quantization replaced, the probe's) back to the system
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """-> logits [num_kept, vocab_size] (the sampled requests' rows, and prompt-logprob rows), the step's inputs
         (with embedding requests: their rows' final hidden states in `inputs.pooled_hidden_states`)."""
+        self.packing.see_step(len(out.scheduled))
         transfers = self.kv_offload.save_blocks() if self.kv_offload is not None else None  # before any write
         self.cache.copy_blocks([src for src, _ in out.block_copies], [dst for _, dst in out.block_copies])
         if self.cache.states is not None:

@@ -27,7 +27,7 @@ from paged_hf.serving.openai.extra_routes import add_extra_routes
 from paged_hf.serving.openai.kv_transfer import KVTransfer, add_kv_transfer_routes
 from paged_hf.serving.openai.lifecycle import AbortingStreamingResponse
 from paged_hf.serving.openai.logprobs import Deltas, chat_logprobs, completion_logprobs
-from paged_hf.serving.openai.memory import LARGE_BODY_BYTES, freeze_startup_objects, trim_heap
+from paged_hf.serving.openai.memory import LARGE_BODY_BYTES, freeze_startup_objects
 from paged_hf.serving.openai.messages import add_messages_routes
 from paged_hf.serving.openai.metrics import MetricsView, ServerMetrics
 from paged_hf.serving.openai.prep_threads import install_prep_executor
@@ -61,6 +61,7 @@ from paged_hf.serving.openai.serving import (
 from paged_hf.serving.openai.tenancy import owner_of
 from paged_hf.serving.openai.tool_calls import ToolCallStreamer, finish_reason, parse_output, parser_for
 from paged_hf.serving.openai.vllm_metrics import vllm_aliases
+from paged_hf.utils import trim_heap
 
 
 class GuardMiddleware:

@@ -8,10 +8,9 @@ than glibc this does nothing.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import gc
+
+from paged_hf.utils import trim_heap
 
 #: Inputs at least this long (characters) are followed by a trim.
 LARGE_CHARS = 1 << 20
@@ -21,24 +20,10 @@ LARGE_CHARS = 1 << 20
 LARGE_BODY_BYTES = 256 << 10
 
 
-@functools.cache
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    return getattr(libc, "malloc_trim", None)
-
-
 def trim_if_large(num_chars: int) -> None:
     """Give the freed heap back to the system after work on `num_chars` characters, if that was large."""
     if num_chars >= LARGE_CHARS:
         trim_heap()
-
-
-def trim_heap() -> None:
-    """glibc's malloc_trim(0) over every arena (ctypes lets the GIL go meanwhile); elsewhere nothing."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def freeze_startup_objects() -> None:

@@ -2,9 +2,11 @@
 
 On a small model a decode step is mostly fixed per-layer costs: ~7 linears and ~25 small torch ops a layer, each
 with its dispatch overhead. During a step:
-- q/k/v, and gate/up, the Linears of one module that read the same input, run as one matmul on their weights
-  concatenated (packed for oneDNN where it can; quantized linears as one stacked quantized linear, one kernel
-  call), and each projection's stand-in returns its slice of the output;
+- q/k/v, and gate/up, the Linears of one module that read the same input, run as one call: at a few rows the
+  few-row loops over their weights as they are; past that one oneDNN matmul on a packed copy of their weights
+  concatenated, once the packing switch allows (packed_linears.py), else each weight's own `F.linear` (no copy
+  of any weight); quantized linears as one stacked quantized linear, one kernel call. Each projection's
+  stand-in returns its slice of the output;
 - an MLP whose forward is LlamaMLP's (`down(act(gate(x)) * up(x))`, SiLU) runs SiLU-and-multiply as one compiled
   op on that fused output;
 - an RMSNorm whose forward is LlamaRMSNorm's runs as one compiled op (eight torch ops and two casts in bf16;
@@ -42,7 +44,7 @@ from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.code_match import forward_globals, runs_forward_of, runs_own_class_code, same_code
 from paged_hf.worker.fast_paths.lean_layers import LeanDecodes
-from paged_hf.worker.fast_paths.packed_linears import packable_dtypes, weight_version
+from paged_hf.worker.fast_paths.packed_linears import PackingSwitch, packable_dtypes, weight_version
 from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
 
 #: sibling Linears that read the same input in the transformers models that follow Llama's layout
@@ -55,13 +57,16 @@ class ProjectionGroup:
     """Linears reading the same input, as one matmul on their concatenated weights (quantized linears: one
     stacked quantized linear)."""
 
-    def __init__(self, linears: list[torch.nn.Module], pack: bool):
-        """`pack`: lay the concatenated weight out for oneDNN where it can (as `pack_linear_weights` does)."""
+    def __init__(self, linears: list[torch.nn.Module], pack: bool, switch: PackingSwitch | None = None):
+        """`pack`: lay the concatenated weight out for oneDNN where it can (as `pack_linear_weights` does), once
+        `switch` allows (None: from the first call)."""
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
         self.dtype = linear_dtype(linears[0])
         self.quantized = isinstance(linears[0], QuantizedLinear)
         self.packable = pack and not self.quantized and self.dtype in packable_dtypes()
+        self.switch = switch
+        self.packed: torch.Tensor | None = None  # made on the first call that packs (a copy of every weight)
         self._built_from: list | None = None
         self.small: SmallLinear | PanelLinear | None = None  # the group at a few rows (small_gemm, q4_panels)
         self._input: torch.Tensor | None = None  # the input whose outputs wait for the other projections
@@ -84,9 +89,12 @@ class ProjectionGroup:
             return self.stack(x)
         if self.small is not None and self.small.serves(x):  # a few rows: the weights as they are, read once
             return self.small(x)
-        if self.packable:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.packable and (self.switch is None or self.switch.packs(self.dtype)):
+            if self.packed is None:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(self.weights), _BATCH_HINT)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.cat([torch.nn.functional.linear(x, weight, bias)  # (the outputs are small beside the weights)
+                          for weight, bias in zip(self.weights, self.biases)], dim=-1)
 
     def _versions(self) -> list[tuple[torch.Tensor, int | None]]:
         weights = [linear.qweight if self.quantized else linear.weight for linear in self.linears]
@@ -100,9 +108,8 @@ class ProjectionGroup:
             return
         weights, biases = [linear.weight.detach() for linear in self.linears], [linear.bias for linear in self.linears]
         self.small = SmallLinear(weights, biases) if SmallLinear.usable(weights, biases) else None
-        weight = torch.cat(weights)
+        self.weights, self.biases, self.packed = weights, biases, None
         self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT) if self.packable else weight
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Projection `index` of x: computed with its siblings on the first call for this x, then handed out."""
@@ -285,8 +292,9 @@ class FusedDecoderLayer(StandIn):
 class FusedLayers(ModuleSwaps):
     """Every qualifying projection group, MLP and RMSNorm of the model, swapped for its fused stand-in in a step."""
 
-    def __init__(self, model: torch.nn.Module, pack: bool = True):
-        self.pack = pack
+    def __init__(self, model: torch.nn.Module, pack: bool = True, switch: PackingSwitch | None = None):
+        """`pack`, `switch`: whether the groups' float weights are packed for oneDNN, and from when."""
+        self.pack, self.switch = pack, switch
         self.lean = LeanDecodes()
         self.sites = []
         self.groups: list[ProjectionGroup] = []
@@ -317,7 +325,7 @@ class FusedLayers(ModuleSwaps):
         if any(linear.in_features != first.in_features or linear_dtype(linear) != linear_dtype(first)
                or (linear.bias is None) != (first.bias is None) for linear in linears):
             return
-        group = ProjectionGroup(linears, self.pack)
+        group = ProjectionGroup(linears, self.pack, self.switch)
         self.groups.append(group)
         for index, (name, linear) in enumerate(zip(names, linears)):
             self.sites.append((parent, name, linear, ProjectionSlice(linear, group, index)))

@@ -8,8 +8,12 @@ with the batch size).
 
 Like the attention switch and the LoRA wrappers, the packed layers are installed only for the duration of
 a step (`parent._modules[name]` swapped and restored), so outside a step the user's model is exactly what it
-was. Packing happens at the first step; a weight changed in place or replaced later is packed again.
-The packed copies cost the linears' weights once more in memory.
+was. A weight changed in place or replaced later is packed again.
+
+The packed copies cost the linears' weights once more in memory, so they are made only once the engine needs
+them (`PackingSwitch`): at the first step of more sequences than the few-row loops serve. One chat (its decodes
+on the few-row loops, its prompts on the weights themselves, where packing gains ~0-20% past 64 rows) never
+holds the weights twice; a server's batches pay for them when they come.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from paged_hf.kernels import small_gemm
-from paged_hf.kernels.small_gemm import SmallLinear
+from paged_hf.kernels.small_gemm import MAX_ROWS, SmallLinear
 from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
 
 # the batch size the weights are laid out for; oneDNN runs any batch on them (measured: no slower at 1-512)
@@ -35,17 +39,34 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(dtypes)
 
 
+class PackingSwitch:
+    """Whether a dtype's packed copies are in use yet: from the first step of more sequences than the few-row
+    loops compute at that dtype (`small_gemm.MAX_ROWS`); from the start for a dtype they do not compute here."""
+
+    def __init__(self):
+        self.most_sequences = 0
+
+    def see_step(self, sequences: int) -> None:
+        self.most_sequences = max(self.most_sequences, sequences)
+
+    def packs(self, dtype: torch.dtype) -> bool:
+        few_rows = MAX_ROWS.get(dtype, 0) if small_gemm.functions().get(dtype) else 0
+        return self.most_sequences > few_rows
+
+
 class PackedLinear(StandIn):
     """`base`'s forward on a oneDNN-packed copy of its weight (packed again when the weight changes); at a few
     rows, on the weight itself through the small-row loops (kernels/small_gemm.py) where this CPU has them (the
     only stand-in of a dtype oneDNN does not pack here: bf16 on AVX2 CPUs)."""
 
-    def __init__(self, base: torch.nn.Linear, packs: bool = True):
+    def __init__(self, base: torch.nn.Linear, packs: bool = True, switch: PackingSwitch | None = None):
         """`packs`: whether oneDNN packs this dtype here; else (bf16 on a CPU without AVX-512) only the few-row
-        loops serve and larger batches take `F.linear` as before."""
+        loops serve and larger batches take `F.linear` as before. `switch`: when the packed copy is made and
+        used (None: from the first call)."""
         super().__init__(base)
         object.__setattr__(self, "base", base)
         self.packs = packs
+        self.switch = switch
         self._packed_from: tuple[torch.Tensor, int | None] | None = None
         self.packed: torch.Tensor | None = None
         self._small: tuple[torch.Tensor, torch.Tensor | None, SmallLinear | None] | None = None
@@ -63,7 +84,7 @@ class PackedLinear(StandIn):
         small = self.small_linear()
         if small is not None and small.serves(x):
             return small(x)
-        if not self.packs:
+        if not self.packs or (self.switch is not None and not self.switch.packs(weight.dtype)):
             return torch.nn.functional.linear(x, weight, bias)
         source = (weight, weight_version(weight))
         if self._packed_from is None or self._packed_from[0] is not weight or self._packed_from[1] != source[1]:
@@ -77,8 +98,9 @@ class PackedLinear(StandIn):
 class PackedLinears(ModuleSwaps):
     """Every plain `nn.Linear` of the model that oneDNN can pack, swapped for its `PackedLinear` in a step."""
 
-    def __init__(self, model: torch.nn.Module, skip: set[int] = frozenset()):
-        """`skip`: ids of Linears computed elsewhere in a step (the fused projections of `fused_layers`)."""
+    def __init__(self, model: torch.nn.Module, skip: set[int] = frozenset(), switch: PackingSwitch | None = None):
+        """`skip`: ids of Linears computed elsewhere in a step (the fused projections of `fused_layers`);
+        `switch`: when the packed copies are made (None: at the first step)."""
         packed = packable_dtypes()
         dtypes = (*packed, *(dtype for dtype in small_gemm.functions() if dtype not in packed))
         self.sites = []
@@ -87,7 +109,7 @@ class PackedLinears(ModuleSwaps):
         for parent in model.modules():
             for name, child in parent._modules.items():
                 if _packable(child, dtypes) and id(child) not in skip:
-                    self.sites.append((parent, name, child, PackedLinear(child, child.weight.dtype in packed)))
+                    self.sites.append((parent, name, child, PackedLinear(child, child.weight.dtype in packed, switch)))
 
 
 def weight_version(weight: torch.Tensor) -> int | None:

@@ -106,3 +106,26 @@ def test_a_dtype_onednn_does_not_pack_takes_the_few_row_loops_and_torchs_linear_
         torch.testing.assert_close(stand_in(x[:1]), linear(x[:1]), atol=2e-2, rtol=2e-2)
         assert torch.equal(stand_in(x), linear(x)) and stand_in.packed is None
     assert calls == [1]
+
+
+def test_packed_copies_are_made_only_once_a_step_batches_past_the_few_row_loops():
+    """One chat never holds the weights twice: its decodes take the few-row loops and its prompts the weights
+    themselves; the first step of more sequences than those loops compute makes the packed copies (q/k/v and
+    gate/up concatenated only then). Tokens are the unpacked engine's throughout."""
+    model = tiny_model("llama", dtype=torch.float32)
+    few = small_gemm.MAX_ROWS[torch.float32] if small_gemm.functions().get(torch.float32) else 0
+    prompts = random_prompts([5, 23, 40, 9, 17, 30][:few + 1])
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    engine = paged_hf.wrap(model, num_blocks=64).generator
+    plain = paged_hf.wrap(model, num_blocks=64, pack_linear_weights=False).generator
+    stand_ins = [stand_in for *_, stand_in in engine.runner.packed_linears.sites]
+    groups = engine.runner.fused_layers.groups
+    assert stand_ins and groups
+    for count in ([few] if few else []) + [few + 1]:
+        got = [o.outputs[0].token_ids for o in engine.generate(prompts[:count], params, use_tqdm=False)]
+        assert got == [o.outputs[0].token_ids for o in plain.generate(prompts[:count], params, use_tqdm=False)]
+        packed = count > few
+        assert all((stand_in.packed is not None) == packed for stand_in in stand_ins), count
+        assert all((group.packed is not None) == packed for group in groups), count
+    for group in groups:  # the group reads the linears' own weights: no concatenated copy of its own
+        assert [w.data_ptr() for w in group.weights] == [lin.weight.data_ptr() for lin in group.linears]
