@@ -1,4 +1,5 @@
-// One decoder layer of a lean decode step as one call (paged_hf/worker/fast_paths/native_layer.py).
+// One decoder layer of a lean decode step as one call, or the whole decoder stack as one
+// (paged_hf/worker/fast_paths/native_layer.py).
 //
 // A lean layer (lean_layers.py) is a dozen compiled calls: RMSNorm, the q/k/v matmul, rotary + the K/V writes,
 // decode attention, o_proj, the residual add + RMSNorm, gate/up, SiLU-and-multiply, down_proj and the residual
@@ -137,9 +138,35 @@ int layer(const LeanKernels &k, const LeanLayer &l, const LeanStep &s, const voi
   return status;
 }
 
+// The decoder stack: layer after layer, each one's output the next one's input (two [tokens, hidden] buffers in
+// turn), the last one's written to `out`. The same calls in the same order as one call per layer: the same bits.
+template <typename T>
+int stack(const LeanKernels &k, const LeanLayer *layers, int64_t count, const LeanStep &s, const void *x, void *out,
+          void *buffers) {
+  const int64_t bytes = s.tokens * s.hidden * static_cast<int64_t>(sizeof(T));
+  const void *in = x;
+  for (int64_t i = 0; i < count; ++i) {
+    void *dst = i == count - 1 ? out : static_cast<char *>(buffers) + (i % 2) * bytes;
+    const int status = layer<T>(k, layers[i], s, in, dst);
+    if (status != 0) return status;
+    in = dst;
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
+
+int lean_stack_float32(const LeanKernels *k, const LeanLayer *layers, int64_t count, const LeanStep *s, const void *x,
+                       void *out, void *buffers) {
+  return stack<float>(*k, layers, count, *s, x, out, buffers);
+}
+
+int lean_stack_bfloat16(const LeanKernels *k, const LeanLayer *layers, int64_t count, const LeanStep *s,
+                        const void *x, void *out, void *buffers) {
+  return stack<uint16_t>(*k, layers, count, *s, x, out, buffers);
+}
 
 int lean_layer_float32(const LeanKernels *k, const LeanLayer *l, const LeanStep *s, const void *x, void *out) {
   return layer<float>(*k, *l, *s, x, out);

@@ -32,7 +32,9 @@ import operator
 import torch
 from transformers.activations import SiLUActivation
 from transformers.models.llama import modeling_llama
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm
+from torch.nn.modules import module as torch_module
+from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel,
+                                                      LlamaRMSNorm)
 
 from paged_hf.integrations.lora import updates_over
 from paged_hf.integrations.transformers import check_step_call, paged_attention_forward, step_cache
@@ -268,6 +270,9 @@ class FusedDecoderLayer(StandIn):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        passed = self.lean.pass_on(self, hidden_states)  # a later layer of a stack computed in one call
+        if passed is not None:
+            return passed
         layer, parts = self.layer, self.parts
         if any(layer._modules[name] is not part for name, part in parts.items()) or "past_key_values" in kwargs:
             return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -287,6 +292,29 @@ class FusedDecoderLayer(StandIn):
         else:
             residual, hidden = fused
         return residual + parts["mlp"].forward(hidden)
+
+
+class DecoderStack:
+    """The decoder layers of a model whose forward is LlamaModel's (each layer's output the next one's input,
+    nothing between them), every one a fused stand-in: the stack the lean path computes in one compiled call at its
+    first layer (lean_layers.py), where this step each layer can be."""
+
+    def __init__(self, owner: torch.nn.Module, modules: dict, layers: list[FusedDecoderLayer]):
+        self.owner, self.modules, self.layers = owner, modules, layers
+        self.names = list(modules)
+
+    def installed(self) -> bool:
+        """Every layer's stand-in and its parts are in place this step, the model runs all of them, and no hook
+        would see a layer's own output (none on the stand-ins, no global module hook)."""
+        if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or self.owner.config.num_hidden_layers != len(self.layers)):
+            return False
+        modules = self.modules
+        for name, layer in zip(self.names, self.layers):
+            if (modules.get(name) is not layer or layer._forward_hooks or layer._forward_pre_hooks
+                    or any(layer.layer._modules[part_name] is not part for part_name, part in layer.parts.items())):
+                return False
+        return True
 
 
 class FusedLayers(ModuleSwaps):
@@ -357,6 +385,14 @@ class FusedLayers(ModuleSwaps):
                 if runs_forward_of(child, LlamaDecoderLayer) and all(isinstance(parts[part], kind)
                                                                    for part, kind in kinds.items()):
                     self.sites.append((parent, name, child, FusedDecoderLayer(child, parts, self.lean)))
+        layers = {(id(parent), name): stand_in for parent, name, _, stand_in in self.sites
+                  if isinstance(stand_in, FusedDecoderLayer)}
+        for owner in model.modules():
+            layer_list = owner._modules.get("layers") if runs_forward_of(owner, LlamaModel) else None
+            if isinstance(layer_list, torch.nn.ModuleList) and len(layer_list) == owner.config.num_hidden_layers > 0:
+                stand_ins = [layers.get((id(layer_list), name)) for name in layer_list._modules]
+                if all(stand_ins):
+                    self.lean.stacks[stand_ins[0]] = DecoderStack(owner, layer_list._modules, stand_ins)
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)

@@ -30,7 +30,8 @@ from paged_hf.worker.fast_paths.packed_linears import PackedLinear
 
 
 class LeanDecodes:
-    """Shared by a model's fused decoder layers: the step's `LeanStep`, made at its first layer."""
+    """Shared by a model's fused decoder layers: the step's `LeanStep`, made at its first layer; the decoder stacks
+    that can run as one compiled call, and the output such a call hands on through the stack's later layers."""
 
     def __init__(self):
         self.enabled = True  # (tests turn it off to compare with the stand-ins' path)
@@ -39,22 +40,49 @@ class LeanDecodes:
         self._made_for: tuple | None = None  # (the cache's step metadata, the rotary tables) it was made for
         self._step: LeanStep | None = None
         self.native = NativeLayers()  # a layer in one compiled call where its linears are the few-row loops'
+        self.stacks: dict = {}  # first layer's stand-in -> DecoderStack (fused_layers.py)
+        self._passing: tuple | None = None  # (the stack's output, its layers, the next one's index)
 
     def run(self, layer, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache,
             kwargs: dict) -> torch.Tensor | None:
-        """The output of `layer` (a FusedDecoderLayer whose parts are installed), or None: not served here."""
+        """The output of `layer` (a FusedDecoderLayer whose parts are installed), or None: not served here. At the
+        first layer of a stack whose every layer the compiled layer serves: the whole stack's output, which its
+        later layers hand on (`pass_on`)."""
         if not self.enabled or cache is None or not isinstance(position_embeddings, tuple):
             return None
         made_for, metadata = self._made_for, getattr(cache, "metadata", None)
         if made_for is None or made_for[0] is not metadata or made_for[1] is not position_embeddings:
             self._made_for = (metadata, position_embeddings)
             self._step = LeanStep.of(cache, hidden_states, position_embeddings, self.fitting, self.native)
-        output = None if self._step is None else self._step.run(layer, hidden_states, attention_mask, kwargs)
+        if self._step is None:
+            return None
+        stack = self.stacks.get(layer)
+        if stack is not None and stack.installed():
+            output = self._step.run_stack(stack.layers, hidden_states, attention_mask, kwargs)
+            if output is not None:
+                self.layers_served += len(stack.layers)
+                self._passing = (output, stack.layers, 1) if len(stack.layers) > 1 else None
+                return output
+        output = self._step.run(layer, hidden_states, attention_mask, kwargs)
         self.layers_served += output is not None
         return output
 
+    def pass_on(self, layer, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The stack's output again, where `layer` is the next layer of the stack just computed in one call and is
+        given that output (what the model's forward does with each layer's output); else None."""
+        passing = self._passing
+        if passing is None:
+            return None
+        output, layers, index = passing
+        if hidden_states is not output or layers[index] is not layer:  # the model's own loop cannot do this
+            self._passing = None
+            raise RuntimeError(f"decoder layer {index} of a stack computed in one call was given other hidden "
+                               f"states than the layer before it returned")
+        self._passing = (output, layers, index + 1) if index + 1 < len(layers) else None
+        return output
+
     def end_step(self) -> None:
-        self._made_for = self._step = None  # holds no tensor past the step
+        self._made_for = self._step = self._passing = None  # holds no tensor past the step
 
 
 class LeanStep:
@@ -91,7 +119,9 @@ class LeanStep:
             return None
         return cls(cache, ops, hidden_states.shape, cos, sin, fitting, native_layers)
 
-    def run(self, layer, x: torch.Tensor, attention_mask, kwargs: dict) -> torch.Tensor | None:
+    def _plan(self, layer, x: torch.Tensor, attention_mask, kwargs: dict) -> tuple | None:
+        """What the lean calls of `layer` on x read: (its attention and MLP stand-ins, its attention module, norms,
+        cache slot, decode, the q/k/v and gate/up projections, o_proj, down_proj); None where they cannot serve it."""
         parts = layer.parts
         attention, mlp = parts["self_attn"], parts["mlp"]
         module, norms = attention.owner, (parts["input_layernorm"].norm, parts["post_attention_layernorm"].norm)
@@ -107,12 +137,41 @@ class LeanStep:
             return None
         check_step_call(module, attention_mask, module.attention_dropout, kwargs)
         o_proj, down_proj = module._modules["o_proj"], mlp.owner._modules["down_proj"]
+        return attention, mlp, module, norms, slot, decode, qkv_of, gate_up_of, o_proj, down_proj
+
+    def _native_plan(self, layer, plan: tuple, x: torch.Tensor) -> tuple | None:
+        """(layer, module, groups, linears, norms, slot, decode) for the compiled layer, or None: not its."""
+        attention, mlp, module, norms, slot, decode, qkv_of, gate_up_of, o_proj, down_proj = plan
         if (self.native_layers.enabled and self.native.serves(x) and qkv_of is attention.group
                 and gate_up_of is mlp.group and None not in (few_rows_of(o_proj), few_rows_of(down_proj))):
-            output = self.native.run(self.native_layers, layer, module, (attention.group, mlp.group),
-                                     (o_proj, down_proj), norms, slot, decode, x)
+            return layer, module, (attention.group, mlp.group), (o_proj, down_proj), norms, slot, decode
+        return None
+
+    def run_stack(self, layers: list, x: torch.Tensor, attention_mask, kwargs: dict) -> torch.Tensor | None:
+        """Every layer of a decoder stack (its stand-ins, in order) on x in one compiled call, or None: a layer
+        the compiled layer does not serve this step (then each layer goes its own way, from the first)."""
+        if not self.native_layers.stacks_enabled:
+            return None
+        plans = []
+        for layer in layers:
+            plan = self._plan(layer, x, attention_mask, kwargs)
+            native = None if plan is None else self._native_plan(layer, plan, x)
+            if native is None:
+                return None
+            plans.append(native)
+        return self.native.run_stack(self.native_layers, plans, x)
+
+    def run(self, layer, x: torch.Tensor, attention_mask, kwargs: dict) -> torch.Tensor | None:
+        plan = self._plan(layer, x, attention_mask, kwargs)
+        if plan is None:
+            return None
+        native = self._native_plan(layer, plan, x)
+        if native is not None:
+            output = self.native.run(self.native_layers, *native, x)
             if output is not None:
                 return output
+        attention, mlp, module, norms, slot, decode, qkv_of, gate_up_of, o_proj, down_proj = plan
+        ops = self.ops
         ops.rms_norm(x, norms[0].weight, norms[0].variance_epsilon, self.normed)
         rows = qkv_of(self.normed).view(x.shape[1], -1)  # [tokens, q | k | v]
         attended = self._input_of(o_proj, (x.shape[1], attention.group.sizes[0] // module.head_dim, module.head_dim))

@@ -1,5 +1,6 @@
 """A lean decoder layer as one compiled call (`kernels/csrc/lean_layer.cpp`), where every linear of the layer is
-served by the few-row loops (a decode step of one or a few requests) and nothing of it computes itself in Python.
+served by the few-row loops (a decode step of one or a few requests) and nothing of it computes itself in Python;
+and where every layer of the model's decoder stack is, the whole stack as one call (`NativeStep.run_stack`).
 
 Why: at one row a lean layer's dozen kernels take a few microseconds each, and each of their Python calls (ctypes'
 argument conversion, pointers and shapes read again, the buffers) several times that; on the default model those
@@ -7,13 +8,16 @@ calls were ~100 us of a layer's CPU time, ~3 ms of a token. The compiled layer c
 same arguments in the same order, so the layer's output is the lean path's bit for bit
 (tests/worker/fast_paths/test_lean_layers.py). What it reads is handed over as structs made once: a layer's (its
 weights' and norms' addresses, its cache), kept while they stay the same objects, and a step's (its rows, rotary
-tables, slots, the decode's sequences and the buffers the layers share).
+tables, slots, the decode's sequences and the buffers the layers share). The stack's call runs the same layer
+function layer after layer (each output the next one's input): the per-layer Python it saves was ~18% of a
+batch-1 bf16 token on the default model (py-spy, one thread).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -56,20 +60,26 @@ def _address(function) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
+class _Entry(NamedTuple):
+    layer: ctypes._CFuncPtr  # (kernels, layer, step, x, out)
+    stack: ctypes._CFuncPtr  # (kernels, layers, count, step, x, out, two [tokens, hidden] buffers)
+    kernels: _Kernels
+
+
 @functools.lru_cache(maxsize=None)
-def entry_point(dtype: torch.dtype):
-    """(the compiled layer for bfloat16/float32 rows, its kernels' struct), or None (no compiler, no few-row
-    loops, another dtype)."""
+def entry_point(dtype: torch.dtype) -> _Entry | None:
+    """The compiled layer and stack for bfloat16/float32 rows with their kernels' struct, or None (no compiler, no
+    few-row loops, another dtype)."""
     ops, small = layer_ops.row_ops(dtype), small_gemm.functions().get(dtype)
     if ops is None or small is None:
         return None
     library = native.load_or_warn(native.load_lean_layer, "a decode layer in one call")
     if library is None:
         return None
-    function = native.entry_point(library, f"lean_layer_{'bfloat16' if dtype == torch.bfloat16 else 'float32'}",
-                                  [_P, _P, _P, _P, _P])
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     kernels = _Kernels(*(_address(f) for f in (ops.rms, ops.add_rms, ops.silu, ops.rotary_write, small)))
-    return function, kernels
+    return _Entry(native.entry_point(library, f"lean_layer_{name}", [_P, _P, _P, _P, _P]),
+                  native.entry_point(library, f"lean_stack_{name}", [_P, _P, _I, _P, _P, _P, _P]), kernels)
 
 
 def _linear(small) -> _Linear:
@@ -97,7 +107,9 @@ class NativeLayers:
     def __init__(self):
         self.layers: dict = {}  # (layer, cache) -> (what it was made from, _Layer)
         self.enabled = True  # (tests turn it off to compare with the lean path's calls)
-        self.layers_served = 0  # a count, for tests and benchmarks
+        self.stacks_enabled = True  # (tests turn it off to compare with one call per layer)
+        self.layers_served = self.stacks_served = 0  # counts, for tests and benchmarks
+        self._stack: tuple[tuple, ctypes.Array] | None = None  # (the layers' structs, their array) of the last stack
 
     def layer_struct(self, key, module, smalls: tuple, norms: tuple, cache, slot: int, decode) -> _Layer:
         key_cache, value_cache = cache.key_cache[slot], cache.value_cache[slot]
@@ -114,6 +126,13 @@ class NativeLayers:
             made = self.layers[key] = (sources, struct)
         return made[1]
 
+    def stack_array(self, structs: tuple[_Layer, ...]) -> ctypes.Array:
+        """The layers' structs side by side, as the stack's call reads them (kept while they are the same)."""
+        if self._stack is None or len(self._stack[0]) != len(structs) or any(
+                a is not b for a, b in zip(self._stack[0], structs)):
+            self._stack = (structs, (_Layer * len(structs))(*structs))
+        return self._stack[1]
+
 
 class NativeStep:
     """A step's compiled layers: the step's struct and buffers for each set of layer sizes."""
@@ -127,27 +146,59 @@ class NativeStep:
         """x's rows are the few-row loops', and no profiler asks for the layer's kernels one by one."""
         return self.entry is not None and x.shape[1] <= MAX_ROWS[self.dtype] and not profiling.active()
 
-    def run(self, layers: NativeLayers, layer, module, groups: tuple, linears: tuple, norms: tuple, slot: int,
-            decode, x: torch.Tensor) -> torch.Tensor | None:
-        """The layer's output for x [1, tokens, hidden], or None where a linear is not the few-row loops'."""
+    @staticmethod
+    def smalls_of(groups: tuple, linears: tuple, x: torch.Tensor) -> tuple | None:
+        """The layer's q/k/v, o, gate/up and down as the few-row loops compute them on x's rows, or None."""
         smalls = (groups[0].current().small, few_rows_of(linears[0]), groups[1].current().small,
                   few_rows_of(linears[1]))
         if None in smalls or not all(small.serves(x) for small in smalls[::2]):  # (o and down: of the same rows)
             return None
+        return smalls
+
+    def run(self, layers: NativeLayers, layer, module, groups: tuple, linears: tuple, norms: tuple, slot: int,
+            decode, x: torch.Tensor) -> torch.Tensor | None:
+        """The layer's output for x [1, tokens, hidden], or None where a linear is not the few-row loops'."""
+        smalls = self.smalls_of(groups, linears, x)
+        if smalls is None:
+            return None
         lean = self.lean
         struct = layers.layer_struct((layer, lean.cache), module, smalls, norms, lean.cache, slot, decode)
-        step, rows = self._step(decode, smalls, x)
-        lean.cache.books.serve(module.layer_idx, rows)
+        step, buffers = self._step(decode, smalls, x)
+        lean.cache.books.serve(module.layer_idx, buffers[0])
         out = torch.empty_like(x)
-        status = self.entry[0](ctypes.byref(self.entry[1]), ctypes.byref(struct), ctypes.byref(step), x.data_ptr(),
-                               out.data_ptr())  # (no profiler range: a profiled step takes the lean path's calls)
+        status = self.entry.layer(ctypes.byref(self.entry.kernels), ctypes.byref(struct), ctypes.byref(step),
+                                  x.data_ptr(), out.data_ptr())  # (no profiler range: a profiled step is per call)
         if status != 0:
             raise RuntimeError(f"the compiled decode layer failed (status {status})")
         layers.layers_served += 1
         return out
 
-    def _step(self, decode, smalls: tuple, x: torch.Tensor) -> tuple[_Step, torch.Tensor]:
-        """The step's struct for these layer sizes (its buffers made with it), and its q/k/v rows buffer."""
+    def run_stack(self, layers: NativeLayers, plans: list[tuple], x: torch.Tensor) -> torch.Tensor | None:
+        """The decoder stack's output for x [1, tokens, hidden] in one call; `plans`: each layer's (layer, module,
+        groups, linears, norms, slot, decode) in the model's order. None where a layer's linear is not the few-row
+        loops' or the layers' sizes differ (the stack shares one step struct)."""
+        cache, structs, sizes, smalls = self.lean.cache, [], None, None
+        for layer, module, groups, linears, norms, slot, decode in plans:
+            smalls = self.smalls_of(groups, linears, x)
+            if smalls is None or (sizes is not None and sizes != tuple(s.out_features for s in smalls)):
+                return None
+            sizes = tuple(small.out_features for small in smalls)
+            structs.append(layers.layer_struct((layer, cache), module, smalls, norms, cache, slot, decode))
+        step, buffers = self._step(plans[0][-1], smalls, x)
+        for plan in plans:
+            cache.books.serve(plan[1].layer_idx, buffers[0])
+        out = torch.empty_like(x)
+        status = self.entry.stack(ctypes.byref(self.entry.kernels), layers.stack_array(tuple(structs)), len(structs),
+                                  ctypes.byref(step), x.data_ptr(), out.data_ptr(), buffers[-1].data_ptr())
+        if status != 0:
+            raise RuntimeError(f"the compiled decoder stack failed (status {status})")
+        layers.layers_served += len(structs)
+        layers.stacks_served += 1
+        return out
+
+    def _step(self, decode, smalls: tuple, x: torch.Tensor) -> tuple[_Step, tuple[torch.Tensor, ...]]:
+        """The step's struct for these layer sizes and its buffers, made with it: the q/k/v rows first, the stack's
+        two [tokens, hidden] buffers last."""
         sizes = tuple(small.out_features for small in smalls)
         made = self.steps.get(sizes)
         if made is None:
@@ -155,8 +206,8 @@ class NativeStep:
             qkv, hidden, gate_up, _ = sizes
             q_cols = smalls[1].in_features
             buffers = tuple(torch.empty(tokens, width, dtype=self.dtype)
-                            for width in (qkv, q_cols, q_cols, hidden, gate_up, gate_up // 2))
-            rows, query, attended, projected, gate_up_rows, activated = buffers
+                            for width in (qkv, q_cols, q_cols, hidden, gate_up, gate_up // 2, 2 * x.shape[2]))
+            rows, query, attended, projected, gate_up_rows, activated, _ = buffers
             block_tables, context_lens, seq_starts = decode.step
             step = _Step(tokens, x.shape[2], lean.cos.data_ptr(), lean.sin.data_ptr(), lean.slots.data_ptr(),
                          block_tables, context_lens, seq_starts, decode.num_seqs, decode.max_blocks,
@@ -164,4 +215,4 @@ class NativeStep:
                          attended.data_ptr(), projected.data_ptr(), gate_up_rows.data_ptr(), activated.data_ptr(),
                          torch.get_num_threads())
             made = self.steps[sizes] = (step, buffers)
-        return made[0], made[1][0]
+        return made

@@ -75,6 +75,64 @@ def test_a_layer_in_one_compiled_call_gives_the_lean_calls_bits(dtype):
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
 
 
+def _llama(dtype, layers: int):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layers", [1, 2, 5])
+def test_the_decoder_stack_in_one_compiled_call_gives_one_call_per_layers_bits(dtype, layers):
+    """Decode steps of one and two requests: the whole stack in one call (its layers' outputs in two buffers in
+    turn, the last one's out) gives the logits of one compiled call per layer bit for bit; each later layer hands
+    the stack's output on."""
+    if not small_gemm.functions().get(dtype):
+        pytest.skip("no few-row loops on this CPU")
+    engine = _engine(_llama(dtype, layers))
+    native = engine.runner.fused_layers.lean.native
+    runner, run, stacks = engine.runner, engine.runner.run, []
+
+    def both_ways(out):
+        native.stacks_enabled, before = False, native.stacks_served
+        expected, _ = run(out)
+        native.stacks_enabled = True
+        got, inputs = run(out)
+        stacks.append(native.stacks_served - before)
+        assert torch.equal(got, expected)
+        return got, inputs
+
+    runner.run = both_ways
+    prompts = random_prompts([5, 11], seed=9)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
+                              use_tqdm=False)
+    assert stacks[0] == 0 and stacks.count(1) >= 6  # the prompts' step its own way; then one call a step
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
+
+
+def test_the_decoder_stack_gives_transformers_tokens_and_steps_aside_for_hooks():
+    """float32 against the oracle with the stack in one call; a decoder layer with a hook (which would see its own
+    output) makes every layer go its own way, and the tokens are the same."""
+    model = _llama(torch.float32, 3)
+    engine = _engine(model)
+    native = engine.runner.fused_layers.lean.native
+    prompts = random_prompts([7, 30], seed=5)
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    expected = [hf_greedy(model, p, 10) for p in prompts]
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == expected
+    assert native.stacks_served >= 8 or not small_gemm.functions().get(torch.float32)
+    seen = []
+    handle = model.model.layers[1].register_forward_hook(lambda module, args, output: seen.append(output))
+    before = native.stacks_served
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == expected
+    handle.remove()
+    assert native.stacks_served == before and len(seen) >= 10
+
+
 @pytest.mark.parametrize("quantization", ["int8", "w4a16", "w4a8"])
 def test_quantized_projections_run_lean_with_the_stand_ins_bits(quantization):
     """q/k/v and gate/up as one stacked quantized linear, o_proj and down_proj quantized: the same calls either
