@@ -30,7 +30,7 @@ import torch
 
 import paged_hf
 from paged_hf.bench.machine import current_rss_bytes, peak_rss_bytes, step_weight_bytes, weight_bytes
-from paged_hf.default_model import ensure_default_checkpoint
+from paged_hf.loader.default_model import ensure_default_checkpoint
 from paged_hf.utils import cdiv, trim_heap
 
 WARMUP_TOKENS = 16

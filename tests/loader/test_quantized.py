@@ -14,7 +14,8 @@ import paged_hf
 from paged_hf.kernels.quant_linear import Int4Linear, Int8Linear, QuantizedLinear
 from paged_hf.loader.quant_formats import UnsupportedQuantization
 from paged_hf.loader.quantized import describe_linears, load_quantized_model, quantize_model, read_tensors
-from paged_hf.worker.fast_paths.fused_layers import FusedDecoderLayer, FusedLayers
+from paged_hf.worker.fast_paths.decoder_layers import FusedDecoderLayer
+from paged_hf.worker.fast_paths.fused_layers import FusedLayers
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 from tests.loader.quant_folders import tiny_llama, write_compressed_tensors, write_gptq_awq
 

@@ -16,7 +16,8 @@ with its dispatch overhead. During a step:
   (in a paged step, with the paged function: the output's rows go to the paged cache directly, checked as that
   function checks a call);
 - a decoder layer whose forward is LlamaDecoderLayer's, and whose norms, attention and MLP are all fused, calls
-  them directly and adds the residual and normalizes it in one compiled op.
+  them directly and adds the residual and normalizes it in one compiled op (decoder_layers.py, with the decoder
+  stack the lean path computes in one call).
 A module qualifies by its forward's code, not its class name: the transformers families copied from Llama
 (Mistral, Qwen2, Qwen3, ...) share that code; anything else keeps its own forward.
 
@@ -32,9 +33,7 @@ import operator
 import torch
 from transformers.activations import SiLUActivation
 from transformers.models.llama import modeling_llama
-from torch.nn.modules import module as torch_module
-from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel,
-                                                      LlamaRMSNorm)
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm
 
 from paged_hf.integrations.lora import updates_over
 from paged_hf.integrations.transformers import check_step_call, paged_attention_forward, step_cache
@@ -45,6 +44,7 @@ from paged_hf.kernels.quant_gemm import FewRowsW8A8
 from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.code_match import forward_globals, runs_forward_of, runs_own_class_code, same_code
+from paged_hf.worker.fast_paths.decoder_layers import FusedDecoderLayer, decoder_stacks
 from paged_hf.worker.fast_paths.lean_layers import LeanDecodes
 from paged_hf.worker.fast_paths.packed_linears import PackingSwitch, packable_dtypes, weight_version
 from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
@@ -257,66 +257,6 @@ class FusedRMSNorm(StandIn):
         return self.norm(x) if out is None else out
 
 
-class FusedDecoderLayer(StandIn):
-    """LlamaDecoderLayer's forward over its fused parts, called directly (no module dispatch between them), with
-    the residual add after the attention and the norm after it as one compiled op. Where a part is not its fused
-    stand-in this step (a LoRA wrapper, a hook), the layer's own forward runs."""
-
-    def __init__(self, layer: torch.nn.Module, parts: dict[str, torch.nn.Module], lean: LeanDecodes):
-        super().__init__(layer)
-        object.__setattr__(self, "layer", layer)
-        object.__setattr__(self, "parts", parts)  # name -> the fused stand-in installed there in a step
-        object.__setattr__(self, "lean", lean)  # a step of the decode kernel's, in fewer calls (lean_layers.py)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
-                use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
-        passed = self.lean.pass_on(self, hidden_states)  # a later layer of a stack computed in one call
-        if passed is not None:
-            return passed
-        layer, parts = self.layer, self.parts
-        if any(layer._modules[name] is not part for name, part in parts.items()) or "past_key_values" in kwargs:
-            return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                       cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
-                                       **kwargs)
-        attention_kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)  # what the attention gets
-        lean = self.lean.run(self, hidden_states, position_embeddings, attention_mask, cache, attention_kwargs)
-        if lean is not None:
-            return lean
-        hidden = parts["input_layernorm"].forward(hidden_states)
-        hidden, _ = parts["self_attn"].forward(hidden, position_embeddings, attention_mask, cache, **attention_kwargs)
-        norm = parts["post_attention_layernorm"].norm
-        fused = layer_ops.add_rms_norm(hidden_states, hidden, norm.weight, norm.variance_epsilon)
-        if fused is None:
-            residual = hidden_states + hidden
-            hidden = parts["post_attention_layernorm"].forward(residual)
-        else:
-            residual, hidden = fused
-        return residual + parts["mlp"].forward(hidden)
-
-
-class DecoderStack:
-    """The decoder layers of a model whose forward is LlamaModel's (each layer's output the next one's input,
-    nothing between them), every one a fused stand-in: the stack the lean path computes in one compiled call at its
-    first layer (lean_layers.py), where this step each layer can be."""
-
-    def __init__(self, owner: torch.nn.Module, modules: dict, layers: list[FusedDecoderLayer]):
-        self.owner, self.modules, self.layers = owner, modules, layers
-        self.names = list(modules)
-
-    def installed(self) -> bool:
-        """Every layer's stand-in and its parts are in place this step, the model runs all of them, and no hook
-        would see a layer's own output (none on the stand-ins, no global module hook)."""
-        if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
-                or self.owner.config.num_hidden_layers != len(self.layers)):
-            return False
-        modules = self.modules
-        for name, layer in zip(self.names, self.layers):
-            if (modules.get(name) is not layer or layer._forward_hooks or layer._forward_pre_hooks
-                    or any(layer.layer._modules[part_name] is not part for part_name, part in layer.parts.items())):
-                return False
-        return True
-
-
 class FusedLayers(ModuleSwaps):
     """Every qualifying projection group, MLP and RMSNorm of the model, swapped for its fused stand-in in a step."""
 
@@ -385,14 +325,7 @@ class FusedLayers(ModuleSwaps):
                 if runs_forward_of(child, LlamaDecoderLayer) and all(isinstance(parts[part], kind)
                                                                    for part, kind in kinds.items()):
                     self.sites.append((parent, name, child, FusedDecoderLayer(child, parts, self.lean)))
-        layers = {(id(parent), name): stand_in for parent, name, _, stand_in in self.sites
-                  if isinstance(stand_in, FusedDecoderLayer)}
-        for owner in model.modules():
-            layer_list = owner._modules.get("layers") if runs_forward_of(owner, LlamaModel) else None
-            if isinstance(layer_list, torch.nn.ModuleList) and len(layer_list) == owner.config.num_hidden_layers > 0:
-                stand_ins = [layers.get((id(layer_list), name)) for name in layer_list._modules]
-                if all(stand_ins):
-                    self.lean.stacks[stand_ins[0]] = DecoderStack(owner, layer_list._modules, stand_ins)
+        self.lean.stacks.update(decoder_stacks(model, self.sites))
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)

@@ -19,6 +19,8 @@ step), or anything else checked here goes the stand-ins' way.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from paged_hf.integrations.transformers import check_step_call, paged_attention_forward, step_cache
@@ -26,7 +28,7 @@ from paged_hf.kernels import layer_ops
 from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.fast_paths.native_layer import NativeLayers, NativeStep, few_rows_of
-from paged_hf.worker.fast_paths.packed_linears import PackedLinear
+from paged_hf.worker.fast_paths.packed_linears import PackedLinear, weight_version
 
 
 class LeanDecodes:
@@ -40,7 +42,7 @@ class LeanDecodes:
         self._made_for: tuple | None = None  # (the cache's step metadata, the rotary tables) it was made for
         self._step: LeanStep | None = None
         self.native = NativeLayers()  # a layer in one compiled call where its linears are the few-row loops'
-        self.stacks: dict = {}  # first layer's stand-in -> DecoderStack (fused_layers.py)
+        self.stacks: dict = {}  # first layer's stand-in -> DecoderStack (decoder_layers.py)
         self._passing: tuple | None = None  # (the stack's output, its layers, the next one's index)
 
     def run(self, layer, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache,
@@ -149,9 +151,17 @@ class LeanStep:
 
     def run_stack(self, layers: list, x: torch.Tensor, attention_mask, kwargs: dict) -> torch.Tensor | None:
         """Every layer of a decoder stack (its stand-ins, in order) on x in one compiled call, or None: a layer
-        the compiled layer does not serve this step (then each layer goes its own way, from the first)."""
-        if not self.native_layers.stacks_enabled:
+        the compiled layer does not serve this step (then each layer goes its own way, from the first). The last
+        step's plan serves again while everything it was made from is as it was (`StackPlan`)."""
+        native_layers = self.native_layers
+        if not native_layers.stacks_enabled or not native_layers.enabled or not self.native.serves(x):
             return None
+        kept = native_layers.stack_plan
+        decode = None if kept is None or kept.layers is not layers else self._still_serves(kept, x, attention_mask,
+                                                                                          kwargs)
+        if decode is not None:
+            return self.native.call_stack(native_layers, kept.structs, kept.plans, decode, x)
+        native_layers.stack_plan = None
         plans = []
         for layer in layers:
             plan = self._plan(layer, x, attention_mask, kwargs)
@@ -159,7 +169,28 @@ class LeanStep:
             if native is None:
                 return None
             plans.append(native)
-        return self.native.run_stack(self.native_layers, plans, x)
+        structs = self.native.stack_structs(native_layers, plans, x)
+        if structs is None:
+            return None
+        native_layers.stack_plan = StackPlan(layers, self.cache, plans, structs, [plan[0] for plan in plans])
+        native_layers.stack_plans_made += 1
+        return self.native.call_stack(native_layers, structs, plans, plans[0][-1], x)
+
+    def _still_serves(self, kept: StackPlan, x: torch.Tensor, attention_mask, kwargs: dict):
+        """This step's decode call (its sequences) where the kept plan serves it: its objects as they were, each
+        layer's decode function and paged attention the same, the step's call as the model makes it for every
+        layer (the first one's module checked); else None."""
+        if not kept.holds(self.cache) or not all(small.serves(x) for small in kept.first_smalls):
+            return None
+        decode_rows, first = self.cache.decode_rows, None
+        for _, module, _, _, _, slot, decode in kept.plans:
+            now = decode_rows(slot)
+            if now is None or now.function is not decode.function or now.in_place != decode.in_place \
+                    or not self._calls_paged(module):
+                return None
+            first = first or now
+        check_step_call(kept.plans[0][1], attention_mask, kept.plans[0][1].attention_dropout, kwargs)
+        return first
 
     def run(self, layer, x: torch.Tensor, attention_mask, kwargs: dict) -> torch.Tensor | None:
         plan = self._plan(layer, x, attention_mask, kwargs)
@@ -224,6 +255,58 @@ class LeanStep:
                                   value_cache, self.slots)
         with span("attention"):
             decode(rows, sizes[0] // head_dim, key_cache, value_cache, module.scaling, out)
+
+
+_MISSING = object()
+#: the plain attributes the stack's checks and structs read, by the role of the module that has them
+_ATTENTION_ATTRIBUTES = ("training", "scaling", "head_dim", "layer_idx", "attention_dropout")
+_NORM_ATTRIBUTES = ("variance_epsilon",)
+_LINEAR_ATTRIBUTES = ("act_quant", "use_kernel")  # a quantized linear's kernel switches (kernels/quant_linear.py)
+
+
+class StackPlan:
+    """The compiled stack call of a step (each layer's plan and struct), kept for the next steps while everything
+    its checks read is as it was: every module they walk (the layers' attention and MLP owners, their linears, the
+    quantized stacks, the norms) with its submodules, parameters, buffers and the flags its role reads at their
+    places (by identity), every tensor unchanged in place (its version). Checking that is one pass of C-level
+    comparisons (~0.1 ms a step on the default model) where making the plan again is ~2 ms of Python; a step that
+    differs (an adapter's wrappers, a replaced weight, a switched flag) makes it again."""
+
+    def __init__(self, layers: list, cache, plans: list[tuple], structs: tuple, parts: list):
+        self.layers, self.cache, self.plans, self.structs = layers, cache, plans, structs
+        self.first_smalls = plans[0][2][0].small, plans[0][2][1].small
+        roles = {}  # module -> the attributes read of it (each module once, in order)
+        for layer in parts:
+            attention, mlp = layer.parts["self_attn"], layer.parts["mlp"]
+            roles[attention.owner], roles[mlp.owner] = _ATTENTION_ATTRIBUTES, ()
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                roles[layer.parts[name].norm] = _NORM_ATTRIBUTES
+            linears = [*attention.group.linears, *mlp.group.linears,
+                       *(getattr(group, "stack", None) for group in (attention.group, mlp.group)),
+                       *(getattr(module, "base", module) for module in (attention.owner._modules["o_proj"],
+                                                                         mlp.owner._modules["down_proj"]))]
+            roles.update((linear, _LINEAR_ATTRIBUTES) for linear in linears if linear is not None)
+        tables, names, values, self.tensors, self.versions = [], [], [], [], []
+        for module, attribute_names in roles.items():
+            attributes = module.__dict__  # (torch keeps a module's tables there)
+            for name in attribute_names:
+                tables.append(attributes), names.append(name), values.append(attributes.get(name, _MISSING))
+            for table in (attributes["_modules"], attributes["_parameters"], attributes["_buffers"]):
+                for name, value in table.items():
+                    tables.append(table), names.append(name), values.append(value)
+                    version = weight_version(value) if isinstance(value, torch.Tensor) else None
+                    if version is not None:
+                        self.tensors.append(value), self.versions.append(version)
+        self.entries = tables, names, [_MISSING] * len(names), values
+
+    def holds(self, cache) -> bool:
+        """The cache and every entry as they were (map over C functions: ~25 ns an entry)."""
+        tables, names, missing, values = self.entries
+        return (cache is self.cache and all(map(operator.is_, map(dict.get, tables, names, missing), values))
+                and list(map(_VERSION, self.tensors)) == self.versions)
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def _rows(x: torch.Tensor, dtype: torch.dtype) -> bool:

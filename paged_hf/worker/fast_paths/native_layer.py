@@ -108,8 +108,9 @@ class NativeLayers:
         self.layers: dict = {}  # (layer, cache) -> (what it was made from, _Layer)
         self.enabled = True  # (tests turn it off to compare with the lean path's calls)
         self.stacks_enabled = True  # (tests turn it off to compare with one call per layer)
-        self.layers_served = self.stacks_served = 0  # counts, for tests and benchmarks
+        self.layers_served = self.stacks_served = self.stack_plans_made = 0  # counts, for tests and benchmarks
         self._stack: tuple[tuple, ctypes.Array] | None = None  # (the layers' structs, their array) of the last stack
+        self.stack_plan = None  # the last step's stack call, kept while it holds (lean_layers.StackPlan)
 
     def layer_struct(self, key, module, smalls: tuple, norms: tuple, cache, slot: int, decode) -> _Layer:
         key_cache, value_cache = cache.key_cache[slot], cache.value_cache[slot]
@@ -163,7 +164,7 @@ class NativeStep:
             return None
         lean = self.lean
         struct = layers.layer_struct((layer, lean.cache), module, smalls, norms, lean.cache, slot, decode)
-        step, buffers = self._step(decode, smalls, x)
+        step, buffers = self._step(decode, x, struct)
         lean.cache.books.serve(module.layer_idx, buffers[0])
         out = torch.empty_like(x)
         status = self.entry.layer(ctypes.byref(self.entry.kernels), ctypes.byref(struct), ctypes.byref(step),
@@ -173,22 +174,29 @@ class NativeStep:
         layers.layers_served += 1
         return out
 
-    def run_stack(self, layers: NativeLayers, plans: list[tuple], x: torch.Tensor) -> torch.Tensor | None:
-        """The decoder stack's output for x [1, tokens, hidden] in one call; `plans`: each layer's (layer, module,
-        groups, linears, norms, slot, decode) in the model's order. None where a layer's linear is not the few-row
-        loops' or the layers' sizes differ (the stack shares one step struct)."""
-        cache, structs, sizes, smalls = self.lean.cache, [], None, None
+    def stack_structs(self, layers: NativeLayers, plans: list[tuple], x: torch.Tensor) -> tuple | None:
+        """The layers' structs for the stack's call; `plans`: each layer's (layer, module, groups, linears, norms,
+        slot, decode) in the model's order. None where a layer's linear is not the few-row loops' or the layers'
+        sizes differ (the stack shares one step struct)."""
+        cache, structs, sizes = self.lean.cache, [], None
         for layer, module, groups, linears, norms, slot, decode in plans:
             smalls = self.smalls_of(groups, linears, x)
             if smalls is None or (sizes is not None and sizes != tuple(s.out_features for s in smalls)):
                 return None
             sizes = tuple(small.out_features for small in smalls)
             structs.append(layers.layer_struct((layer, cache), module, smalls, norms, cache, slot, decode))
-        step, buffers = self._step(plans[0][-1], smalls, x)
+        return tuple(structs)
+
+    def call_stack(self, layers: NativeLayers, structs: tuple, plans: list[tuple], decode,
+                   x: torch.Tensor) -> torch.Tensor:
+        """The decoder stack's output for x [1, tokens, hidden] in one call of the layers' `structs`; `decode`: this
+        step's decode call (its sequences and block tables)."""
+        cache = self.lean.cache
+        step, buffers = self._step(decode, x, structs[0])
         for plan in plans:
             cache.books.serve(plan[1].layer_idx, buffers[0])
         out = torch.empty_like(x)
-        status = self.entry.stack(ctypes.byref(self.entry.kernels), layers.stack_array(tuple(structs)), len(structs),
+        status = self.entry.stack(ctypes.byref(self.entry.kernels), layers.stack_array(structs), len(structs),
                                   ctypes.byref(step), x.data_ptr(), out.data_ptr(), buffers[-1].data_ptr())
         if status != 0:
             raise RuntimeError(f"the compiled decoder stack failed (status {status})")
@@ -196,15 +204,14 @@ class NativeStep:
         layers.stacks_served += 1
         return out
 
-    def _step(self, decode, smalls: tuple, x: torch.Tensor) -> tuple[_Step, tuple[torch.Tensor, ...]]:
-        """The step's struct for these layer sizes and its buffers, made with it: the q/k/v rows first, the stack's
-        two [tokens, hidden] buffers last."""
-        sizes = tuple(small.out_features for small in smalls)
+    def _step(self, decode, x: torch.Tensor, struct: _Layer) -> tuple[_Step, tuple[torch.Tensor, ...]]:
+        """The step's struct for the sizes of the layer `struct` and its buffers, made with it: the q/k/v rows
+        first, the stack's two [tokens, hidden] buffers last."""
+        sizes = (struct.qkv.out_features, struct.o.out_features, struct.gate_up.out_features, struct.o.in_features)
         made = self.steps.get(sizes)
         if made is None:
             lean, tokens = self.lean, x.shape[1]
-            qkv, hidden, gate_up, _ = sizes
-            q_cols = smalls[1].in_features
+            qkv, hidden, gate_up, q_cols = sizes
             buffers = tuple(torch.empty(tokens, width, dtype=self.dtype)
                             for width in (qkv, q_cols, q_cols, hidden, gate_up, gate_up // 2, 2 * x.shape[2]))
             rows, query, attended, projected, gate_up_rows, activated, _ = buffers

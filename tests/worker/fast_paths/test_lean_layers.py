@@ -133,6 +133,40 @@ def test_the_decoder_stack_gives_transformers_tokens_and_steps_aside_for_hooks()
     assert native.stacks_served == before and len(seen) >= 10
 
 
+@pytest.mark.skipif(not small_gemm.functions().get(torch.float32), reason="no few-row loops on this CPU")
+def test_the_stack_plan_is_kept_while_the_model_is_as_it_was_and_made_again_when_not():
+    """One plan serves every decode step of a generation; a weight replaced, a weight changed in place, a norm
+    replaced or an attention flag switched between generations makes it again, and the tokens are HF's on the
+    model as it is then (float32)."""
+    model = _llama(torch.float32, 3)
+    engine = _engine(model)
+    native = engine.runner.fused_layers.lean.native
+    prompt = random_prompts([9], seed=2)[0]
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+
+    def generate_and_count():
+        made, served = native.stack_plans_made, native.stacks_served
+        tokens = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert tokens == hf_greedy(model, prompt, 8)
+        return native.stack_plans_made - made, native.stacks_served - served
+
+    made, served = generate_and_count()  # made at the first decode step (or by the engine probe's), kept after
+    assert made <= 1 and served == 7
+    assert generate_and_count() == (0, 7)  # nothing changed: still the same plan
+    layers = model.model.layers
+    with torch.no_grad():
+        layers[2].mlp.down_proj.weight = torch.nn.Parameter(torch.randn_like(layers[2].mlp.down_proj.weight) * 0.05)
+    assert generate_and_count() == (1, 7)
+    with torch.no_grad():
+        layers[1].self_attn.k_proj.weight.mul_(-1.5)
+    assert generate_and_count() == (1, 7)
+    with torch.no_grad():
+        layers[0].post_attention_layernorm.weight = torch.nn.Parameter(torch.rand(64) + 0.5)
+    assert generate_and_count() == (1, 7)
+    layers[1].self_attn.scaling = layers[1].self_attn.scaling * 0.5
+    assert generate_and_count() == (1, 7)
+
+
 @pytest.mark.parametrize("quantization", ["int8", "w4a16", "w4a8"])
 def test_quantized_projections_run_lean_with_the_stand_ins_bits(quantization):
     """q/k/v and gate/up as one stacked quantized linear, o_proj and down_proj quantized: the same calls either
