@@ -120,9 +120,7 @@ def run_peer_bench(args) -> int:
     """Every precision, paged_hf then llama.cpp; the read bandwidth; the tables. 0 if everything ran (llama.cpp
     missing counts as ran: it is reported and skipped), 1 if anything failed."""
     streams, precisions = parse_counts(args.streams), parse_precisions(args.precisions)
-    if getattr(args, "model_shape", None):  # --model-shape: its folder, in bfloat16 (every precision loads from it)
-        args.dtype = "bfloat16" if args.dtype in (None, "auto") else args.dtype
-        resolve_model_shape(args)
+    resolve_model_shape(args)  # --model-shape: its folder in --dtype, built once; every precision loads from it
     threads, load_before = args.threads or torch.get_num_threads(), list(os.getloadavg())
     build, reason = find_llamacpp(args.llamacpp_dir)
     if reason:

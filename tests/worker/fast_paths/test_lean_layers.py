@@ -28,20 +28,21 @@ def _random_norms(model):
     return model
 
 
-def _compare_each_step_both_ways(engine, path=None) -> list[int]:
+def _compare_each_step_both_ways(engine, path=None, switch: str = "enabled", count: str = "layers_served") -> list[int]:
     """Runs every step's forward twice, through `path` and not (a step writes the same K/V to the same slots either
-    way), asserts equal logits bit for bit, and returns the layers `path` served, step by step. `path`: the lean
-    layers (by default) or their compiled layer (`lean.native`)."""
+    way), asserts equal logits bit for bit, and returns what `path` served (its `count`), step by step. `path`: the
+    lean layers (by default) or their compiled layer (`lean.native`), turned on and off by its `switch`."""
     runner = engine.runner
     lean = path or runner.fused_layers.lean
     run, served = runner.run, []
 
     def both_ways(out):
-        lean.enabled, before = False, lean.layers_served
+        setattr(lean, switch, False)
+        before = getattr(lean, count)
         expected, _ = run(out)
-        lean.enabled = True
+        setattr(lean, switch, True)
         got, inputs = run(out)
-        served.append(lean.layers_served - before)
+        served.append(getattr(lean, count) - before)
         assert torch.equal(got, expected)
         return got, inputs
 
@@ -94,19 +95,8 @@ def test_the_decoder_stack_in_one_compiled_call_gives_one_call_per_layers_bits(d
     if not small_gemm.functions().get(dtype):
         pytest.skip("no few-row loops on this CPU")
     engine = _engine(_llama(dtype, layers))
-    native = engine.runner.fused_layers.lean.native
-    runner, run, stacks = engine.runner, engine.runner.run, []
-
-    def both_ways(out):
-        native.stacks_enabled, before = False, native.stacks_served
-        expected, _ = run(out)
-        native.stacks_enabled = True
-        got, inputs = run(out)
-        stacks.append(native.stacks_served - before)
-        assert torch.equal(got, expected)
-        return got, inputs
-
-    runner.run = both_ways
+    stacks = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native, "stacks_enabled",
+                                          "stacks_served")
     prompts = random_prompts([5, 11], seed=9)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
                               use_tqdm=False)
