@@ -1,6 +1,6 @@
 """A lean decoder layer as one compiled call (`kernels/csrc/lean_layer.cpp`), where every linear of the layer is
 served by the few-row loops (a decode step of one or a few requests) and nothing of it computes itself in Python;
-and where every layer of the model's decoder stack is, the whole stack as one call (`NativeStep.run_stack`).
+and where every layer of the model's decoder stack is, the whole stack as one call (`NativeStep.call_stack`).
 
 Why: at one row a lean layer's dozen kernels take a few microseconds each, and each of their Python calls (ctypes'
 argument conversion, pointers and shapes read again, the buffers) several times that; on the default model those
