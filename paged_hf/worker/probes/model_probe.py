@@ -70,6 +70,8 @@ def probe_layers(model: torch.nn.Module, config, device: torch.device) -> tuple[
         raise UnsupportedModelError(f"{model_name(model)}: its forward fails with its attention switched to another "
                                     f"implementation ({type(exc).__name__}: {exc}); a model that computes attention "
                                     "with its own code is not served") from exc
+    finally:  # transformers' registry is global: left there, the records would keep this model alive (a dropped
+        AttentionInterface.register(PROBE_ATTENTION, eager_attention)  # engine's weights stayed until the next probe)
     returned = _returned_cache(output)
     own_state_layers = read_own_state_layers(model)  # states kept outside the cache (RecurrentGemma's, RWKV's)
     if returned is not cache and not (returned is None and own_state_layers):

@@ -137,3 +137,18 @@ def test_falcon_with_alibi_is_refused_naming_it():
                                        alibi=True)
     with pytest.raises(UnsupportedModelError, match="ALiBi"):
         paged_hf.wrap(transformers.FalconForCausalLM(config).eval(), num_blocks=64)
+
+
+def test_a_dropped_engine_lets_its_model_go():
+    """The model probe's registration in transformers' global attention registry holds nothing of the model once
+    it is done: a wrapped model the user drops is freed (it stayed alive until another model was probed)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama", seed=3)
+    paged = paged_hf.wrap(model, num_blocks=16, block_size=4)
+    assert paged.generator.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    dropped = weakref.ref(model)
+    del model, paged
+    gc.collect()
+    assert dropped() is None
