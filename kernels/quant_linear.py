@@ -165,13 +165,16 @@ class Int4Linear(QuantizedLinear):
             if self.bias is not None:
                 y = y + self.bias32()
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        values, scales, _ = self.unpacked()
+        values, scales, zeros = self.unpacked()
+        # panels (W4A8 switched off, as by the engine probe): made here and dropped, not kept beside the panels
+        # (they were 100 MB on a 1B model); W4A16's kernel reads its kept ones at every call
+        scaled_zeros = (scales * zeros).contiguous() if self.panels else self.scaled_zeros()
         groups, size = scales.shape[1], self.group_size
         u = values.float()  # [out, in]: integers, exactly
         y = torch.zeros(x32.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         for g in range(groups):
             y += (x32[:, g * size:(g + 1) * size] @ u[:, g * size:(g + 1) * size].T) * scales[:, g]
-        y = y - quant_gemm.zero_point_part(x32, self.scaled_zeros(), size)
+        y = y - quant_gemm.zero_point_part(x32, scaled_zeros, size)
         if self.bias is not None:
             y = y + self.bias32()
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

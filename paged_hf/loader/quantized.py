@@ -27,6 +27,7 @@ from paged_hf.kernels.quant_linear import (
     quantize_int8_per_channel,
 )
 from paged_hf.loader.gptq import gptq_quantize
+from paged_hf.loader.mapped_weights import copy_out_of_files
 from paged_hf.loader.quant_formats import QuantizationConfig, UnsupportedQuantization, build_linear
 from paged_hf.loader.smoothing import input_maxima, smoothing_scale
 
@@ -154,6 +155,8 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> int:
         swapped = _quantized(module, quantization, smoothing.get(name), gptq.get(name))
         _swap(model, name, swapped.to(module.weight.device))
     count = len(linears) + (quantization == "w4a8" and _quantize_head(model, output))
+    if count:
+        copy_out_of_files(model)  # what stays of a checkpoint's mapping lets go of it, and of the pages read here
     if count == 0 and not any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError(f"quantization={quantization!r}: the model has no plain nn.Linear layers to quantize")
     return count

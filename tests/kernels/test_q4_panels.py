@@ -95,5 +95,7 @@ def test_w4a8_linear_stacks_and_keeps_the_w4a16_arithmetic_when_switched_off():
     for part in (parts[1], plain):
         part.act_quant = False
     torch.testing.assert_close(parts[1](x), plain.reference(x), rtol=1e-5, atol=1e-5)
+    # the switched-off panels compute s * z for the call and keep nothing beside the panels (100 MB on a 1B model)
+    assert parts[1].__dict__.get("_scaled_zeros") is None and plain.__dict__.get("_scaled_zeros") is not None
     with pytest.raises(ValueError, match="W4A8"):
         Int4Linear(*_weights(24, 128, 64), 64, None, torch.float32, act_quant=True)
