@@ -47,18 +47,16 @@ def copy_out_of_files(model: torch.nn.Module) -> int:
 
     copies: dict[int, torch.UntypedStorage] = {}  # the file's storage (its address) -> its copy
     copied = 0
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for tensor in table.values():
-                if tensor is None or tensor.device.type != "cpu" or tensor.numel() == 0:
-                    continue
-                storage = tensor.untyped_storage()
-                pointer = storage.data_ptr()
-                if pointer not in copies:
-                    if not mapped(pointer):
-                        continue
-                    copies[pointer] = storage.clone()
-                    copied += storage.nbytes()
-                with torch.no_grad():  # the same view of the copy, in place: ties and references keep holding it
-                    tensor.set_(copies[pointer], tensor.storage_offset(), tensor.shape, tensor.stride())
+    for tensor in [*model.parameters(), *model.buffers()]:  # (a tied tensor once)
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            continue
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in copies:
+            if not mapped(pointer):
+                continue
+            copies[pointer] = storage.clone()
+            copied += storage.nbytes()
+        with torch.no_grad():  # the same view of the copy, in place: ties and references keep holding it
+            tensor.set_(copies[pointer], tensor.storage_offset(), tensor.shape, tensor.stride())
     return copied
