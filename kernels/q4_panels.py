@@ -145,6 +145,8 @@ class PanelLinear:
     that signature for the model's dtype. Holds the linear's buffers' addresses: made again when they change.
     `modes_of`: the linear whose `act_quant` is read at each call (switched off: not served)."""
 
+    max_rows = MAX_ROWS  # the most rows `serves` takes
+
     def __init__(self, linear, modes_of=None):
         self.linear, self.modes_of = linear, modes_of or linear
         self.dtype, self.in_features, self.out_features = linear.dtype, linear.in_features, linear.out_features

@@ -167,6 +167,8 @@ class FewRowsW8A8:
     signature (`w8a8_gemm_bf16`: `w8a8_linear_bf16`, the call the linear itself makes, bit for bit). `modes_of`: the
     linear whose `act_quant` is read at each call (switched off, as the engine probe does: not served)."""
 
+    max_rows = 8  # the most rows `serves` takes
+
     def __init__(self, linear, modes_of):
         self.linear, self.modes_of = linear, modes_of
         self.dtype, self.in_features, self.out_features = linear.dtype, linear.in_features, linear.out_features
@@ -200,4 +202,4 @@ class FewRowsW8A8:
     def serves(self, x: torch.Tensor) -> bool:
         """bf16 x of in_features, at most 8 rows, W8A8 switched on."""
         return (self.modes_of.act_quant and self.modes_of.use_kernel and x.dtype == torch.bfloat16
-                and x.shape[-1] == self.in_features and 0 < x.numel() <= 8 * self.in_features)
+                and x.shape[-1] == self.in_features and 0 < x.numel() <= self.max_rows * self.in_features)

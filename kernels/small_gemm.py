@@ -59,6 +59,7 @@ class SmallLinear:
         self.weights, self.biases = weights, biases
         self.dtype, self.in_features = weights[0].dtype, weights[0].shape[1]
         self.out_features = sum(w.shape[0] for w in weights)
+        self.max_rows = MAX_ROWS.get(self.dtype, 0)  # the most rows `serves` takes
         self.function = functions(extra_flags).get(self.dtype)
         count = len(weights)
         self._pointers = (ctypes.c_void_p * count)(*[w.data_ptr() for w in weights])
@@ -83,7 +84,7 @@ class SmallLinear:
     def serves(self, x: torch.Tensor) -> bool:
         """x [..., in_features] of this dtype, rows of unit stride, at most MAX_ROWS of them."""
         return (x.dtype == self.dtype and x.shape[-1] == self.in_features and x.stride(-1) == 1
-                and x.numel() <= MAX_ROWS[self.dtype] * self.in_features and x.numel() > 0
+                and x.numel() <= self.max_rows * self.in_features and x.numel() > 0
                 and (x.dim() == 2 or x.is_contiguous()))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

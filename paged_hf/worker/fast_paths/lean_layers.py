@@ -169,10 +169,11 @@ class LeanStep:
             if native is None:
                 return None
             plans.append(native)
-        structs = self.native.stack_structs(native_layers, plans, x)
-        if structs is None:
+        made = self.native.stack_structs(native_layers, plans, x)
+        if made is None:
             return None
-        native_layers.stack_plan = StackPlan(layers, self.cache, plans, structs, [plan[0] for plan in plans])
+        structs, max_rows = made
+        native_layers.stack_plan = StackPlan(layers, self.cache, plans, structs, [plan[0] for plan in plans], max_rows)
         native_layers.stack_plans_made += 1
         return self.native.call_stack(native_layers, structs, plans, plans[0][-1], x)
 
@@ -180,7 +181,8 @@ class LeanStep:
         """This step's decode call (its sequences) where the kept plan serves it: its objects as they were, each
         layer's decode function and paged attention the same, the step's call as the model makes it for every
         layer (the first one's module checked); else None."""
-        if not kept.holds(self.cache) or not all(small.serves(x) for small in kept.first_smalls):
+        if (x.shape[1] > kept.max_rows or not kept.holds(self.cache)
+                or not all(small.serves(x) for small in kept.first_smalls)):
             return None
         decode_rows, first = self.cache.decode_rows, None
         for _, module, _, _, _, slot, decode in kept.plans:
@@ -272,8 +274,9 @@ class StackPlan:
     comparisons (~0.1 ms a step on the default model) where making the plan again is ~2 ms of Python; a step that
     differs (an adapter's wrappers, a replaced weight, a switched flag) makes it again."""
 
-    def __init__(self, layers: list, cache, plans: list[tuple], structs: tuple, parts: list):
+    def __init__(self, layers: list, cache, plans: list[tuple], structs: tuple, parts: list, max_rows: int):
         self.layers, self.cache, self.plans, self.structs = layers, cache, plans, structs
+        self.max_rows = max_rows  # the most rows every layer's linears take
         self.first_smalls = plans[0][2][0].small, plans[0][2][1].small
         roles = {}  # module -> the attributes read of it (each module once, in order)
         for layer in parts:

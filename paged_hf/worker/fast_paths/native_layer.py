@@ -56,6 +56,11 @@ class _Step(ctypes.Structure):
                 ("activated", _P), ("threads", ctypes.c_int)]
 
 
+#: the most rows any few-row kernel takes (a step's rows past it are never compiled; each layer's linears are
+#: checked against their own kernels' `max_rows`: a bf16 model's few-row loops take 2, W4A8 panels and W8A8 8)
+MOST_ROWS = max(*MAX_ROWS.values(), PanelLinear.max_rows, FewRowsW8A8.max_rows)
+
+
 def _address(function) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
@@ -144,15 +149,19 @@ class NativeStep:
         self.steps: dict[tuple, tuple[_Step, tuple]] = {}
 
     def serves(self, x: torch.Tensor) -> bool:
-        """x's rows are the few-row loops', and no profiler asks for the layer's kernels one by one."""
-        return self.entry is not None and x.shape[1] <= MAX_ROWS[self.dtype] and not profiling.active()
+        """x's rows are at most the few-row kernels' (`MOST_ROWS`; each layer's own in `smalls_of`), and no
+        profiler asks for the layer's kernels one by one."""
+        return self.entry is not None and x.shape[1] <= MOST_ROWS and not profiling.active()
 
     @staticmethod
     def smalls_of(groups: tuple, linears: tuple, x: torch.Tensor) -> tuple | None:
-        """The layer's q/k/v, o, gate/up and down as the few-row loops compute them on x's rows, or None."""
+        """The layer's q/k/v, o, gate/up and down as the few-row loops compute them on x's rows, or None: a linear
+        that is not the few-row loops', or more rows than one of them takes (W4A8 and W8A8 layers take 8 rows, a
+        bf16 layer's float linears 2)."""
         smalls = (groups[0].current().small, few_rows_of(linears[0]), groups[1].current().small,
                   few_rows_of(linears[1]))
-        if None in smalls or not all(small.serves(x) for small in smalls[::2]):  # (o and down: of the same rows)
+        if (None in smalls or x.shape[1] > min(small.max_rows for small in smalls)
+                or not all(small.serves(x) for small in smalls[::2])):  # (o and down: of the same rows)
             return None
         return smalls
 
@@ -175,17 +184,18 @@ class NativeStep:
         return out
 
     def stack_structs(self, layers: NativeLayers, plans: list[tuple], x: torch.Tensor) -> tuple | None:
-        """The layers' structs for the stack's call; `plans`: each layer's (layer, module, groups, linears, norms,
-        slot, decode) in the model's order. None where a layer's linear is not the few-row loops' or the layers'
-        sizes differ (the stack shares one step struct)."""
-        cache, structs, sizes = self.lean.cache, [], None
+        """(the layers' structs for the stack's call, the most rows all their linears take); `plans`: each layer's
+        (layer, module, groups, linears, norms, slot, decode) in the model's order. None where a layer's linear is
+        not the few-row loops' or the layers' sizes differ (the stack shares one step struct)."""
+        cache, structs, sizes, max_rows = self.lean.cache, [], None, MOST_ROWS
         for layer, module, groups, linears, norms, slot, decode in plans:
             smalls = self.smalls_of(groups, linears, x)
             if smalls is None or (sizes is not None and sizes != tuple(s.out_features for s in smalls)):
                 return None
             sizes = tuple(small.out_features for small in smalls)
+            max_rows = min(max_rows, *(small.max_rows for small in smalls))
             structs.append(layers.layer_struct((layer, cache), module, smalls, norms, cache, slot, decode))
-        return tuple(structs)
+        return tuple(structs), max_rows
 
     def call_stack(self, layers: NativeLayers, structs: tuple, plans: list[tuple], decode,
                    x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from conftest import VOCAB, hf_greedy, make_adapter, random_prompts, tiny_model
 import paged_hf
 from paged_hf import SamplingParams
 from paged_hf.kernels import small_gemm
+from paged_hf.loader.quantized import quantize_model
 
 
 def _engine(model, **options):
@@ -173,6 +174,44 @@ def test_quantized_projections_run_lean_with_the_stand_ins_bits(quantization):
                                           if quantization in ("int8", "w4a8") else None)
     engine.generate(random_prompts([6, 20], seed=8), SamplingParams(max_new_tokens=6, temperature=0), use_tqdm=False)
     assert served[-1] == 2 and sum(served) >= 2 * 5
+    # decode steps of 5 requests: past a float layer's few-row loops (2 rows in bf16), within the W8A8 and W4A8
+    # kernels' 8, so compiled there too
+    served.clear()
+    engine.generate(random_prompts([6, 20, 3, 9, 14], seed=9), SamplingParams(max_new_tokens=6, temperature=0),
+                    use_tqdm=False)
+    assert served[-1] == 2 and served.count(2) >= 5
+
+
+def test_a_layer_is_compiled_up_to_the_fewest_rows_its_linears_take():
+    """W8A8 q/k/v and MLP with a float o_proj (2 rows in bf16): steps of 1-2 decodes compiled, of 3 not (the
+    W8A8 kernels alone would take them), the same bits either way."""
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    float_o = [layer.self_attn.o_proj for layer in model.model.layers]
+    quantize_model(model, "int8")
+    for layer, o_proj in zip(model.model.layers, float_o):
+        layer.self_attn.o_proj = o_proj
+    engine = _engine(model)
+    served = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native)
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    engine.generate(random_prompts([6, 20], seed=8), params, use_tqdm=False)
+    assert served[-1] == 2
+    served.clear()
+    engine.generate(random_prompts([6, 20, 9], seed=8), params, use_tqdm=False)
+    assert len(served) >= 6 and set(served) == {0}
+
+
+def test_decode_steps_past_the_few_row_loops_are_not_compiled():
+    """A bf16 float layer's few-row loops take 2 rows: steps of 3 decodes go the lean path's calls (the compiled
+    layer serves none of them), the same bits either way."""
+    engine = _engine(tiny_model("llama", dtype=torch.bfloat16))
+    native = engine.runner.fused_layers.lean.native
+    served = _compare_each_step_both_ways(engine, native)
+    engine.generate(random_prompts([5, 8, 11], seed=4), SamplingParams(max_new_tokens=6, temperature=0,
+                                                                          ignore_eos=True), use_tqdm=False)
+    assert len(served) >= 6 and set(served) == {0}
 
 
 def _projection_groups(engine):
