@@ -5,7 +5,12 @@ A decode step of one request reads every weight for one row of activations. oneD
 runs on packed weights for larger batches, spends most of such a call on work sized for blocks of rows: on an
 Intel Xeon with AMX (`amx_bf16`, `avx512_bf16`), the default model's bf16 linears at one row ran 1.6-2.7x faster
 here (q/k/v 576 -> 960: 45 -> 91 GB/s; o_proj 576 -> 576: 29 -> 80; the 1B shape's 2048 -> 16384: 50 -> 54) and
-float32's 1.0-2.3x; at two rows bf16 1.1-1.9x. From `MAX_ROWS` rows on, oneDNN's blocking wins and keeps them.
+float32's 1.0-2.3x; at two rows bf16 1.1-1.9x. Past that a linear alone is faster in oneDNN's blocks, but a
+decode step is more than its linears: where these loops serve every linear of a layer, the layer is one compiled
+call (worker/fast_paths/native_layer.py) instead of a dozen Python calls; so on AVX-512 they serve bf16 up to 4
+rows and float32 up to 8 (`max_rows`): 3-4 bf16 streams of the default model 105/130 -> 171/207 tok/s, 6-8
+float32 streams 117/140 -> 192/217, the 1B shape within 2% either way (bf16 at 8 rows lost 21% there: compute
+starts to count). CPUs with AVX2 only keep the per-linear limits (bf16 2, float32 4; not measured past them).
 The sums are float32 in another order than oneDNN's (as oneDNN's differs from MKL's): float32 results differ in
 their last bits, bf16 results round once from float32 as oneDNN's do.
 
@@ -24,8 +29,10 @@ import torch
 from paged_hf.kernels import native
 from paged_hf.profiling import span
 
-#: rows of x up to which these loops beat oneDNN (measured on the shapes above), by dtype
+#: rows of x up to which these loops serve a linear, by dtype: where they beat oneDNN on a linear alone (AVX2),
+#: and where a layer they serve whole beats oneDNN and the layer's Python calls (AVX-512; module docstring)
 MAX_ROWS = {torch.bfloat16: 2, torch.float32: 4}
+MAX_ROWS_AVX512 = {torch.bfloat16: 4, torch.float32: 8}
 _ENTRY = {torch.bfloat16: "small_gemm_bf16", torch.float32: "small_gemm_f32"}
 
 
@@ -51,6 +58,16 @@ def functions(extra_flags: tuple[str, ...] = ()) -> dict[torch.dtype, ctypes._CF
     return {dtype: native.entry_point(library, name, argtypes) for dtype, name in _ENTRY.items()}
 
 
+def max_rows(dtype: torch.dtype, extra_flags: tuple[str, ...] = ()) -> int:
+    """The most rows of `dtype` these loops serve here (0: none; bf16 on AVX-512 only with AVX512-BF16's
+    products, float32 on any AVX-512)."""
+    built = isa(extra_flags)
+    if not built or dtype not in MAX_ROWS:
+        return 0
+    wide = built == "avx512_bf16" or (built == "avx512" and dtype == torch.float32)
+    return (MAX_ROWS_AVX512 if wide else MAX_ROWS)[dtype]
+
+
 class SmallLinear:
     """y = x [W_1; W_2; ...]^T + [b_1; b_2; ...] for x of a few rows: the weights' outputs side by side, in one
     call. Holds the weights' addresses: made again when a weight is replaced (an in-place change is read as is)."""
@@ -59,7 +76,7 @@ class SmallLinear:
         self.weights, self.biases = weights, biases
         self.dtype, self.in_features = weights[0].dtype, weights[0].shape[1]
         self.out_features = sum(w.shape[0] for w in weights)
-        self.max_rows = MAX_ROWS.get(self.dtype, 0)  # the most rows `serves` takes
+        self.max_rows = max_rows(self.dtype, extra_flags)  # the most rows `serves` takes
         self.function = functions(extra_flags).get(self.dtype)
         count = len(weights)
         self._pointers = (ctypes.c_void_p * count)(*[w.data_ptr() for w in weights])
@@ -82,7 +99,7 @@ class SmallLinear:
             b is None or (b.dtype == first.dtype and b.is_contiguous() and b.device.type == "cpu") for b in biases))
 
     def serves(self, x: torch.Tensor) -> bool:
-        """x [..., in_features] of this dtype, rows of unit stride, at most MAX_ROWS of them."""
+        """x [..., in_features] of this dtype, rows of unit stride, at most `max_rows` of them."""
         return (x.dtype == self.dtype and x.shape[-1] == self.in_features and x.stride(-1) == 1
                 and x.numel() <= self.max_rows * self.in_features and x.numel() > 0
                 and (x.dim() == 2 or x.is_contiguous()))

@@ -12,7 +12,7 @@ from conftest import hf_greedy, random_prompts, tiny_model
 import paged_hf
 from paged_hf import SamplingParams
 from paged_hf.kernels import small_gemm
-from paged_hf.kernels.small_gemm import MAX_ROWS, SmallLinear
+from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.utils import cpu_flags
 
 pytestmark = pytest.mark.skipif(not small_gemm.functions(), reason="the small-row loops need AVX-512 or AVX2")
@@ -63,6 +63,12 @@ def test_the_build_says_what_it_computes_with():
     native = small_gemm.isa()
     assert native == ("avx512_bf16" if "avx512_bf16" in cpu_flags() else "avx512" if "avx512f" in cpu_flags()
                       else "avx2")
+    # the rows each build serves (bf16, float32): past a linear's own limit only where a whole compiled layer pays
+    rows = {"avx512_bf16": [4, 8], "avx512": [2, 8], "avx2": [2, 4], "": [0, 0]}
+    for flags in ((), ("-mno-avx512f",), neither):
+        assert [small_gemm.max_rows(dtype, flags) for dtype in (torch.bfloat16, torch.float32)] == \
+            rows[small_gemm.isa(flags)]
+    assert SmallLinear(*_case(torch.bfloat16, 1, 64, [8], False)[:2]).max_rows == small_gemm.max_rows(torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,7 +93,7 @@ def test_the_same_bits_whatever_the_threads_and_the_rows_layout(dtype):
 def test_what_it_does_not_serve_is_left_to_the_callers_gemm():
     weights, biases, x, _ = _case(torch.float32, 2, 64, [8], False)
     linear = SmallLinear(weights, biases)
-    assert linear.serves(x) and not linear.serves(torch.zeros(MAX_ROWS[torch.float32] + 1, 64))
+    assert linear.serves(x) and not linear.serves(torch.zeros(small_gemm.max_rows(torch.float32) + 1, 64))
     assert not linear.serves(x.to(torch.bfloat16)) and not linear.serves(torch.zeros(2, 64).t().contiguous().t()[:, :1])
     assert not SmallLinear.usable([torch.zeros(4, 8, dtype=torch.float64)], [None])
     assert not SmallLinear.usable([torch.zeros(8, 4).t()], [None])  # not row-major

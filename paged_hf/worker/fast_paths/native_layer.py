@@ -26,7 +26,7 @@ from paged_hf.kernels import layer_ops, native, small_gemm
 from paged_hf.kernels.q4_panels import PanelLinear
 from paged_hf.kernels.quant_gemm import FewRowsW8A8
 from paged_hf.kernels.quant_linear import Int4Linear, Int8Linear
-from paged_hf.kernels.small_gemm import MAX_ROWS, SmallLinear
+from paged_hf.kernels.small_gemm import MAX_ROWS_AVX512, SmallLinear
 from paged_hf.worker.code_match import runs_own_class_code
 from paged_hf.worker.fast_paths.packed_linears import PackedLinear
 
@@ -57,8 +57,8 @@ class _Step(ctypes.Structure):
 
 
 #: the most rows any few-row kernel takes (a step's rows past it are never compiled; each layer's linears are
-#: checked against their own kernels' `max_rows`: a bf16 model's few-row loops take 2, W4A8 panels and W8A8 8)
-MOST_ROWS = max(*MAX_ROWS.values(), PanelLinear.max_rows, FewRowsW8A8.max_rows)
+#: checked against their own kernels' `max_rows`: W4A8 panels and W8A8 take 8, float linears 2-8 by dtype and ISA)
+MOST_ROWS = max(*MAX_ROWS_AVX512.values(), PanelLinear.max_rows, FewRowsW8A8.max_rows)
 
 
 def _address(function) -> int:
@@ -156,8 +156,7 @@ class NativeStep:
     @staticmethod
     def smalls_of(groups: tuple, linears: tuple, x: torch.Tensor) -> tuple | None:
         """The layer's q/k/v, o, gate/up and down as the few-row loops compute them on x's rows, or None: a linear
-        that is not the few-row loops', or more rows than one of them takes (W4A8 and W8A8 layers take 8 rows, a
-        bf16 layer's float linears 2)."""
+        that is not the few-row loops', or more rows than one of them takes (`max_rows`)."""
         smalls = (groups[0].current().small, few_rows_of(linears[0]), groups[1].current().small,
                   few_rows_of(linears[1]))
         if (None in smalls or x.shape[1] > min(small.max_rows for small in smalls)

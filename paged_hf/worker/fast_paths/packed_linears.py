@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from paged_hf.kernels import small_gemm
-from paged_hf.kernels.small_gemm import MAX_ROWS, SmallLinear
+from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
 
 # the batch size the weights are laid out for; oneDNN runs any batch on them (measured: no slower at 1-512)
@@ -41,7 +41,7 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 class PackingSwitch:
     """Whether a dtype's packed copies are in use yet: from the first step of more sequences than the few-row
-    loops compute at that dtype (`small_gemm.MAX_ROWS`); from the start for a dtype they do not compute here."""
+    loops compute at that dtype (`small_gemm.max_rows`); from the start for a dtype they do not compute here."""
 
     def __init__(self):
         self.most_sequences = 0
@@ -50,8 +50,7 @@ class PackingSwitch:
         self.most_sequences = max(self.most_sequences, sequences)
 
     def packs(self, dtype: torch.dtype) -> bool:
-        few_rows = MAX_ROWS.get(dtype, 0) if small_gemm.functions().get(dtype) else 0
-        return self.most_sequences > few_rows
+        return self.most_sequences > small_gemm.max_rows(dtype)
 
 
 class PackedLinear(StandIn):

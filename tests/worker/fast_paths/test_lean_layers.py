@@ -29,10 +29,12 @@ def _random_norms(model):
     return model
 
 
-def _compare_each_step_both_ways(engine, path=None, switch: str = "enabled", count: str = "layers_served") -> list[int]:
+def _compare_each_step_both_ways(engine, path=None, switch: str = "enabled", count: str = "layers_served",
+                                 sequences: list | None = None) -> list[int]:
     """Runs every step's forward twice, through `path` and not (a step writes the same K/V to the same slots either
     way), asserts equal logits bit for bit, and returns what `path` served (its `count`), step by step. `path`: the
-    lean layers (by default) or their compiled layer (`lean.native`), turned on and off by its `switch`."""
+    lean layers (by default) or their compiled layer (`lean.native`), turned on and off by its `switch`;
+    `sequences`: given, each step's number of sequences is appended to it."""
     runner = engine.runner
     lean = path or runner.fused_layers.lean
     run, served = runner.run, []
@@ -44,6 +46,8 @@ def _compare_each_step_both_ways(engine, path=None, switch: str = "enabled", cou
         setattr(lean, switch, True)
         got, inputs = run(out)
         served.append(getattr(lean, count) - before)
+        if sequences is not None:
+            sequences.append(len(out.scheduled))
         assert torch.equal(got, expected)
         return got, inputs
 
@@ -183,8 +187,12 @@ def test_quantized_projections_run_lean_with_the_stand_ins_bits(quantization):
 
 
 def test_a_layer_is_compiled_up_to_the_fewest_rows_its_linears_take():
-    """W8A8 q/k/v and MLP with a float o_proj (2 rows in bf16): steps of 1-2 decodes compiled, of 3 not (the
-    W8A8 kernels alone would take them), the same bits either way."""
+    """W8A8 q/k/v and MLP with a float o_proj (`small_gemm.max_rows`: 2-4 rows in bf16): steps of 2 decodes
+    compiled, of one more than the float loops take not (the W8A8 kernels alone would take up to 8), the same bits
+    either way."""
+    few = small_gemm.max_rows(torch.bfloat16)
+    if not few:
+        pytest.skip("no few-row loops on this CPU")
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -194,24 +202,35 @@ def test_a_layer_is_compiled_up_to_the_fewest_rows_its_linears_take():
     for layer, o_proj in zip(model.model.layers, float_o):
         layer.self_attn.o_proj = o_proj
     engine = _engine(model)
-    served = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native)
+    sequences = []
+    served = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native, sequences=sequences)
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     engine.generate(random_prompts([6, 20], seed=8), params, use_tqdm=False)
     assert served[-1] == 2
-    served.clear()
-    engine.generate(random_prompts([6, 20, 9], seed=8), params, use_tqdm=False)
-    assert len(served) >= 6 and set(served) == {0}
+    served.clear(), sequences.clear()
+    engine.generate(random_prompts([6, 20, 9, 14, 3, 11][:few + 1], seed=8), params, use_tqdm=False)
+    past = [count for count, rows in zip(served, sequences) if rows > few]
+    assert len(past) >= 3 and set(past) == {0}
 
 
-def test_decode_steps_past_the_few_row_loops_are_not_compiled():
-    """A bf16 float layer's few-row loops take 2 rows: steps of 3 decodes go the lean path's calls (the compiled
-    layer serves none of them), the same bits either way."""
-    engine = _engine(tiny_model("llama", dtype=torch.bfloat16))
-    native = engine.runner.fused_layers.lean.native
-    served = _compare_each_step_both_ways(engine, native)
-    engine.generate(random_prompts([5, 8, 11], seed=4), SamplingParams(max_new_tokens=6, temperature=0,
-                                                                          ignore_eos=True), use_tqdm=False)
-    assert len(served) >= 6 and set(served) == {0}
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_steps_up_to_the_few_row_loops_rows_are_compiled_and_past_them_not(dtype):
+    """A float layer is compiled at as many decodes as its few-row loops take (`small_gemm.max_rows`), and at one
+    more it goes the lean path's calls; the same bits either way."""
+    few = small_gemm.max_rows(dtype)
+    if not few:
+        pytest.skip("no few-row loops on this CPU")
+    engine = _engine(tiny_model("llama", dtype=dtype))
+    sequences = []
+    served = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native, sequences=sequences)
+    prompts = random_prompts([5, 8, 11, 3, 9, 6, 4, 7, 10], seed=4)
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    engine.generate(prompts[:few], params, use_tqdm=False)
+    assert served[-1] == 2 and [count for count, rows in zip(served, sequences) if rows == few].count(2) >= 3
+    served.clear(), sequences.clear()
+    engine.generate(prompts[:few + 1], params, use_tqdm=False)
+    past = [count for count, rows in zip(served, sequences) if rows > few]
+    assert len(past) >= 3 and set(past) == {0}
 
 
 def _projection_groups(engine):

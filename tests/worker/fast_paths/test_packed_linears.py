@@ -113,8 +113,8 @@ def test_packed_copies_are_made_only_once_a_step_batches_past_the_few_row_loops(
     themselves; the first step of more sequences than those loops compute makes the packed copies (q/k/v and
     gate/up concatenated only then). Tokens are the unpacked engine's throughout."""
     model = tiny_model("llama", dtype=torch.float32)
-    few = small_gemm.MAX_ROWS[torch.float32] if small_gemm.functions().get(torch.float32) else 0
-    prompts = random_prompts([5, 23, 40, 9, 17, 30][:few + 1])
+    few = small_gemm.max_rows(torch.float32)
+    prompts = random_prompts([5, 23, 40, 9, 17, 30, 12, 7, 26, 14][:few + 1])
     params = SamplingParams(max_new_tokens=6, temperature=0)
     engine = paged_hf.wrap(model, num_blocks=64).generator
     plain = paged_hf.wrap(model, num_blocks=64, pack_linear_weights=False).generator
