@@ -8,8 +8,8 @@ here (q/k/v 576 -> 960: 45 -> 91 GB/s; o_proj 576 -> 576: 29 -> 80; the 1B shape
 float32's 1.0-2.3x; at two rows bf16 1.1-1.9x. Past that a linear alone is faster in oneDNN's blocks, but a
 decode step is more than its linears: where these loops serve every linear of a layer, the layer is one compiled
 call (worker/fast_paths/native_layer.py) instead of a dozen Python calls; so on AVX-512 they serve bf16 up to 4
-rows and float32 up to 8 (`max_rows`): 3-4 bf16 streams of the default model 105/130 -> 171/207 tok/s, 6-8
-float32 streams 117/140 -> 192/217, the 1B shape within 2% either way (bf16 at 8 rows lost 21% there: compute
+rows and float32 up to 8 (`max_rows`): 3-4 bf16 streams of the default model 105/130 -> 198/235 tok/s, 6-8
+float32 streams 117/140 -> 193/218, the 1B shape within 2% either way (bf16 at 8 rows lost 21% there: compute
 starts to count). CPUs with AVX2 only keep the per-linear limits (bf16 2, float32 4; not measured past them).
 The sums are float32 in another order than oneDNN's (as oneDNN's differs from MKL's): float32 results differ in
 their last bits, bf16 results round once from float32 as oneDNN's do.
