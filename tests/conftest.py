@@ -163,3 +163,30 @@ def plans_compiled_prefills(kernel) -> bool:
     plan = kernel.plan_queries(torch.tensor([0, 1]), [Query(start=0, length=2, context_len=2, block_table=[0])],
                                torch.device("cpu"))
     return plan.native_prefills is not None
+
+
+def compare_each_step_both_ways(engine, path=None, switch: str = "enabled", count: str = "layers_served",
+                                sequences: list | None = None) -> list[int]:
+    """Runs every step's forward twice, through `path` and not (a step writes the same K/V to the same slots either
+    way), asserts equal logits bit for bit, and returns what `path` served (its `count`), step by step. `path`: the
+    lean layers (by default), their compiled layer (`lean.native`) or another fast path of the runner's
+    (`runner.llama_forward`), turned on and off by its `switch`;
+    `sequences`: given, each step's number of sequences is appended to it."""
+    runner = engine.runner
+    path = path or runner.fused_layers.lean
+    run, served = runner.run, []
+
+    def both_ways(out):
+        setattr(path, switch, False)
+        before = getattr(path, count)
+        expected, _ = run(out)
+        setattr(path, switch, True)
+        got, inputs = run(out)
+        served.append(getattr(path, count) - before)
+        if sequences is not None:
+            sequences.append(len(out.scheduled))
+        assert torch.equal(got, expected)
+        return got, inputs
+
+    runner.run = both_ways
+    return served

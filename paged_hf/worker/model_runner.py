@@ -20,6 +20,7 @@ from paged_hf.utils import trim_heap
 from paged_hf.worker.attention_switch import AttentionSwitch
 from paged_hf.worker.probes.engine_probe import verify_engine
 from paged_hf.worker.fast_paths.fused_layers import FusedLayers
+from paged_hf.worker.fast_paths.llama_forward import LlamaForward
 from paged_hf.worker.kv_tier.offload import make_kv_offload
 from paged_hf.worker.model_info import ModelInfo, text_config
 from paged_hf.worker.families.registry import FamilyStandIns
@@ -64,6 +65,8 @@ class ModelRunner:
         fused = fused_layers.fused_linears if fused_layers is not None else set()
         self.packed_linears = (PackedLinears(model, fused, self.packing) if config.pack_linear_weights
                                else contextlib.nullcontext())
+        # Llama's forward without transformers' wrappers, where the fused layers serve the model (else None)
+        self.llama_forward = LlamaForward.of(model, fused_layers.lean) if fused_layers is not None else None
         self.swaps = StepSwaps(self.attention_switch, self.family_stand_ins, self.recurrent_mixers,
                                self.packed_linears, self.fused_layers)
         self.kv_offload = None
@@ -140,6 +143,8 @@ class ModelRunner:
     def _call_model(self, kwargs: dict) -> torch.Tensor | None:
         """The logits rows; a pipeline rank that does not sample runs the decoder only and returns None: before the
         last stage it hands its hidden states on, on the last stage (its other tensor ranks) no LM head runs."""
+        if self.links is None and self.llama_forward is not None and self.llama_forward.serves(kwargs):
+            return self.llama_forward(**kwargs)[0]
         if self.links is None or self.links.samples:
             return self.model(**kwargs).logits[0]
         kwargs.pop("logits_to_keep", None)

@@ -83,6 +83,17 @@ class LeanDecodes:
         self._passing = (output, layers, index + 1) if index + 1 < len(layers) else None
         return output
 
+    def take_handed_on(self, layers: list, output: torch.Tensor) -> bool:
+        """True where `output` is that of a stack just computed in one call whose layers are `layers` (the model's
+        loop, in order): its later layers would hand it on unchanged, and a caller running that loop itself
+        (llama_forward.py) skips them; the hand-on is then done."""
+        passing = self._passing
+        if passing is None or passing[0] is not output or passing[2] != 1 or len(passing[1]) != len(layers) \
+                or not all(map(operator.is_, passing[1], layers)):
+            return False
+        self._passing = None
+        return True
+
     def end_step(self) -> None:
         self._made_for = self._step = self._passing = None  # holds no tensor past the step
 

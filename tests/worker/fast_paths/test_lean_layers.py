@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, hf_greedy, make_adapter, random_prompts, tiny_model
+from conftest import VOCAB, compare_each_step_both_ways, hf_greedy, make_adapter, random_prompts, tiny_model
 
 import paged_hf
 from paged_hf import SamplingParams
@@ -29,37 +29,11 @@ def _random_norms(model):
     return model
 
 
-def _compare_each_step_both_ways(engine, path=None, switch: str = "enabled", count: str = "layers_served",
-                                 sequences: list | None = None) -> list[int]:
-    """Runs every step's forward twice, through `path` and not (a step writes the same K/V to the same slots either
-    way), asserts equal logits bit for bit, and returns what `path` served (its `count`), step by step. `path`: the
-    lean layers (by default) or their compiled layer (`lean.native`), turned on and off by its `switch`;
-    `sequences`: given, each step's number of sequences is appended to it."""
-    runner = engine.runner
-    lean = path or runner.fused_layers.lean
-    run, served = runner.run, []
-
-    def both_ways(out):
-        setattr(lean, switch, False)
-        before = getattr(lean, count)
-        expected, _ = run(out)
-        setattr(lean, switch, True)
-        got, inputs = run(out)
-        served.append(getattr(lean, count) - before)
-        if sequences is not None:
-            sequences.append(len(out.scheduled))
-        assert torch.equal(got, expected)
-        return got, inputs
-
-    runner.run = both_ways
-    return served
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_steps_give_the_stand_ins_bits(dtype):
     """head_dim 16: the decode kernel serves prompt chunks too (its tiles; the bf16 prefill kernel takes 64)."""
     engine = _engine(tiny_model("llama", dtype=dtype))
-    served = _compare_each_step_both_ways(engine)
+    served = compare_each_step_both_ways(engine)
     prompts = random_prompts([5, 23, 40], seed=4)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0), use_tqdm=False)
     assert len(served) >= 8 and set(served) == {2}  # both layers of every step
@@ -73,7 +47,7 @@ def test_a_layer_in_one_compiled_call_gives_the_lean_calls_bits(dtype):
     if not small_gemm.functions().get(dtype):
         pytest.skip("no few-row loops on this CPU")
     engine = _engine(tiny_model("llama", dtype=dtype))
-    served = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native)
+    served = compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native)
     prompts = random_prompts([5, 11], seed=9)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
                               use_tqdm=False)
@@ -100,7 +74,7 @@ def test_the_decoder_stack_in_one_compiled_call_gives_one_call_per_layers_bits(d
     if not small_gemm.functions().get(dtype):
         pytest.skip("no few-row loops on this CPU")
     engine = _engine(_llama(dtype, layers))
-    stacks = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native, "stacks_enabled",
+    stacks = compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native, "stacks_enabled",
                                           "stacks_served")
     prompts = random_prompts([5, 11], seed=9)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
@@ -174,7 +148,7 @@ def test_quantized_projections_run_lean_with_the_stand_ins_bits(quantization):
     groups = _projection_groups(engine)
     assert len(groups) == 4 and all(group.quantized for group in groups)
     # W8A8 and W4A8 serve the compiled layer: its decode steps against the lean path's calls
-    served = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native
+    served = compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native
                                           if quantization in ("int8", "w4a8") else None)
     engine.generate(random_prompts([6, 20], seed=8), SamplingParams(max_new_tokens=6, temperature=0), use_tqdm=False)
     assert served[-1] == 2 and sum(served) >= 2 * 5
@@ -203,7 +177,7 @@ def test_a_layer_is_compiled_up_to_the_fewest_rows_its_linears_take():
         layer.self_attn.o_proj = o_proj
     engine = _engine(model)
     sequences = []
-    served = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native, sequences=sequences)
+    served = compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native, sequences=sequences)
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     engine.generate(random_prompts([6, 20], seed=8), params, use_tqdm=False)
     assert served[-1] == 2
@@ -222,7 +196,7 @@ def test_decode_steps_up_to_the_few_row_loops_rows_are_compiled_and_past_them_no
         pytest.skip("no few-row loops on this CPU")
     engine = _engine(tiny_model("llama", dtype=dtype))
     sequences = []
-    served = _compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native, sequences=sequences)
+    served = compare_each_step_both_ways(engine, engine.runner.fused_layers.lean.native, sequences=sequences)
     prompts = random_prompts([5, 8, 11, 3, 9, 6, 4, 7, 10], seed=4)
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     engine.generate(prompts[:few], params, use_tqdm=False)
@@ -246,7 +220,7 @@ def test_prompt_chunks_of_the_prefill_kernel_go_the_stand_ins_way():
     engine = _engine(model)
     if engine.runner.kernel.prefill_isa is None:
         pytest.skip("no AVX512-BF16 here: bf16 prompt chunks go to the decode kernel, which the lean path serves")
-    served = _compare_each_step_both_ways(engine)
+    served = compare_each_step_both_ways(engine)
     engine.generate(random_prompts([5, 45], seed=3), SamplingParams(max_new_tokens=6, temperature=0), use_tqdm=False)
     assert served[0] == 0 and served[-1] == 2 and set(served) == {0, 2}
 
@@ -269,7 +243,7 @@ def test_hooked_modules_run_as_hooked():
     model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *args: calls.append(1))
     model.model.layers[1].self_attn.k_proj.register_forward_pre_hook(lambda *args: None)
     engine = _engine(model)
-    served = _compare_each_step_both_ways(engine)
+    served = compare_each_step_both_ways(engine)
     calls.clear()  # (the engine probe's forwards)
     prompt = random_prompts([9], seed=6)[0]
     output = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0), use_tqdm=False)[0]
@@ -287,7 +261,7 @@ def test_adapter_steps_run_lean_with_the_stand_ins_bits(tmp_path):
     oracles = {name: make_adapter(base, tmp_path / name, seed, **config)
                for seed, (name, config) in enumerate(configs.items(), start=3)}
     engine = _engine(base, adapters={name: str(tmp_path / name) for name in configs})
-    served = _compare_each_step_both_ways(engine)
+    served = compare_each_step_both_ways(engine)
     prompts, adapters = random_prompts([6, 13, 9], seed=8), ["qkv", None, "mlp"]
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0), adapters=adapters,
                               use_tqdm=False)
