@@ -98,9 +98,11 @@ class ProjectionGroup:
         return torch.cat([torch.nn.functional.linear(x, weight, bias)  # (the outputs are small beside the weights)
                           for weight, bias in zip(self.weights, self.biases)], dim=-1)
 
-    def _versions(self) -> list[tuple[torch.Tensor, int | None]]:
-        weights = [linear.qweight if self.quantized else linear.weight for linear in self.linears]
-        return [(weight, weight_version(weight)) for weight in weights]
+    def _versions(self) -> list[tuple[torch.Tensor | None, tuple | None]]:
+        """Each linear's weight and bias with `weight_version`: what the group's copies and pointers hold."""
+        tensors = [t for linear in self.linears for t in (linear.qweight if self.quantized else linear.weight,
+                                                         linear.bias)]
+        return [(t, None if t is None else weight_version(t)) for t in tensors]
 
     def _build(self) -> None:
         if self.quantized:

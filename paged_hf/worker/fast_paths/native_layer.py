@@ -120,8 +120,10 @@ class NativeLayers:
     def layer_struct(self, key, module, smalls: tuple, norms: tuple, cache, slot: int, decode) -> _Layer:
         key_cache, value_cache = cache.key_cache[slot], cache.value_cache[slot]
         sources = (*smalls, norms[0].weight, norms[1].weight, key_cache, value_cache, decode.function)
+        norm_addresses = (norms[0].weight.data_ptr(), norms[1].weight.data_ptr())  # (`.data =` keeps the tensor)
         made = self.layers.get(key)
-        if made is None or len(made[0]) != len(sources) or any(a is not b for a, b in zip(made[0], sources)):
+        if (made is None or len(made[0]) != len(sources) or any(a is not b for a, b in zip(made[0], sources))
+                or made[2] != norm_addresses):
             qkv, o, gate_up, down = smalls
             heads = o.in_features // module.head_dim
             struct = _Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].variance_epsilon,
@@ -129,7 +131,7 @@ class NativeLayers:
                             heads, key_cache.shape[2], module.head_dim, module.scaling, key_cache.data_ptr(),
                             value_cache.data_ptr(), key_cache.shape[1], _address(decode.function),
                             int(decode.in_place))
-            made = self.layers[key] = (sources, struct)
+            made = self.layers[key] = (sources, struct, norm_addresses)
         return made[1]
 
     def stack_array(self, structs: tuple[_Layer, ...]) -> ctypes.Array:

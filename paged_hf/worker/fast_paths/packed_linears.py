@@ -66,17 +66,20 @@ class PackedLinear(StandIn):
         object.__setattr__(self, "base", base)
         self.packs = packs
         self.switch = switch
-        self._packed_from: tuple[torch.Tensor, int | None] | None = None
+        self._packed_from: tuple[torch.Tensor, tuple] | None = None  # (the weight, its `weight_version`)
         self.packed: torch.Tensor | None = None
-        self._small: tuple[torch.Tensor, torch.Tensor | None, SmallLinear | None] | None = None
+        self._small: tuple[torch.Tensor, torch.Tensor | None, tuple, SmallLinear | None] | None = None
 
     def small_linear(self) -> SmallLinear | None:
-        """The few-row loops on the weight as it is now (made again when the weight or bias is replaced)."""
+        """The few-row loops on the weight as it is now (made again when the weight or bias, or their data, is
+        replaced; they read an in-place change as is)."""
         weight, bias = self.base.weight, self.base.bias
-        if self._small is None or self._small[0] is not weight or self._small[1] is not bias:
+        addresses = (weight.data_ptr(), None if bias is None else bias.data_ptr())
+        small = self._small
+        if small is None or small[0] is not weight or small[1] is not bias or small[2] != addresses:
             usable = SmallLinear.usable([weight], [bias])
-            self._small = (weight, bias, SmallLinear([weight.detach()], [bias]) if usable else None)
-        return self._small[2]
+            self._small = small = (weight, bias, addresses, SmallLinear([weight.detach()], [bias]) if usable else None)
+        return small[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.base.weight, self.base.bias
@@ -111,10 +114,13 @@ class PackedLinears(ModuleSwaps):
                     self.sites.append((parent, name, child, PackedLinear(child, child.weight.dtype in packed, switch)))
 
 
-def weight_version(weight: torch.Tensor) -> int | None:
-    """The weight's in-place version counter; None for an inference tensor (a model created under
-    `torch.inference_mode()`), which has none: only replacing such a weight is noticed."""
-    return None if weight.is_inference() else weight._version
+def weight_version(weight: torch.Tensor) -> tuple[int | None, int]:
+    """(the weight's in-place version counter, the address of its data): what a copy of it, or a kernel's pointer
+    to it, was made from. The address because `parameter.data = other` (what `Module.to()` does to parameters,
+    and weight-loading code) gives the same tensor other data without counting a version. The counter is None
+    for an inference tensor (a model created under `torch.inference_mode()`), which has none: only replacing
+    such a weight or its data is noticed."""
+    return None if weight.is_inference() else weight._version, weight.data_ptr()
 
 
 def _packable(module: torch.nn.Module | None, dtypes: tuple[torch.dtype, ...]) -> bool:

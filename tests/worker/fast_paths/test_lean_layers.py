@@ -136,6 +136,37 @@ def test_the_stack_plan_is_kept_while_the_model_is_as_it_was_and_made_again_when
     assert generate_and_count() == (1, 7)
 
 
+def test_weights_given_other_data_in_place_of_theirs_are_read_at_the_next_step():
+    """`parameter.data = other` (what `Module.to()` does to parameters, and weight-loading code) keeps the tensor
+    and its version count: the stack's kept plan, its layers' structs, the few-row loops' pointers and the
+    oneDNN-packed copies notice the new address, and the tokens are HF's on the new weights (float32; one
+    sequence: the stack in one call; nine: the packed copies); biases alike (those of q/k/v and the MLP here)."""
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      attention_bias=True, mlp_bias=True)
+    torch.manual_seed(3)
+    model = _random_norms(transformers.LlamaForCausalLM(config).eval())
+    engine = _engine(model)
+    prompts = random_prompts([9, 5, 12, 7, 3, 8, 10, 6, 4], seed=2)
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+
+    def assert_transformers_tokens():
+        for batch in (prompts[:1], prompts):
+            outputs = engine.generate(batch, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 6) for p in batch]
+
+    assert_transformers_tokens()
+    layers = model.model.layers
+    for module, name in ((layers[1].self_attn.k_proj, "weight"), (layers[2].self_attn.o_proj, "weight"),
+                         (layers[0].mlp.down_proj, "weight"), (layers[1].post_attention_layernorm, "weight"),
+                         (model.model.norm, "weight"), (model.lm_head, "weight"), (layers[0].self_attn.v_proj, "bias"),
+                         (layers[2].mlp.up_proj, "bias"), (layers[1].mlp.down_proj, "bias")):
+        tensor = getattr(module, name)
+        with torch.no_grad():
+            tensor.data = tensor + torch.randn_like(tensor) * 0.2  # new storage, the same tensor
+        assert_transformers_tokens()
+
+
 @pytest.mark.parametrize("quantization", ["int8", "w4a16", "w4a8"])
 def test_quantized_projections_run_lean_with_the_stand_ins_bits(quantization):
     """q/k/v and gate/up as one stacked quantized linear, o_proj and down_proj quantized: the same calls either
