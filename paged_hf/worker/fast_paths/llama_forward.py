@@ -32,8 +32,8 @@ class LlamaForward:
     def __init__(self, model: torch.nn.Module, decoder: torch.nn.Module, lean: LeanDecodes):
         self.model, self.decoder, self.lean = model, decoder, lean
         self.forwards = type(model).forward, type(decoder).forward  # as they were when recognised
-        self.create_causal_mask = forward_globals(decoder)["create_causal_mask"]
-        self.slice_logits_to_keep = forward_globals(model)["slice_logits_to_keep"]
+        # their modeling files' globals, read at each call as the forwards read them (a patch of one is followed)
+        self.decoder_globals, self.model_globals = forward_globals(decoder), forward_globals(model)
         self.enabled = True  # (tests turn it off to compare with the model's own forward)
         self.steps_served = 0  # a count, for tests
 
@@ -64,8 +64,9 @@ class LlamaForward:
         a cache, then LlamaForCausalLM.forward's head on the kept rows."""
         decoder = self.decoder
         inputs_embeds = decoder.embed_tokens(input_ids)
-        causal_mask = self.create_causal_mask(config=decoder.config, inputs_embeds=inputs_embeds,
-                                              attention_mask=attention_mask, cache=cache, position_ids=position_ids)
+        causal_mask = self.decoder_globals["create_causal_mask"](
+            config=decoder.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+            position_ids=position_ids)
         hidden_states = inputs_embeds
         position_embeddings = decoder.rotary_emb(hidden_states, position_ids=position_ids)
         layers = list(decoder.layers)[: decoder.config.num_hidden_layers]  # (the layers a ModuleList's slice holds)
@@ -77,4 +78,4 @@ class LlamaForward:
                 break  # the whole stack ran at the first layer; the others would hand its output on
         hidden_states = decoder.norm(hidden_states)
         self.steps_served += 1
-        return self.model.lm_head(self.slice_logits_to_keep(hidden_states, logits_to_keep))
+        return self.model.lm_head(self.model_globals["slice_logits_to_keep"](hidden_states, logits_to_keep))

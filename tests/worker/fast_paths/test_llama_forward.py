@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers.models.llama import modeling_llama
 from conftest import VOCAB, compare_each_step_both_ways, hf_greedy, random_prompts, tiny_model
 
 import paged_hf
@@ -70,6 +71,23 @@ def test_tokens_are_transformers_and_hooks_turn_it_off():
         assert [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == expected
         handle.remove()
         assert forward.steps_served == before and len(seen) >= 10
+
+
+def test_the_modeling_files_functions_are_read_at_each_call(monkeypatch):
+    """A patch of `create_causal_mask` in Llama's modeling file after the engine was built is called, as the
+    model's own forward would call it."""
+    model = _llama(torch.float32)
+    engine = _engine(model)
+    calls = []
+    original = modeling_llama.create_causal_mask
+    monkeypatch.setattr(modeling_llama, "create_causal_mask", lambda **kwargs: calls.append(1) or original(**kwargs))
+    before = engine.runner.llama_forward.steps_served
+    prompt = random_prompts([6], seed=1)[0]
+    tokens = engine.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)
+    served = engine.runner.llama_forward.steps_served - before
+    assert served >= 4 and len(calls) >= served
+    monkeypatch.undo()
+    assert tokens[0].outputs[0].token_ids == hf_greedy(model, prompt, 4)
 
 
 def test_models_whose_forward_is_not_llamas_have_none():
