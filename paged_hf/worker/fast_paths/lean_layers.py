@@ -28,7 +28,7 @@ from paged_hf.kernels import layer_ops
 from paged_hf.profiling import span
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.fast_paths.native_layer import NativeLayers, NativeStep, few_rows_of
-from paged_hf.worker.fast_paths.packed_linears import PackedLinear, weight_version
+from paged_hf.worker.fast_paths.packed_linears import PackedLinear
 
 
 class LeanDecodes:
@@ -312,14 +312,14 @@ class StackPlan:
                     tables.append(table), names.append(name), values.append(value)
                     if isinstance(value, torch.Tensor):
                         self.tensors.append(value)
-                        if weight_version(value)[0] is not None:
+                        if not value.is_inference():  # (an inference tensor counts no versions)
                             self.versioned.append(value)
         self.entries = tables, names, [_MISSING] * len(names), values
         self.versions, self.addresses = list(map(_VERSION, self.versioned)), list(map(_ADDRESS, self.tensors))
 
     def holds(self, cache) -> bool:
         """The cache and every entry as they were, every tensor's data where they were and not changed in place
-        (`weight_version`; maps over C functions: ~25 ns an entry)."""
+        (packed_linears.weight_version; maps over C functions: ~25 ns an entry)."""
         tables, names, missing, values = self.entries
         return (cache is self.cache and all(map(operator.is_, map(dict.get, tables, names, missing), values))
                 and list(map(_VERSION, self.versioned)) == self.versions

@@ -55,10 +55,10 @@ def test_a_layer_in_one_compiled_call_gives_the_lean_calls_bits(dtype):
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
 
 
-def _llama(dtype, layers: int):
+def _llama(dtype, layers: int, **extra):
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512)
+                                      max_position_embeddings=512, **extra)
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     model.generation_config.eos_token_id = None
@@ -141,11 +141,7 @@ def test_weights_given_other_data_in_place_of_theirs_are_read_at_the_next_step()
     and its version count: the stack's kept plan, its layers' structs, the few-row loops' pointers and the
     oneDNN-packed copies notice the new address, and the tokens are HF's on the new weights (float32; one
     sequence: the stack in one call; nine: the packed copies); biases alike (those of q/k/v and the MLP here)."""
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      attention_bias=True, mlp_bias=True)
-    torch.manual_seed(3)
-    model = _random_norms(transformers.LlamaForCausalLM(config).eval())
+    model = _random_norms(_llama(torch.float32, 3, attention_bias=True, mlp_bias=True))
     engine = _engine(model)
     prompts = random_prompts([9, 5, 12, 7, 3, 8, 10, 6, 4], seed=2)
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
