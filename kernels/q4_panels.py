@@ -21,6 +21,7 @@ import functools
 import torch
 
 from paged_hf.kernels import native
+from paged_hf.kernels.quant_gemm import CompiledLayerLinear
 from paged_hf.profiling import span
 
 PANEL = 16  # output channels per panel
@@ -139,47 +140,31 @@ class _Struct(ctypes.Structure):  # csrc/q4_panels.cpp's Q4PanelLinear
 MAX_ROWS = 8
 
 
-class PanelLinear:
-    """A W4A8 linear (`Int4Linear` with `panels`) as the compiled decode layer calls it
-    (worker/fast_paths/native_layer.py): small_gemm.SmallLinear's `segments()`, plus `gemm`, the entry point of
-    that signature for the model's dtype. Holds the linear's buffers' addresses: made again when they change.
-    `modes_of`: the linear whose `act_quant` is read at each call (switched off: not served)."""
+class PanelLinear(CompiledLayerLinear):
+    """A W4A8 linear (`Int4Linear` with `panels`) as the compiled decode layer calls it: the panels' entry point
+    of the few-row loops' signature for the model's dtype."""
 
-    max_rows = MAX_ROWS  # the most rows `serves` takes
+    max_rows = MAX_ROWS
 
-    def __init__(self, linear, modes_of=None):
-        self.linear, self.modes_of = linear, modes_of or linear
-        self.dtype, self.in_features, self.out_features = linear.dtype, linear.in_features, linear.out_features
-        self.bias = None if linear.bias is None else linear.bias.contiguous()
-        self._struct = _Struct(linear.qweight.data_ptr(), linear.scales.data_ptr(), linear.zeros.data_ptr(),
-                               None if self.bias is None else self.bias.data_ptr(), linear.in_features,
-                               linear.group_size, linear.out_features)
-        self._pointers = (ctypes.c_void_p * 1)(ctypes.addressof(self._struct))
-        self._rows = (ctypes.c_int64 * 1)(linear.out_features)
-        self._biases = (ctypes.c_void_p * 1)(None)
+    def __init__(self, linear, modes_of):
+        self.bias = None if linear.bias is None else linear.bias.contiguous()  # kept: the struct holds its address
+        struct = _Struct(linear.qweight.data_ptr(), linear.scales.data_ptr(), linear.zeros.data_ptr(),
+                         None if self.bias is None else self.bias.data_ptr(), linear.in_features, linear.group_size,
+                         linear.out_features)
         lib = library()
-        name = "q4_panels_gemm_bf16" if self.dtype == torch.bfloat16 else "q4_panels_gemm_f32"
-        self.gemm = None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        name = "q4_panels_gemm_bf16" if linear.dtype == torch.bfloat16 else "q4_panels_gemm_f32"
+        super().__init__(linear, modes_of, struct,
+                         None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value)
 
     @classmethod
     def of(cls, linear, modes_of=None) -> PanelLinear | None:
-        """The linear's PanelLinear (kept on it while its buffers stay), or None where it has no panels."""
+        """The linear's PanelLinear, or None where it has no panels."""
         if not getattr(linear, "panels", False) or linear.dtype not in (torch.bfloat16, torch.float32) \
                 or linear.qweight.device.type != "cpu" or library() is None:
             return None
-        made = linear.__dict__.get("_panel_linear")
-        sources = (linear.qweight, linear.scales, linear.zeros, linear.bias, modes_of)
-        if made is None or any(a is not b for a, b in zip(made.sources, sources)):
-            made = cls(linear, modes_of)
-            made.sources = sources
-            linear.__dict__["_panel_linear"] = made
-        return made
-
-    def segments(self) -> tuple[int, int, int, int]:
-        return (ctypes.addressof(self._pointers), ctypes.addressof(self._rows), ctypes.addressof(self._biases), 1)
+        modes_of = modes_of or linear
+        return cls.kept(linear, modes_of, (linear.qweight, linear.scales, linear.zeros, linear.bias, modes_of))
 
     def serves(self, x: torch.Tensor) -> bool:
         """x of the model's dtype, at most MAX_ROWS rows, W4A8 switched on (the engine probe switches it off)."""
-        return (self.gemm is not None and self.modes_of.act_quant and self.modes_of.use_kernel
-                and x.dtype == self.dtype and x.shape[-1] == self.in_features
-                and 0 < x.numel() <= MAX_ROWS * self.in_features)
+        return self.gemm is not None and self.modes_of.act_quant and self.takes(x)

@@ -39,6 +39,7 @@ def library(extra_flags: tuple[str, ...] = ()):
     native.entry_point(lib, "w4a16_linear", [p, i64, i64, i64, p, p, p, i64, p, i64, p, i64, c_int])
     native.entry_point(lib, "w4a16_linear_bf16", [p, i64, i64, i64, p, p, p, i64, p, i64, p, i64, p, c_int])
     native.entry_point(lib, "w8a8_gemm_bf16", [p, i64, i64, i64, p, p, p, i64, p, i64, c_int])
+    native.entry_point(lib, "w4a16_gemm_bf16", [p, i64, i64, i64, p, p, p, i64, p, i64, c_int])
     lib.quant_gemm_isa.restype = ctypes.c_char_p
     return lib
 
@@ -156,50 +157,102 @@ def zero_point_part(x32: torch.Tensor, scaled_zeros: torch.Tensor, group_size: i
     return (x32.view(m, k // group_size, group_size).sum(-1) @ scaled_zeros.T).contiguous()
 
 
-class _W8A8Struct(ctypes.Structure):  # csrc/quant_gemm.cpp's W8A8Linear
-    _fields_ = [("qw", ctypes.c_void_p), ("sw", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("input_scale", ctypes.c_void_p), ("k", ctypes.c_int64), ("kp", ctypes.c_int64), ("n", ctypes.c_int64)]
-
-
-class FewRowsW8A8:
-    """A bf16 model's W8A8 linear (`Int8Linear` with act_quant) as the compiled decode layer calls it
-    (worker/fast_paths/native_layer.py): small_gemm.SmallLinear's `segments()` plus `gemm`, the entry point of that
-    signature (`w8a8_gemm_bf16`: `w8a8_linear_bf16`, the call the linear itself makes, bit for bit). `modes_of`: the
-    linear whose `act_quant` is read at each call (switched off, as the engine probe does: not served)."""
+class CompiledLayerLinear:
+    """A quantized linear as the compiled decode layer calls it (worker/fast_paths/native_layer.py):
+    small_gemm.SmallLinear's `segments()` (one segment, the linear's struct) plus `gemm`, an entry point of the
+    few-row loops' signature that makes the call the linear itself makes, bit for bit. Holds the addresses of the
+    linear's buffers: `kept` makes it again when they are other objects. `modes_of`: the linear whose modes are
+    read at each call (`serves`; the engine probe switches them for the while)."""
 
     max_rows = 8  # the most rows `serves` takes
 
-    def __init__(self, linear, modes_of):
+    def __init__(self, linear, modes_of, struct: ctypes.Structure, gemm: int | None):
         self.linear, self.modes_of = linear, modes_of
         self.dtype, self.in_features, self.out_features = linear.dtype, linear.in_features, linear.out_features
-        self.bias = linear.bias32()  # kept: the struct holds its address
-        self._struct = _W8A8Struct(linear.qweight.data_ptr(), linear.weight_scale.data_ptr(), _ptr(self.bias),
-                                   _ptr(linear.input_scale), linear.in_features, linear.qweight.shape[1],
-                                   linear.out_features)
-        self._pointers = (ctypes.c_void_p * 1)(ctypes.addressof(self._struct))
+        self._struct = struct
+        self._pointers = (ctypes.c_void_p * 1)(ctypes.addressof(struct))
         self._rows = (ctypes.c_int64 * 1)(linear.out_features)
         self._biases = (ctypes.c_void_p * 1)(None)
-        self.gemm = ctypes.cast(library().w8a8_gemm_bf16, ctypes.c_void_p).value
+        self.gemm = gemm
 
     @classmethod
-    def of(cls, linear, modes_of=None) -> FewRowsW8A8 | None:
-        """The linear's FewRowsW8A8 (kept on it while its buffers stay), or None where it is not a bf16 W8A8 one
-        (its scheme, fixed when made: its act_quant may be switched off for the while, see `serves`)."""
-        if getattr(linear, "scheme", None) != "w8a8" or not hasattr(linear, "weight_scale") \
-                or linear.dtype != torch.bfloat16 or linear.qweight.device.type != "cpu" or library() is None:
-            return None
-        modes_of = modes_of or linear
-        sources = (linear.qweight, linear.weight_scale, linear.bias, linear.input_scale, modes_of)
-        made = linear.__dict__.get("_few_rows_w8a8")
+    def kept(cls, linear, modes_of, sources: tuple) -> CompiledLayerLinear:
+        """The linear's own, kept on it while `sources` (its buffers, `modes_of`) are the same objects."""
+        key = f"_{cls.__name__}"
+        made = linear.__dict__.get(key)
         if made is None or any(a is not b for a, b in zip(made.sources, sources)):
-            made = linear.__dict__["_few_rows_w8a8"] = cls(linear, modes_of)
+            made = linear.__dict__[key] = cls(linear, modes_of)
             made.sources = sources
         return made
 
     def segments(self) -> tuple[int, int, int, int]:
         return (ctypes.addressof(self._pointers), ctypes.addressof(self._rows), ctypes.addressof(self._biases), 1)
 
+    def takes(self, x: torch.Tensor) -> bool:
+        """x of the linear's dtype and in_features, 1 to `max_rows` rows, its kernel switched on."""
+        return (self.modes_of.use_kernel and x.dtype == self.dtype and x.shape[-1] == self.in_features
+                and 0 < x.numel() <= self.max_rows * self.in_features)
+
+
+class _W8A8Struct(ctypes.Structure):  # csrc/quant_gemm.cpp's W8A8Linear
+    _fields_ = [("qw", ctypes.c_void_p), ("sw", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("input_scale", ctypes.c_void_p), ("k", ctypes.c_int64), ("kp", ctypes.c_int64), ("n", ctypes.c_int64)]
+
+
+class FewRowsW8A8(CompiledLayerLinear):
+    """A bf16 model's W8A8 linear (`Int8Linear` with act_quant) as the compiled decode layer calls it:
+    `w8a8_gemm_bf16`, the linear's own `w8a8_linear_bf16`."""
+
+    def __init__(self, linear, modes_of):
+        self.bias = linear.bias32()  # kept: the struct holds its address
+        struct = _W8A8Struct(linear.qweight.data_ptr(), linear.weight_scale.data_ptr(), _ptr(self.bias),
+                             _ptr(linear.input_scale), linear.in_features, linear.qweight.shape[1],
+                             linear.out_features)
+        super().__init__(linear, modes_of, struct, ctypes.cast(library().w8a8_gemm_bf16, ctypes.c_void_p).value)
+
+    @classmethod
+    def of(cls, linear, modes_of=None) -> FewRowsW8A8 | None:
+        """The linear's FewRowsW8A8, or None where it is not a bf16 W8A8 one (its scheme, fixed when made: its
+        act_quant may be switched off for the while, see `serves`)."""
+        if getattr(linear, "scheme", None) != "w8a8" or not hasattr(linear, "weight_scale") \
+                or linear.dtype != torch.bfloat16 or linear.qweight.device.type != "cpu" or library() is None:
+            return None
+        modes_of = modes_of or linear
+        return cls.kept(linear, modes_of, (linear.qweight, linear.weight_scale, linear.bias, linear.input_scale,
+                                           modes_of))
+
     def serves(self, x: torch.Tensor) -> bool:
         """bf16 x of in_features, at most 8 rows, W8A8 switched on."""
-        return (self.modes_of.act_quant and self.modes_of.use_kernel and x.dtype == torch.bfloat16
-                and x.shape[-1] == self.in_features and 0 < x.numel() <= self.max_rows * self.in_features)
+        return self.modes_of.act_quant and self.takes(x)
+
+
+class _W4A16Struct(ctypes.Structure):  # csrc/quant_gemm.cpp's W4A16Linear
+    _fields_ = [("packed", ctypes.c_void_p), ("s", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("k", ctypes.c_int64), ("group", ctypes.c_int64), ("n", ctypes.c_int64)]
+
+
+class FewRowsW4A16(CompiledLayerLinear):
+    """A bf16 model's W4A16 linear (`Int4Linear` in its row-major layout) as the compiled decode layer calls it
+    where the CPU multiplies bf16 as it is (`bf16_activations`): `w4a16_gemm_bf16`, the linear's own
+    `w4a16_linear_bf16`."""
+
+    def __init__(self, linear, modes_of):
+        self.bias, self.scaled_zeros = linear.bias32(), linear.scaled_zeros()  # kept: the struct holds them
+        struct = _W4A16Struct(linear.qweight.data_ptr(), linear.scales.data_ptr(), self.scaled_zeros.data_ptr(),
+                              _ptr(self.bias), linear.in_features, linear.group_size, linear.out_features)
+        super().__init__(linear, modes_of, struct, ctypes.cast(library().w4a16_gemm_bf16, ctypes.c_void_p).value)
+
+    @classmethod
+    def of(cls, linear, modes_of=None) -> FewRowsW4A16 | None:
+        """The linear's FewRowsW4A16, or None where it is not a bf16 W4A16 one on a CPU with AVX512-BF16, or its
+        shapes are not the kernel's (k and the groups whole 32s)."""
+        if getattr(linear, "scheme", None) != "w4a16" or getattr(linear, "panels", True) \
+                or linear.dtype != torch.bfloat16 or linear.qweight.device.type != "cpu" or not bf16_activations() \
+                or linear.in_features % 32 or linear.group_size % 32:
+            return None
+        modes_of = modes_of or linear
+        return cls.kept(linear, modes_of, (linear.qweight, linear.scales, linear.zeros, linear.bias, modes_of))
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """bf16 x of in_features, at most 8 rows, the kernel switched on."""
+        return self.takes(x)

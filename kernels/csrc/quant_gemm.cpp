@@ -533,6 +533,24 @@ int w4a16_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
 #endif
 }
 
+// A W4A16 linear of a bf16 model as the compiled decode layer calls it (csrc/lean_layer.cpp, the few-row loops'
+// signature: weights[0] is a W4A16Linear, count 1): w4a16_linear_bf16 with the calling thread's scratch.
+struct W4A16Linear {
+  const uint8_t *packed;
+  const float *s, *sz, *bias;  // scales and s * z [n, k / group]; bias float32 or null
+  int64_t k, group, n;
+};
+
+int w4a16_gemm_bf16(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *const *weights,
+                    const int64_t *, const void *const *, int64_t count, void *out, int64_t out_stride, int threads) {
+  const W4A16Linear *l = static_cast<const W4A16Linear *>(weights[0]);
+  if (count != 1 || k != l->k) return 1;
+  thread_local std::vector<uint16_t> chunked;  // x in the kernel's order: k rounded up to 128 per row
+  chunked.resize(m * ((k + 127) / 128 * 128));
+  return w4a16_linear_bf16(static_cast<const uint16_t *>(x), x_stride, m, k, l->packed, l->s, l->sz, l->group,
+                           l->bias, l->n, static_cast<uint16_t *>(out), out_stride, chunked.data(), threads);
+}
+
 // 1 where w4a16_linear_bf16 runs (the build targets AVX512-BF16)
 int quant_gemm_bf16(void) {
 #if PAGED_HF_BF16

@@ -40,7 +40,7 @@ from paged_hf.integrations.transformers import check_step_call, paged_attention_
 from paged_hf.kernels import layer_ops
 from paged_hf.kernels.quant_linear import QuantizedLinear, linear_dtype, stack_linears, stackable
 from paged_hf.kernels.q4_panels import PanelLinear
-from paged_hf.kernels.quant_gemm import FewRowsW8A8
+from paged_hf.kernels.quant_gemm import CompiledLayerLinear, FewRowsW4A16, FewRowsW8A8
 from paged_hf.kernels.small_gemm import SmallLinear
 from paged_hf.worker.attention_switch import attention_function
 from paged_hf.worker.code_match import forward_globals, runs_forward_of, runs_own_class_code, same_code
@@ -70,7 +70,7 @@ class ProjectionGroup:
         self.switch = switch
         self.packed: torch.Tensor | None = None  # made on the first call that packs (a copy of every weight)
         self._built_from: list | None = None
-        self.small: SmallLinear | PanelLinear | None = None  # the group at a few rows (small_gemm, q4_panels)
+        self.small: SmallLinear | CompiledLayerLinear | None = None  # the group at a few rows (small_gemm, quant_gemm)
         self._input: torch.Tensor | None = None  # the input whose outputs wait for the other projections
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._served: set[int] = set()
@@ -107,8 +107,10 @@ class ProjectionGroup:
     def _build(self) -> None:
         if self.quantized:
             self.stack = stack_linears(self.linears)
-            # W4A8 panels, a bf16 W8A8 call: the compiled decode layer's (only)
-            self.small = PanelLinear.of(self.stack, self.linears[0]) or FewRowsW8A8.of(self.stack, self.linears[0])
+            # W4A8 panels, a bf16 W8A8 or W4A16 call: the compiled decode layer's (only)
+            stack, modes_of = self.stack, self.linears[0]
+            self.small = (PanelLinear.of(stack, modes_of) or FewRowsW8A8.of(stack, modes_of)
+                          or FewRowsW4A16.of(stack, modes_of))
             return
         weights, biases = [linear.weight.detach() for linear in self.linears], [linear.bias for linear in self.linears]
         self.small = SmallLinear(weights, biases) if SmallLinear.usable(weights, biases) else None

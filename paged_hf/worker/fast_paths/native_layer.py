@@ -24,7 +24,7 @@ import torch
 from paged_hf import profiling
 from paged_hf.kernels import layer_ops, native, small_gemm
 from paged_hf.kernels.q4_panels import PanelLinear
-from paged_hf.kernels.quant_gemm import FewRowsW8A8
+from paged_hf.kernels.quant_gemm import CompiledLayerLinear, FewRowsW4A16, FewRowsW8A8
 from paged_hf.kernels.quant_linear import Int4Linear, Int8Linear
 from paged_hf.kernels.small_gemm import MAX_ROWS_AVX512, SmallLinear
 from paged_hf.worker.code_match import runs_own_class_code
@@ -58,7 +58,7 @@ class _Step(ctypes.Structure):
 
 #: the most rows any few-row kernel takes (a step's rows past it are never compiled; each layer's linears are
 #: checked against their own kernels' `max_rows`: W4A8 panels and W8A8 take 8, float linears 2-8 by dtype and ISA)
-MOST_ROWS = max(*MAX_ROWS_AVX512.values(), PanelLinear.max_rows, FewRowsW8A8.max_rows)
+MOST_ROWS = max(*MAX_ROWS_AVX512.values(), PanelLinear.max_rows, FewRowsW8A8.max_rows, FewRowsW4A16.max_rows)
 
 
 def _address(function) -> int:
@@ -92,14 +92,14 @@ def _linear(small) -> _Linear:
     return _Linear(*small.segments(), small.in_features, small.out_features, getattr(small, "gemm", None))
 
 
-def few_rows_of(linear) -> SmallLinear | PanelLinear | FewRowsW8A8 | None:
+def few_rows_of(linear) -> SmallLinear | CompiledLayerLinear | None:
     """What the compiled layer calls for o_proj / down_proj: a packed float linear's few-row loops, a W4A8
-    linear's panels (kernels/q4_panels.py) or a bf16 W8A8 linear's call (exactly those classes, no hooks); None:
-    the layer is not compiled."""
+    linear's panels (kernels/q4_panels.py), a bf16 W4A16 or W8A8 linear's call (exactly those classes, no hooks);
+    None: the layer is not compiled."""
     if type(linear) is PackedLinear:
         return linear.small_linear()
     if type(linear) is Int4Linear and runs_own_class_code(linear):
-        return PanelLinear.of(linear)
+        return PanelLinear.of(linear) or FewRowsW4A16.of(linear)
     if type(linear) is Int8Linear and runs_own_class_code(linear):
         return FewRowsW8A8.of(linear)
     return None
