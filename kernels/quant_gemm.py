@@ -177,12 +177,13 @@ class CompiledLayerLinear:
 
     @classmethod
     def kept(cls, linear, modes_of, sources: tuple) -> CompiledLayerLinear:
-        """The linear's own, kept on it while `sources` (its buffers, `modes_of`) are the same objects."""
-        key = f"_{cls.__name__}"
+        """The linear's own, kept on it while `sources` (its buffers, `modes_of`) are the same objects with their
+        data where it was (a `.data =` keeps the tensor and moves its data: the struct would read freed memory)."""
+        key, addresses = f"_{cls.__name__}", _addresses(sources)
         made = linear.__dict__.get(key)
-        if made is None or any(a is not b for a, b in zip(made.sources, sources)):
+        if made is None or any(a is not b for a, b in zip(made.sources, sources)) or made.addresses != addresses:
             made = linear.__dict__[key] = cls(linear, modes_of)
-            made.sources = sources
+            made.sources, made.addresses = sources, addresses
         return made
 
     def segments(self) -> tuple[int, int, int, int]:
@@ -192,6 +193,10 @@ class CompiledLayerLinear:
         """x of the linear's dtype and in_features, 1 to `max_rows` rows, its kernel switched on."""
         return (self.modes_of.use_kernel and x.dtype == self.dtype and x.shape[-1] == self.in_features
                 and 0 < x.numel() <= self.max_rows * self.in_features)
+
+
+def _addresses(sources: tuple) -> tuple:
+    return tuple(source.data_ptr() if isinstance(source, torch.Tensor) else None for source in sources)
 
 
 class _W8A8Struct(ctypes.Structure):  # csrc/quant_gemm.cpp's W8A8Linear

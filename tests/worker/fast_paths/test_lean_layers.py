@@ -187,6 +187,14 @@ def test_quantized_projections_run_lean_with_the_stand_ins_bits(quantization):
     engine.generate(random_prompts([6, 20, 3, 9, 14], seed=9), SamplingParams(max_new_tokens=6, temperature=0),
                     use_tqdm=False)
     assert served[-1] == 2 and served.count(2) >= 5
+    # an o_proj's and a down_proj's weights given other data (`.data =`: the same tensor, its data elsewhere): the
+    # compiled layer reads the new data, as the lean path's calls do
+    served.clear()
+    layers = model.model.layers
+    for linear in (layers[0].self_attn.o_proj, layers[1].mlp.down_proj):
+        linear.qweight.data = linear.qweight.flip(0).clone()
+    engine.generate(random_prompts([6, 20], seed=10), SamplingParams(max_new_tokens=6, temperature=0), use_tqdm=False)
+    assert served[-1] == 2
 
 
 def test_a_layer_is_compiled_up_to_the_fewest_rows_its_linears_take():
