@@ -167,4 +167,4 @@ class PanelLinear(CompiledLayerLinear):
 
     def serves(self, x: torch.Tensor) -> bool:
         """x of the model's dtype, at most MAX_ROWS rows, W4A8 switched on (the engine probe switches it off)."""
-        return self.gemm is not None and self.modes_of.act_quant and self.takes(x)
+        return self.gemm is not None and self.modes_of.act_quant and super().serves(x)

@@ -189,7 +189,7 @@ class CompiledLayerLinear:
     def segments(self) -> tuple[int, int, int, int]:
         return (ctypes.addressof(self._pointers), ctypes.addressof(self._rows), ctypes.addressof(self._biases), 1)
 
-    def takes(self, x: torch.Tensor) -> bool:
+    def serves(self, x: torch.Tensor) -> bool:
         """x of the linear's dtype and in_features, 1 to `max_rows` rows, its kernel switched on."""
         return (self.modes_of.use_kernel and x.dtype == self.dtype and x.shape[-1] == self.in_features
                 and 0 < x.numel() <= self.max_rows * self.in_features)
@@ -227,8 +227,8 @@ class FewRowsW8A8(CompiledLayerLinear):
                                            modes_of))
 
     def serves(self, x: torch.Tensor) -> bool:
-        """bf16 x of in_features, at most 8 rows, W8A8 switched on."""
-        return self.modes_of.act_quant and self.takes(x)
+        """As any compiled-layer linear, with W8A8 switched on."""
+        return self.modes_of.act_quant and super().serves(x)
 
 
 class _W4A16Struct(ctypes.Structure):  # csrc/quant_gemm.cpp's W4A16Linear
@@ -257,7 +257,3 @@ class FewRowsW4A16(CompiledLayerLinear):
             return None
         modes_of = modes_of or linear
         return cls.kept(linear, modes_of, (linear.qweight, linear.scales, linear.zeros, linear.bias, modes_of))
-
-    def serves(self, x: torch.Tensor) -> bool:
-        """bf16 x of in_features, at most 8 rows, the kernel switched on."""
-        return self.takes(x)

@@ -57,7 +57,7 @@ class _Step(ctypes.Structure):
 
 
 #: the most rows any few-row kernel takes (a step's rows past it are never compiled; each layer's linears are
-#: checked against their own kernels' `max_rows`: W4A8 panels and W8A8 take 8, float linears 2-8 by dtype and ISA)
+#: checked against their own kernels' `max_rows`: W4A8, W8A8 and W4A16 take 8, float linears 2-8 by dtype and ISA)
 MOST_ROWS = max(*MAX_ROWS_AVX512.values(), PanelLinear.max_rows, FewRowsW8A8.max_rows, FewRowsW4A16.max_rows)
 
 
