@@ -325,7 +325,8 @@ class ContinuousBatchGenerator(EngineFace):
 
         pending = set(groups)
         results: dict[RequestGroup, RequestOutput] = {}
-        with tqdm(total=len(groups), desc="paged_hf", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(groups), desc="paged_hf", unit="req", disable=not use_tqdm) as bar, \
+                self.runner.call_scope.call():  # its steps run back to back (worker/call_scope.py)
             while pending:
                 touched = self.step_for_call()
                 # nothing ran: the rest ended outside of a step (aborted)

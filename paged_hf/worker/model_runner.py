@@ -18,6 +18,7 @@ from paged_hf.multimodal.registry import vision_family
 from paged_hf.profiling import span
 from paged_hf.utils import trim_heap
 from paged_hf.worker.attention_switch import AttentionSwitch
+from paged_hf.worker.call_scope import CallScope
 from paged_hf.worker.probes.engine_probe import verify_engine
 from paged_hf.worker.fast_paths.fused_layers import FusedLayers
 from paged_hf.worker.fast_paths.llama_forward import LlamaForward
@@ -67,6 +68,8 @@ class ModelRunner:
                                else contextlib.nullcontext())
         # Llama's forward without transformers' wrappers, where the fused layers serve the model (else None)
         self.llama_forward = LlamaForward.of(model, fused_layers.lean) if fused_layers is not None else None
+        self.lean = fused_layers.lean if fused_layers is not None else None
+        self.call_scope = CallScope(model)  # a generate() call's steps, which may take what its first one checked
         self.swaps = StepSwaps(self.attention_switch, self.family_stand_ins, self.recurrent_mixers,
                                self.packed_linears, self.fused_layers)
         self.kv_offload = None
@@ -111,6 +114,9 @@ class ModelRunner:
         inputs.pooling_spans = pooling_spans(out, inputs.attention.query_start_loc)
         capture = (HiddenStateCapture(self.model, pooling_rows(inputs.pooling_spans)) if inputs.pooling_spans
                    else contextlib.nullcontext())
+        if self.lean is not None:  # (adapters' wrappers and the pooled rows' capture are the step's own)
+            self.lean.native.settled = (self.call_scope.settled if self.lora is None and not inputs.pooling_spans
+                                        else None)
         self.cache.begin_step(inputs.attention)
         try:
             with self.swaps.around(self.cache, self._lora_step(inputs.adapter_slots), capture), span("model"):

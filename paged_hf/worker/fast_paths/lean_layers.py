@@ -184,7 +184,8 @@ class LeanStep:
         if made is None:
             return None
         structs, max_rows = made
-        native_layers.stack_plan = StackPlan(layers, self.cache, plans, structs, [plan[0] for plan in plans], max_rows)
+        native_layers.stack_plan = StackPlan(layers, self.cache, plans, structs, [plan[0] for plan in plans], max_rows,
+                                             native_layers.settled)
         native_layers.stack_plans_made += 1
         return self.native.call_stack(native_layers, structs, plans, plans[0][-1], x)
 
@@ -192,7 +193,7 @@ class LeanStep:
         """This step's decode call (its sequences) where the kept plan serves it: its objects as they were, each
         layer's decode function and paged attention the same, the step's call as the model makes it for every
         layer (the first one's module checked); else None."""
-        if (x.shape[1] > kept.max_rows or not kept.holds(self.cache)
+        if (x.shape[1] > kept.max_rows or not kept.holds(self.cache, self.native_layers.settled)
                 or not all(small.serves(x) for small in kept.first_smalls)):
             return None
         decode_rows, first = self.cache.decode_rows, None
@@ -287,8 +288,11 @@ class StackPlan:
     the plan again is ~2 ms of Python; a step that differs (an adapter's wrappers, a replaced weight or its data,
     a switched flag) makes it again."""
 
-    def __init__(self, layers: list, cache, plans: list[tuple], structs: tuple, parts: list, max_rows: int):
+    def __init__(self, layers: list, cache, plans: list[tuple], structs: tuple, parts: list, max_rows: int,
+                 settled: object | None = None):
         self.layers, self.cache, self.plans, self.structs = layers, cache, plans, structs
+        self.settled = settled  # the call whose model it was made from or last checked in full (call_scope.py)
+        self.checks = 0  # checks in full, for tests
         self.max_rows = max_rows  # the most rows every layer's linears take
         self.first_smalls = plans[0][2][0].small, plans[0][2][1].small
         roles = {}  # module -> the attributes read of it (each module once, in order)
@@ -317,13 +321,19 @@ class StackPlan:
         self.entries = tables, names, [_MISSING] * len(names), values
         self.versions, self.addresses = list(map(_VERSION, self.versioned)), list(map(_ADDRESS, self.tensors))
 
-    def holds(self, cache) -> bool:
+    def holds(self, cache, settled: object | None = None) -> bool:
         """The cache and every entry as they were, every tensor's data where they were and not changed in place
-        (packed_linears.weight_version; maps over C functions: ~25 ns an entry)."""
+        (packed_linears.weight_version; maps over C functions: ~25 ns an entry). A later step of the call whose
+        token `settled` is (not None) checks the cache only: its model ran no code that could change them."""
+        if settled is not None and settled is self.settled:
+            return cache is self.cache
+        self.checks += 1
         tables, names, missing, values = self.entries
-        return (cache is self.cache and all(map(operator.is_, map(dict.get, tables, names, missing), values))
-                and list(map(_VERSION, self.versioned)) == self.versions
-                and list(map(_ADDRESS, self.tensors)) == self.addresses)
+        holds = (cache is self.cache and all(map(operator.is_, map(dict.get, tables, names, missing), values))
+                 and list(map(_VERSION, self.versioned)) == self.versions
+                 and list(map(_ADDRESS, self.tensors)) == self.addresses)
+        self.settled = settled if holds else None
+        return holds
 
 
 _VERSION, _ADDRESS = operator.attrgetter("_version"), torch.Tensor.data_ptr

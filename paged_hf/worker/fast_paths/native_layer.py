@@ -116,6 +116,7 @@ class NativeLayers:
         self.layers_served = self.stacks_served = self.stack_plans_made = 0  # counts, for tests and benchmarks
         self._stack: tuple[tuple, ctypes.Array] | None = None  # (the layers' structs, their array) of the last stack
         self.stack_plan = None  # the last step's stack call, kept while it holds (lean_layers.StackPlan)
+        self.settled: object | None = None  # the running call's token, where its model runs no code of its own
 
     def layer_struct(self, key, module, smalls: tuple, norms: tuple, cache, slot: int, decode) -> _Layer:
         key_cache, value_cache = cache.key_cache[slot], cache.value_cache[slot]
