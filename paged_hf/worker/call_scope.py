@@ -1,12 +1,14 @@
 """The steps of one call that runs its requests to the end (`generate()`), back to back: between them only the
 engine's own code runs, so the model is as the call's first step found it unless code of the user's runs inside a
 step (a module hook, accelerate's hooks, an instance forward, a class's forward patched since the engine was made).
-Where none can, the CPU fast path's kept plan, checked in full at the call's first step that uses it, serves its
-later steps without checking every module, tensor, version and address again (`lean_layers.StackPlan.holds`).
+Where none can, what the call's first step checked its later steps take as it is: the CPU fast path's kept plan
+(every module, tensor, version and address it was made from: `lean_layers.StackPlan.holds`), the decoder stack's
+stand-ins in place (`decoder_layers.DecoderStack.installed`), and which sites the step's swaps find as they were
+(`stand_ins.ModuleSwaps`: the same stand-ins go to the same places, unchecked).
 
-Why: that check reads a few thousand objects after the weights' read evicted them from the caches: ~0.4 ms of a
-~10 ms batch-1 bf16 token and ~0.9 ms of an int8 one on an AMD EPYC Zen 4, where llama.cpp, which owns its
-weights, checks nothing. A step where control returns to the user in between (`step()`, `stream()`, a server's
+Why: those checks read a few thousand objects after the weights' read evicted them from the caches: ~0.6 ms of a
+~10 ms batch-1 bf16 token and ~1 ms of an int8 one on an AMD EPYC Zen 4, where llama.cpp, which owns its weights,
+checks nothing. A step where control returns to the user in between (`step()`, `stream()`, a server's
 loop), a call whose model runs code of its own, and a step with adapters or pooled rows check everything, as before.
 """
 

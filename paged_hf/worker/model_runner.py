@@ -114,12 +114,13 @@ class ModelRunner:
         inputs.pooling_spans = pooling_spans(out, inputs.attention.query_start_loc)
         capture = (HiddenStateCapture(self.model, pooling_rows(inputs.pooling_spans)) if inputs.pooling_spans
                    else contextlib.nullcontext())
-        if self.lean is not None:  # (adapters' wrappers and the pooled rows' capture are the step's own)
-            self.lean.native.settled = (self.call_scope.settled if self.lora is None and not inputs.pooling_spans
-                                        else None)
+        # what a call's first step checked, its later ones take (adapters' wrappers and pooled rows: checked)
+        settled = self.call_scope.settled if self.lora is None and not inputs.pooling_spans else None
+        if self.lean is not None:
+            self.lean.native.settled = settled
         self.cache.begin_step(inputs.attention)
         try:
-            with self.swaps.around(self.cache, self._lora_step(inputs.adapter_slots), capture), span("model"):
+            with self.swaps.around(self.cache, self._lora_step(inputs.adapter_slots), capture, settled), span("model"):
                 logits = self._call_model(kwargs)  # [num_kept, vocab_size]; None before a pipeline's last stage
             self.cache.check_step()  # every layer went through the paged attention, or the step fails
         finally:

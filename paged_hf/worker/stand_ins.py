@@ -46,11 +46,19 @@ class ModuleSwaps:
 
     The engine runs what the model runs: a module the user hooked, gave an instance `forward`, whose class's
     forward was replaced, or that is no longer at its place since these swaps were first made, keeps its own
-    forward (its site is skipped, checked at every step: ~0.5 us a site)."""
+    forward (its site is skipped, checked at every step: ~0.5 us a site). A later step of a call whose model runs
+    no code of its own (`settled`, worker/call_scope.py) swaps the sites its first step found as they were."""
 
     sites: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]  # (parent, name, original, stand-in)
+    settled: object | None = None  # the running call's token, set by the runner for each step (step_swaps.py)
 
     def __enter__(self) -> None:
+        last = self.__dict__.get("_last")  # (the token of the step that checked, the sites it swapped)
+        if last is not None and self.settled is not None and last[0] is self.settled:
+            for modules, name, _, stand_in in last[1]:
+                modules[name] = stand_in
+            self._swapped = last[1]
+            return
         if "_checks" not in self.__dict__:  # made once: what each step reads to know a site is as it was
             self._checks = [(parent._modules, name, original, original.__dict__, type(original).forward, stand_in)
                             for parent, name, original, stand_in in self.sites]
@@ -60,9 +68,11 @@ class ModuleSwaps:
                     and not attributes["_forward_pre_hooks"] and "forward" not in attributes
                     and type(original).forward is forward):
                 modules[name] = stand_in
-                swapped.append((modules, name, original))
+                swapped.append((modules, name, original, stand_in))
+        self._last = (self.settled, swapped)
 
     def __exit__(self, *exc) -> None:
-        for modules, name, original in self._swapped:
-            modules[name] = original
+        for modules, name, original, stand_in in self._swapped:
+            if modules.get(name) is stand_in:  # (what code of the user's put there inside the step stays)
+                modules[name] = original
         self._swapped = []

@@ -20,6 +20,7 @@ import contextlib
 from dataclasses import dataclass
 
 from paged_hf.integrations.transformers import step_scope
+from paged_hf.worker.stand_ins import ModuleSwaps
 
 @dataclass
 class StepSwaps:
@@ -32,10 +33,14 @@ class StepSwaps:
 
     @contextlib.contextmanager
     def around(self, cache, lora_routing: contextlib.AbstractContextManager,
-               capture: contextlib.AbstractContextManager):
-        """All eight, in the module docstring's order, for one forward over `cache`."""
+               capture: contextlib.AbstractContextManager, settled: object | None = None):
+        """All eight, in the module docstring's order, for one forward over `cache`; `settled`: the token of a
+        call whose model runs no code of its own (worker/call_scope.py), or None."""
         swaps = (step_scope(cache), self.attention_switch, self.family_stand_ins, self.recurrent_mixers,
                  self.packed_linears, self.fused_layers, lora_routing, capture)
+        for swap in swaps[2:6]:
+            if isinstance(swap, ModuleSwaps):
+                swap.settled = settled
         with contextlib.ExitStack() as stack:
             for swap in swaps:
                 stack.enter_context(swap)

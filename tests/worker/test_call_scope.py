@@ -52,20 +52,32 @@ def test_a_calls_later_steps_take_the_plan_its_first_step_checked(model):
     assert _full_checks(engine) - checks == NEW_TOKENS - 1
 
 
-def test_a_weight_replaced_by_a_hook_inside_a_call_is_read_at_the_next_step(model):
-    """A forward hook (code of the user's inside each step) replaces a weight at the call's fourth forward: every
-    step checks the plan, and the tokens are transformers' own with the same hook."""
+@pytest.mark.parametrize("replaced", ["weight", "module"])
+def test_what_a_hook_replaces_inside_a_call_is_read_at_the_next_step(model, replaced):
+    """A forward hook (code of the user's inside each step) replaces a weight, or a whole linear, at the call's
+    fourth forward: every step checks the plan and the swaps' sites, the tokens are transformers' own with the same
+    hook, and the replacement is what the model holds after the call."""
     engine = _engine(model)
-    down = model.model.layers[1].mlp.down_proj
-    original = down.weight
-    replacement = torch.nn.Parameter(torch.randn(original.shape, generator=torch.Generator().manual_seed(4)) * 0.5)
+    mlp = model.model.layers[1].mlp
+    original, original_weight = mlp.down_proj, mlp.down_proj.weight
+    weight = torch.nn.Parameter(torch.randn(original_weight.shape, generator=torch.Generator().manual_seed(4)) * 0.5)
+    linear = torch.nn.Linear(original.in_features, original.out_features, bias=False)
+    linear.weight = weight
     prompt = random_prompts([9], seed=3)[0]
     calls = []
 
     def replace_at_the_fourth_forward(module, args, output):
         calls.append(1)
         if len(calls) == 4:
-            down.weight = replacement
+            if replaced == "weight":
+                original.weight = weight  # (inside a step the model holds the engine's stand-ins at their places)
+            else:
+                mlp.down_proj = linear
+
+    def restore():
+        mlp.down_proj = original
+        original.weight = original_weight
+        calls.clear()
 
     unchanged = hf_greedy(model, prompt, NEW_TOKENS)
     handle = model.lm_head.register_forward_hook(replace_at_the_fourth_forward)
@@ -75,14 +87,16 @@ def test_a_weight_replaced_by_a_hook_inside_a_call_is_read_at_the_next_step(mode
         checks = first_plan.checks
         tokens = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0),
                                  use_tqdm=False)[0].outputs[0].token_ids
-        # every decode step checked the kept plan in full; the one after the replacement made it again
-        assert native.stack_plans_made - made == 1
-        assert first_plan.checks - checks + native.stack_plan.checks == NEW_TOKENS - 1
-        down.weight = original
-        calls.clear()
+        held = mlp.down_proj.weight
+        # the decode steps up to the replacement checked the kept plan in full, and the one after it; a weight
+        # replaced makes it again (a module of its own there leaves the layers to their own calls)
+        assert first_plan.checks - checks == 4
+        assert native.stack_plans_made - made == (replaced == "weight")
+        restore()
         expected = hf_greedy(model, prompt, NEW_TOKENS)
     finally:
         handle.remove()
-        down.weight = original
+        restore()
+    assert held is weight  # (the module the hook put there, or the weight it gave the linear)
     assert expected != unchanged  # (the replacement shows in the tokens)
     assert tokens == expected

@@ -64,10 +64,20 @@ class DecoderStack:
     def __init__(self, owner: torch.nn.Module, modules: dict, layers: list[FusedDecoderLayer]):
         self.owner, self.modules, self.layers = owner, modules, layers
         self.names = list(modules)
+        self._installed_in: object | None = None  # the call whose earlier step found them installed
 
-    def installed(self) -> bool:
+    def installed(self, settled: object | None = None) -> bool:
         """Every layer's stand-in and its parts are in place this step, the model runs all of them, and no hook
-        would see a layer's own output (none on the stand-ins, no global module hook)."""
+        would see a layer's own output (none on the stand-ins, no global module hook). A later step of the call
+        whose token `settled` is (not None) takes what an earlier one found: its swaps put the same stand-ins at
+        the same places (worker/call_scope.py)."""
+        if settled is not None and settled is self._installed_in:
+            return True
+        installed = self._check_installed()
+        self._installed_in = settled if installed else None
+        return installed
+
+    def _check_installed(self) -> bool:
         if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
                 or self.owner.config.num_hidden_layers != len(self.layers)):
             return False

@@ -59,7 +59,7 @@ class LeanDecodes:
         if self._step is None:
             return None
         stack = self.stacks.get(layer)
-        if stack is not None and stack.installed():
+        if stack is not None and stack.installed(self.native.settled):
             output = self._step.run_stack(stack.layers, hidden_states, attention_mask, kwargs)
             if output is not None:
                 self.layers_served += len(stack.layers)
