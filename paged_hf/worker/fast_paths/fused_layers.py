@@ -17,7 +17,9 @@ with its dispatch overhead. During a step:
   function checks a call);
 - a decoder layer whose forward is LlamaDecoderLayer's, and whose norms, attention and MLP are all fused, calls
   them directly and adds the residual and normalizes it in one compiled op (decoder_layers.py, with the decoder
-  stack the lean path computes in one call).
+  stack the lean path computes in one call);
+- a rotary embedding whose forward is LlamaRotaryEmbedding's gives a single position's tables as its forward made
+  them for that position before (rotary_table.py).
 A module qualifies by its forward's code, not its class name: the transformers families copied from Llama
 (Mistral, Qwen2, Qwen3, ...) share that code; anything else keeps its own forward.
 
@@ -33,7 +35,8 @@ import operator
 import torch
 from transformers.activations import SiLUActivation
 from transformers.models.llama import modeling_llama
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm,
+                                                      LlamaRotaryEmbedding)
 
 from paged_hf.integrations.lora import updates_over
 from paged_hf.integrations.transformers import check_step_call, paged_attention_forward, step_cache
@@ -47,6 +50,7 @@ from paged_hf.worker.code_match import forward_globals, runs_forward_of, runs_ow
 from paged_hf.worker.fast_paths.decoder_layers import FusedDecoderLayer, decoder_stacks
 from paged_hf.worker.fast_paths.lean_layers import LeanDecodes
 from paged_hf.worker.fast_paths.packed_linears import PackingSwitch, packable_dtypes, weight_version
+from paged_hf.worker.fast_paths.rotary_table import RotaryTable, keeps_positions
 from paged_hf.worker.stand_ins import ModuleSwaps, StandIn
 
 #: sibling Linears that read the same input in the transformers models that follow Llama's layout
@@ -278,6 +282,8 @@ class FusedLayers(ModuleSwaps):
             for name, child in parent._modules.items():
                 if runs_forward_of(child, LlamaRMSNorm) and _on_cpu(child) and _not_float64(child):
                     self.sites.append((parent, name, child, FusedRMSNorm(child)))
+                elif runs_forward_of(child, LlamaRotaryEmbedding) and keeps_positions(child):
+                    self.sites.append((parent, name, child, RotaryTable(child)))
         self._add_mlps(model)
         self._add_decoder_layers(model)
 

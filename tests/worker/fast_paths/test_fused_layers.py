@@ -21,10 +21,11 @@ def _kinds(fused: FusedLayers) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("family, expected", [
-    ("llama", {"ProjectionSlice": 10, "FusedRMSNorm": 5, "FusedMLP": 2, "FusedAttention": 2, "FusedDecoderLayer": 2}),
-    ("qwen3", {"ProjectionSlice": 10, "FusedRMSNorm": 9, "FusedMLP": 2}),  # q_norm/k_norm: its own attention
-    ("gemma", {"ProjectionSlice": 10, "FusedAttention": 2}),  # (1 + weight) RMSNorm, GELU MLP: their own
-    ("phi3", {"FusedRMSNorm": 5}),  # qkv_proj and gate_up_proj: already one Linear each
+    ("llama", {"ProjectionSlice": 10, "FusedRMSNorm": 5, "FusedMLP": 2, "FusedAttention": 2, "FusedDecoderLayer": 2,
+               "RotaryTable": 1}),
+    ("qwen3", {"ProjectionSlice": 10, "FusedRMSNorm": 9, "FusedMLP": 2, "RotaryTable": 1}),  # q_norm/k_norm: its own
+    ("gemma", {"ProjectionSlice": 10, "FusedAttention": 2, "RotaryTable": 1}),  # (1 + weight) RMSNorm, GELU MLP
+    ("phi3", {"FusedRMSNorm": 5, "RotaryTable": 1}),  # qkv_proj and gate_up_proj: already one Linear each
 ])
 def test_stand_ins_go_where_the_module_runs_llamas_code(family, expected):
     assert _kinds(FusedLayers(tiny_model(family, dtype=torch.float32))) == expected
@@ -103,7 +104,7 @@ def test_hooked_modules_and_the_option_keep_the_models_own_forward():
     model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda *args: None)
     # layer 0's MLP and attention keep their own forward, and so does its decoder layer; layer 1 is all fused
     assert _kinds(FusedLayers(model)) == {"ProjectionSlice": 7, "FusedRMSNorm": 5, "FusedMLP": 1, "FusedAttention": 1,
-                                          "FusedDecoderLayer": 1}
+                                          "FusedDecoderLayer": 1, "RotaryTable": 1}
     runner = paged_hf.wrap(tiny_model("llama"), num_blocks=16, fuse_layers=False).generator.runner
     assert not isinstance(runner.fused_layers, FusedLayers)
 
