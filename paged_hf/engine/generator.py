@@ -323,8 +323,7 @@ class ContinuousBatchGenerator(EngineFace):
     def _run_to_completion(self, groups: list[RequestGroup], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm  # noqa: PLC0415
 
-        pending = set(groups)
-        results: dict[RequestGroup, RequestOutput] = {}
+        pending, results = set(groups), {}  # results: each finished group's output
         with tqdm(total=len(groups), desc="paged_hf", unit="req", disable=not use_tqdm) as bar, \
                 self.runner.call_scope.call():  # its steps run back to back (worker/call_scope.py)
             while pending:
