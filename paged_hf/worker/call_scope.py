@@ -1,6 +1,7 @@
 """The steps of one call that runs its requests to the end (`generate()`), back to back: between them only the
 engine's own code runs, so the model is as the call's first step found it unless code of the user's runs inside a
-step (a module hook, accelerate's hooks, an instance forward, a class's forward patched since the engine was made).
+step (a module hook, accelerate's hooks, an instance forward or hub kernel, a class's forward patched since the
+engine was made).
 Where none can, what the call's first step checked its later steps take as it is: the CPU fast path's kept plan
 (every module, tensor, version and address it was made from: `lean_layers.StackPlan.holds`), the decoder stack's
 stand-ins in place (`decoder_layers.DecoderStack.installed`), and which sites the step's swaps find as they were
@@ -18,6 +19,8 @@ import contextlib
 
 import torch
 from torch.nn.modules import module as torch_module
+
+from paged_hf.worker.code_match import runs_own_class_code
 
 
 class CallScope:
@@ -40,14 +43,11 @@ class CallScope:
             self.settled = previous
 
     def _runs_only_its_classes_code(self) -> bool:
-        """No global module hook, and no module with hooks, accelerate's hook, an instance forward or a class
-        forward other than the one it had when the engine was made."""
+        """No global module hook, and every module runs its class's code (`code_match.runs_own_class_code`: no
+        hooks, accelerate's or its own, no instance forward or hub kernel) with the class forward it had when the
+        engine was made."""
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return False
         forwards = self.forwards
-        for module in self.model.modules():
-            attributes = module.__dict__
-            if (attributes["_forward_hooks"] or attributes["_forward_pre_hooks"] or "forward" in attributes
-                    or "_hf_hook" in attributes or forwards.get(type(module)) is not type(module).forward):
-                return False
-        return True
+        return all(runs_own_class_code(module) and forwards.get(type(module)) is type(module).forward
+                   for module in self.model.modules())
