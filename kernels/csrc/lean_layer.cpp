@@ -1,5 +1,6 @@
 // One decoder layer of a lean decode step as one call, or the whole decoder stack as one
-// (paged_hf/worker/fast_paths/native_layer.py).
+// (paged_hf/worker/fast_paths/native_layer.py), and after the stack the model's final norm and LM head on the rows
+// whose logits the step keeps (stack_tail.py).
 //
 // A lean layer (lean_layers.py) is a dozen compiled calls: RMSNorm, the q/k/v matmul, rotary + the K/V writes,
 // decode attention, o_proj, the residual add + RMSNorm, gate/up, SiLU-and-multiply, down_proj and the residual
@@ -72,6 +73,17 @@ struct LeanStep {
   int64_t num_seqs, max_blocks;
   void *normed, *residual, *rows, *query, *attended, *projected, *gate_up, *activated;
   int threads;
+};
+
+// The model's final RMSNorm and its LM head on the kept rows of the stack's output (stack_tail.py): each kept row
+// normed on its own (RMSNorm is row by row: the bits of norming every row and keeping some), then the head.
+struct LeanTail {
+  const void *norm;
+  double eps;
+  LeanLinear head;
+  const int64_t *kept;  // row indices, negative ones from the end (as torch indexes)
+  int64_t count;
+  void *normed, *logits;  // [count, hidden], [count, head.out_features]
 };
 
 }  // extern "C"
@@ -154,18 +166,38 @@ int stack(const LeanKernels &k, const LeanLayer *layers, int64_t count, const Le
   return 0;
 }
 
+// A kept row index out of [-tokens, tokens): what torch's indexing would refuse.
+constexpr int kTailIndexOutOfRange = -7;
+
+template <typename T>
+int tail(const LeanKernels &k, const LeanTail &t, const LeanStep &s, const void *hidden) {
+  const int64_t h = s.hidden;
+  for (int64_t i = 0; i < t.count; ++i) {
+    const int64_t row = t.kept[i] < 0 ? t.kept[i] + s.tokens : t.kept[i];
+    if (row < 0 || row >= s.tokens) return kTailIndexOutOfRange;
+    const int status = reinterpret_cast<RmsFn>(k.rms)(static_cast<const T *>(hidden) + row * h, h,
+                                                      static_cast<T *>(t.normed) + i * h, h, t.norm, 1, h, t.eps,
+                                                      s.threads);
+    if (status != 0) return status;
+  }
+  return linear(k, t.head, t.normed, t.count, t.logits, s.threads);
+}
+
 }  // namespace
 
 extern "C" {
 
-int lean_stack_float32(const LeanKernels *k, const LeanLayer *layers, int64_t count, const LeanStep *s, const void *x,
-                       void *out, void *buffers) {
-  return stack<float>(*k, layers, count, *s, x, out, buffers);
+// The stack, then, where `t` is not null, its tail.
+int lean_stack_float32(const LeanKernels *k, const LeanLayer *layers, int64_t count, const LeanStep *s,
+                       const void *x, void *out, void *buffers, const LeanTail *t) {
+  const int status = stack<float>(*k, layers, count, *s, x, out, buffers);
+  return status != 0 || t == nullptr ? status : tail<float>(*k, *t, *s, out);
 }
 
 int lean_stack_bfloat16(const LeanKernels *k, const LeanLayer *layers, int64_t count, const LeanStep *s,
-                        const void *x, void *out, void *buffers) {
-  return stack<uint16_t>(*k, layers, count, *s, x, out, buffers);
+                        const void *x, void *out, void *buffers, const LeanTail *t) {
+  const int status = stack<uint16_t>(*k, layers, count, *s, x, out, buffers);
+  return status != 0 || t == nullptr ? status : tail<uint16_t>(*k, *t, *s, out);
 }
 
 int lean_layer_float32(const LeanKernels *k, const LeanLayer *l, const LeanStep *s, const void *x, void *out) {

@@ -44,6 +44,7 @@ class LeanDecodes:
         self.native = NativeLayers()  # a layer in one compiled call where its linears are the few-row loops'
         self.stacks: dict = {}  # first layer's stand-in -> DecoderStack (decoder_layers.py)
         self._passing: tuple | None = None  # (the stack's output, its layers, the next one's index)
+        self.tail = None  # the step's StackTail (stack_tail.py): what the stack's call computes after it, if asked
 
     def run(self, layer, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache,
             kwargs: dict) -> torch.Tensor | None:
@@ -60,7 +61,7 @@ class LeanDecodes:
             return None
         stack = self.stacks.get(layer)
         if stack is not None and stack.installed(self.native.settled):
-            output = self._step.run_stack(stack.layers, hidden_states, attention_mask, kwargs)
+            output = self._step.run_stack(stack.layers, hidden_states, attention_mask, kwargs, self.tail)
             if output is not None:
                 self.layers_served += len(stack.layers)
                 self._passing = (output, stack.layers, 1) if len(stack.layers) > 1 else None
@@ -160,10 +161,12 @@ class LeanStep:
             return layer, module, (attention.group, mlp.group), (o_proj, down_proj), norms, slot, decode
         return None
 
-    def run_stack(self, layers: list, x: torch.Tensor, attention_mask, kwargs: dict) -> torch.Tensor | None:
-        """Every layer of a decoder stack (its stand-ins, in order) on x in one compiled call, or None: a layer
-        the compiled layer does not serve this step (then each layer goes its own way, from the first). The last
-        step's plan serves again while everything it was made from is as it was (`StackPlan`)."""
+    def run_stack(self, layers: list, x: torch.Tensor, attention_mask, kwargs: dict,
+                  tail=None) -> torch.Tensor | None:
+        """Every layer of a decoder stack (its stand-ins, in order) on x in one compiled call, then what `tail` (the
+        step's StackTail, stack_tail.py) asks; or None: a layer the compiled layer does not serve this step (then
+        each layer goes its own way, from the first). The last step's plan serves again while everything it was
+        made from is as it was (`StackPlan`)."""
         native_layers = self.native_layers
         if not native_layers.stacks_enabled or not native_layers.enabled or not self.native.serves(x):
             return None
@@ -171,7 +174,7 @@ class LeanStep:
         decode = None if kept is None or kept.layers is not layers else self._still_serves(kept, x, attention_mask,
                                                                                           kwargs)
         if decode is not None:
-            return self.native.call_stack(native_layers, kept.structs, kept.plans, decode, x)
+            return self.native.call_stack(native_layers, kept.structs, kept.plans, decode, x, tail)
         native_layers.stack_plan = None
         plans = []
         for layer in layers:
@@ -187,7 +190,7 @@ class LeanStep:
         native_layers.stack_plan = StackPlan(layers, self.cache, plans, structs, [plan[0] for plan in plans], max_rows,
                                              native_layers.settled)
         native_layers.stack_plans_made += 1
-        return self.native.call_stack(native_layers, structs, plans, plans[0][-1], x)
+        return self.native.call_stack(native_layers, structs, plans, plans[0][-1], x, tail)
 
     def _still_serves(self, kept: StackPlan, x: torch.Tensor, attention_mask, kwargs: dict):
         """This step's decode call (its sequences) where the kept plan serves it: its objects as they were, each

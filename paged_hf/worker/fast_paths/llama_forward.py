@@ -8,22 +8,27 @@ output dataclasses) and the 29 later layers handing the compiled stack's output 
 ~0.6 ms of a batch-1 bf16 token. The runner takes this path only where those wrappers can change nothing it reads:
 no hooks on the two modules or global ones, forwards as their classes define them, the step's own keywords; the
 submodules (embedding, rotary, layers, norm, head) are called as modules, so the step's stand-ins, adapters'
-wrappers and hooks on them run as in the model's forward. A step's logits are those of `model(**kwargs)` bit for
-bit (tests/worker/fast_paths/test_llama_forward.py, which also runs on the newest transformers: a release that
-changes either forward's code makes `of` answer None, one that changes what they mean fails that test).
+wrappers and hooks on them run as in the model's forward; where the stack runs as one compiled call, that call
+also computes the final norm and the head on the kept rows (stack_tail.py: where the norm is the step's fused one
+and the head a linear of the few-row loops). A step's logits are those of `model(**kwargs)` bit for bit
+(tests/worker/fast_paths/test_llama_forward.py, which also runs on the newest transformers: a release that changes
+either forward's code makes `of` answer None, one that changes what they mean fails that test).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.nn.modules import module as torch_module
+from transformers import modeling_utils
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel
 
 from paged_hf.worker.code_match import forward_globals, runs_forward_of, runs_own_class_code
 from paged_hf.worker.fast_paths.lean_layers import LeanDecodes
+from paged_hf.worker.fast_paths.stack_tail import StackTail
 
 #: the keywords of a step's forward that this path computes (the runner's; anything else: the model's own forward)
 STEP_KEYWORDS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"})
+_SLICE_LOGITS_TO_KEEP = getattr(modeling_utils, "slice_logits_to_keep", None)  # LlamaForCausalLM.forward's
 
 
 class LlamaForward:
@@ -35,6 +40,7 @@ class LlamaForward:
         # their modeling files' globals, read at each call as the forwards read them (a patch of one is followed)
         self.decoder_globals, self.model_globals = forward_globals(decoder), forward_globals(model)
         self.enabled = True  # (tests turn it off to compare with the model's own forward)
+        self.tail = StackTail()  # the final norm and the head, asked of the stack's compiled call
         self.steps_served = 0  # a count, for tests
 
     @classmethod
@@ -70,12 +76,23 @@ class LlamaForward:
         hidden_states = inputs_embeds
         position_embeddings = decoder.rotary_emb(hidden_states, position_ids=position_ids)
         layers = list(decoder.layers)[: decoder.config.num_hidden_layers]  # (the layers a ModuleList's slice holds)
-        for index, decoder_layer in enumerate(layers):
-            hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
-                                          position_embeddings=position_embeddings, position_ids=position_ids,
-                                          cache=cache, use_cache=use_cache)
-            if index == 0 and self.lean.take_handed_on(layers, hidden_states):
-                break  # the whole stack ran at the first layer; the others would hand its output on
-        hidden_states = decoder.norm(hidden_states)
+        slicing, tail = self.model_globals["slice_logits_to_keep"], self.tail
+        if slicing is _SLICE_LOGITS_TO_KEEP:  # (what the tail computes; a patched function is called instead)
+            tail.ask(decoder.norm, self.model.lm_head, logits_to_keep)
+        self.lean.tail, handed_on = tail, False
+        try:
+            for index, decoder_layer in enumerate(layers):
+                hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
+                                              position_embeddings=position_embeddings, position_ids=position_ids,
+                                              cache=cache, use_cache=use_cache)
+                if index == 0 and self.lean.take_handed_on(layers, hidden_states):
+                    handed_on = True  # the whole stack ran at the first layer; the others would hand its output on
+                    break
+        finally:
+            self.lean.tail = None
         self.steps_served += 1
-        return self.model.lm_head(self.model_globals["slice_logits_to_keep"](hidden_states, logits_to_keep))
+        logits = tail.take()  # the norm's and the head's, where the stack's call computed them
+        if handed_on and logits is not None:
+            return logits
+        hidden_states = decoder.norm(hidden_states)
+        return self.model.lm_head(slicing(hidden_states, logits_to_keep))

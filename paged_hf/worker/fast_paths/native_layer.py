@@ -56,6 +56,15 @@ class _Step(ctypes.Structure):
                 ("activated", _P), ("threads", ctypes.c_int)]
 
 
+class TailStruct(ctypes.Structure):  # the model's final norm and LM head after the stack (stack_tail.py)
+    _fields_ = [("norm", _P), ("eps", _D), ("head", _Linear), ("kept", _P), ("count", _I), ("normed", _P),
+                ("logits", _P)]
+
+
+#: the stack's status where the tail was given a kept row index out of the step's rows
+TAIL_INDEX_OUT_OF_RANGE = -7
+
+
 #: the most rows any few-row kernel takes (a step's rows past it are never compiled; each layer's linears are
 #: checked against their own kernels' `max_rows`: W4A8, W8A8 and W4A16 take 8, float linears 2-8 by dtype and ISA)
 MOST_ROWS = max(*MAX_ROWS_AVX512.values(), PanelLinear.max_rows, FewRowsW8A8.max_rows, FewRowsW4A16.max_rows)
@@ -67,7 +76,7 @@ def _address(function) -> int:
 
 class _Entry(NamedTuple):
     layer: ctypes._CFuncPtr  # (kernels, layer, step, x, out)
-    stack: ctypes._CFuncPtr  # (kernels, layers, count, step, x, out, two [tokens, hidden] buffers)
+    stack: ctypes._CFuncPtr  # (kernels, layers, count, step, x, out, two [tokens, hidden] buffers, tail or null)
     kernels: _Kernels
 
 
@@ -84,10 +93,10 @@ def entry_point(dtype: torch.dtype) -> _Entry | None:
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     kernels = _Kernels(*(_address(f) for f in (ops.rms, ops.add_rms, ops.silu, ops.rotary_write, small)))
     return _Entry(native.entry_point(library, f"lean_layer_{name}", [_P, _P, _P, _P, _P]),
-                  native.entry_point(library, f"lean_stack_{name}", [_P, _P, _I, _P, _P, _P, _P]), kernels)
+                  native.entry_point(library, f"lean_stack_{name}", [_P, _P, _I, _P, _P, _P, _P, _P]), kernels)
 
 
-def _linear(small) -> _Linear:
+def linear_struct(small) -> _Linear:
     """A linear's struct; a W4A8 one names its own entry point (null: the kernels' gemm)."""
     return _Linear(*small.segments(), small.in_features, small.out_features, getattr(small, "gemm", None))
 
@@ -128,7 +137,8 @@ class NativeLayers:
             qkv, o, gate_up, down = smalls
             heads = o.in_features // module.head_dim
             struct = _Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].variance_epsilon,
-                            norms[1].variance_epsilon, _linear(qkv), _linear(o), _linear(gate_up), _linear(down),
+                            norms[1].variance_epsilon, linear_struct(qkv), linear_struct(o),
+                            linear_struct(gate_up), linear_struct(down),
                             heads, key_cache.shape[2], module.head_dim, module.scaling, key_cache.data_ptr(),
                             value_cache.data_ptr(), key_cache.shape[1], _address(decode.function),
                             int(decode.in_place))
@@ -199,17 +209,22 @@ class NativeStep:
             structs.append(layers.layer_struct((layer, cache), module, smalls, norms, cache, slot, decode))
         return tuple(structs), max_rows
 
-    def call_stack(self, layers: NativeLayers, structs: tuple, plans: list[tuple], decode,
-                   x: torch.Tensor) -> torch.Tensor:
+    def call_stack(self, layers: NativeLayers, structs: tuple, plans: list[tuple], decode, x: torch.Tensor,
+                   tail=None) -> torch.Tensor:
         """The decoder stack's output for x [1, tokens, hidden] in one call of the layers' `structs`; `decode`: this
-        step's decode call (its sequences and block tables)."""
+        step's decode call (its sequences and block tables); `tail`: the step's StackTail (stack_tail.py), whose
+        asked norm and head the call computes after the stack where it can."""
         cache = self.lean.cache
         step, buffers = self._step(decode, x, structs[0])
         for plan in plans:
             cache.books.serve(plan[1].layer_idx, buffers[0])
         out = torch.empty_like(x)
+        tail_struct = tail.struct_for(x) if tail is not None else None
         status = self.entry.stack(ctypes.byref(self.entry.kernels), layers.stack_array(structs), len(structs),
-                                  ctypes.byref(step), x.data_ptr(), out.data_ptr(), buffers[-1].data_ptr())
+                                  ctypes.byref(step), x.data_ptr(), out.data_ptr(), buffers[-1].data_ptr(),
+                                  None if tail_struct is None else ctypes.byref(tail_struct))
+        if status == TAIL_INDEX_OUT_OF_RANGE:
+            raise IndexError(f"logits_to_keep holds an index out of range for a step of {x.shape[1]} rows")
         if status != 0:
             raise RuntimeError(f"the compiled decoder stack failed (status {status})")
         layers.layers_served += len(structs)
