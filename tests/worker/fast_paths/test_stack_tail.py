@@ -2,7 +2,7 @@
 (paged_hf.worker.fast_paths.stack_tail): each decode step's logits are those of the forward's own norm and head
 calls bit for bit (float32, bf16, a W8A8 head, several sequences), the float32 tokens transformers' own; a hook on
 the head or on the final norm, or a patched `slice_logits_to_keep`, runs (the forward's own calls), and the
-tokens are transformers' with it."""
+tokens are transformers' with it; a kept row the step does not have raises IndexError as torch's slice does."""
 
 from __future__ import annotations
 
@@ -99,3 +99,25 @@ def test_a_hook_on_the_head_or_the_final_norm_or_a_patched_slice_runs(monkeypatc
     served = tail.served
     tokens = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert tokens == plain and tail.served == served and len(calls) >= 8
+
+
+@pytest.mark.parametrize("tail_enabled", [True, False])
+def test_a_kept_row_past_the_steps_rows_raises_as_the_forwards_own_slice_does(tail_enabled):
+    """A decode step asked for the logits of a row it does not have: IndexError from the stack's tail as from
+    torch's indexing in the forward's own calls, never another row's logits."""
+    _few_rows(torch.float32)
+    engine = _engine(_llama(torch.float32))
+    runner = engine.runner
+    runner.llama_forward.tail.enabled = tail_enabled
+    call = runner._call_model
+
+    def past_the_rows(kwargs):
+        if kwargs["input_ids"].shape[1] == 1:
+            kwargs["logits_to_keep"] = torch.tensor([3])
+        return call(kwargs)
+
+    runner._call_model = past_the_rows
+    raised_by = "out of range for a step of 1 rows" if tail_enabled else "out of bounds"  # (the tail's; torch's)
+    with pytest.raises(IndexError, match=raised_by):
+        engine.generate(random_prompts([6], seed=1), SamplingParams(max_new_tokens=4, temperature=0),
+                        use_tqdm=False)
