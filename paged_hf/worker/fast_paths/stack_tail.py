@@ -3,12 +3,12 @@ after its last layer (`kernels/csrc/lean_layer.cpp`'s `tail`), where the model's
 (llama_forward.py) and the stack runs as one call.
 
 Why: at one row, norming the stack's output, keeping the sampled rows and calling the head were three Python
-module calls (~0.25 ms of a ~10 ms batch-1 bf16 token on the default model, most of it their objects and code
-fetched again after the weights' read evicted them); in the stack's call they are two C calls. The same kernels
-with the same arguments as the fused norm's and the head's own few-row call, so the same bits (RMSNorm is row by
-row: norming only the kept rows gives those rows' bits; tests/worker/fast_paths/test_stack_tail.py). Anything
-else (another norm or head module, a hook on either, a patched `slice_logits_to_keep`, indices that are not a 1-D
-int64 tensor, more rows than the head's few-row loops take) leaves them to the forward's own calls.
+module calls, each paying for its objects and code fetched again after the weights' read evicted them; in the
+stack's call they are two C calls (a batch-1 token's model call ~0.1 ms shorter on the default model). The same
+kernels with the same arguments as the fused norm's and the head's own few-row call, so the same bits (RMSNorm is
+row by row: norming only the kept rows gives those rows' bits; tests/worker/fast_paths/test_stack_tail.py).
+Anything else (another norm or head module, a hook on either, a patched `slice_logits_to_keep`, indices that are
+not a 1-D int64 tensor, more rows than the head's few-row loops take) leaves them to the forward's own calls.
 """
 
 from __future__ import annotations
