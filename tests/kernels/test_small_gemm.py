@@ -111,8 +111,9 @@ def test_the_loop_for_cpus_without_avx512_bf16_gives_the_same_values():
 
 def test_a_decode_step_of_one_request_runs_through_it_and_gives_hfs_tokens(monkeypatch):
     """float32: the default path's tokens are HF's; every linear of a decode step (and the LM head) took the
-    small-row loops: the LM head through SmallLinear, the layers' through the compiled layer's calls of the same
-    loops (worker/fast_paths/native_layer.py) or through SmallLinear where that is off."""
+    small-row loops: the layers' through the compiled layer's calls of the same loops (worker/fast_paths/
+    native_layer.py) and the LM head through the stack's call of them (stack_tail.py), or each through SmallLinear
+    where the compiled layer is off."""
     model = tiny_model("llama", dtype=torch.float32)
     prompt = random_prompts([12])[0]
     expected = hf_greedy(model, prompt, 8)
@@ -122,10 +123,11 @@ def test_a_decode_step_of_one_request_runs_through_it_and_gives_hfs_tokens(monke
     for native in (True, False):
         engine = paged_hf.wrap(model, num_blocks=32).generator
         layers = engine.runner.fused_layers.lean.native
-        layers.enabled, before = native, layers.layers_served
+        tail = engine.runner.llama_forward.tail
+        layers.enabled, before, heads_before = native, layers.layers_served, tail.served
         calls.clear()
         output = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0), use_tqdm=False)[0]
         assert output.outputs[0].token_ids == expected
-        served = layers.layers_served - before
-        assert 4 * served + len(calls) >= 7 * (2 * 4 + 1)  # 2 layers' q/k/v, o_proj, gate/up, down; the LM head
-        assert calls.count(model.config.vocab_size) >= 7 and (served > 0) is native
+        served, heads = layers.layers_served - before, tail.served - heads_before
+        assert 4 * served + len(calls) + heads >= 7 * (2 * 4 + 1)  # 2 layers' q/k/v, o_proj, gate/up, down; the head
+        assert calls.count(model.config.vocab_size) + heads >= 7 and (served > 0) is native and (heads > 0) is native
