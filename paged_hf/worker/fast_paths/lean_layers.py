@@ -125,10 +125,10 @@ class LeanStep:
         slots = cache.metadata.slot_mapping
         if (ops is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or slots.dtype != torch.int64
                 or not slots.is_contiguous() or slots.device.type != "cpu" or slots.numel() != hidden_states.shape[1]
-                or not _rows(hidden_states, ops.dtype)):
+                or not cpu_rows(hidden_states, ops.dtype)):
             return None
         cos, sin = position_embeddings
-        if not all(_rows(t, ops.dtype) and t.shape == cos.shape and t.shape[:2] == hidden_states.shape[:2]
+        if not all(cpu_rows(t, ops.dtype) and t.shape == cos.shape and t.shape[:2] == hidden_states.shape[:2]
                    for t in (cos, sin)):
             return None
         return cls(cache, ops, hidden_states.shape, cos, sin, fitting, native_layers)
@@ -142,9 +142,9 @@ class LeanStep:
         cache, ops = self.cache, self.ops
         slot = cache.books.slot_of_layer.get(getattr(module, "layer_idx", None))
         decode = None if slot is None else cache.decode_rows(slot)
-        if (decode is None or x.shape != self.shape or not _rows(x, ops.dtype) or not _rows(norms[0].weight, ops.dtype)
-                or not _rows(norms[1].weight, ops.dtype) or not self._fits(layer, module, slot)
-                or not self._calls_paged(module)):
+        if (decode is None or x.shape != self.shape or not cpu_rows(x, ops.dtype)
+                or not cpu_rows(norms[0].weight, ops.dtype) or not cpu_rows(norms[1].weight, ops.dtype)
+                or not self._fits(layer, module, slot) or not self._calls_paged(module)):
             return None
         qkv_of, gate_up_of = attention.projection(x), mlp.projection(x)  # (LoRA updates added, where adapters are)
         if qkv_of is None or gate_up_of is None:
@@ -342,7 +342,8 @@ class StackPlan:
 _VERSION, _ADDRESS = operator.attrgetter("_version"), torch.Tensor.data_ptr
 
 
-def _rows(x: torch.Tensor, dtype: torch.dtype) -> bool:
+def cpu_rows(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """x is contiguous CPU memory of `dtype` (what the compiled calls read by address)."""
     return x.dtype == dtype and x.is_contiguous() and x.is_cpu
 
 

@@ -16,17 +16,18 @@ from __future__ import annotations
 import torch
 
 from paged_hf.worker.fast_paths.fused_layers import FusedRMSNorm
+from paged_hf.worker.fast_paths.lean_layers import cpu_rows
 from paged_hf.worker.fast_paths.native_layer import TailStruct, few_rows_of, linear_struct
 
 
 class StackTail:
     """One step's request for the final norm and the head (`ask`), which the stack's call takes (`struct_for`) and
-    answers with the logits (`logits`); the head's struct kept while its few-row linear is the same object."""
+    answers with the logits (`take`); the head's struct kept while its few-row linear is the same object."""
 
     def __init__(self):
         self.enabled = True  # (tests turn it off to compare with the forward's own calls)
         self.served = 0  # a count, for tests
-        self.logits: torch.Tensor | None = None  # [1, kept, vocab]: the last answered request's
+        self._logits: torch.Tensor | None = None  # [1, kept, vocab]: what the last stack call answered
         self._asked: tuple | None = None  # (norm's weight, eps, the head's few-row linear, keep) of this step
         self._head: tuple | None = None  # (few-row linear, its struct)
         self._held: tuple | None = None  # (kept rows, normed rows): what the struct points at, held for the call
@@ -36,11 +37,10 @@ class StackTail:
         `norm` is the fused RMSNorm stand-in and `head` a linear of the few-row loops (`few_rows_of`: the packed
         stand-in, or a quantized linear without hooks), and `keep` the rows' indices, a 1-D int64 tensor (the
         runner's); else ask nothing. (A hooked norm or head keeps its place: no stand-in of theirs is there.)"""
-        self.logits = self._asked = None
+        self._logits = self._asked = None
         if not self.enabled or type(norm) is not FusedRMSNorm:
             return
-        if not (isinstance(keep, torch.Tensor) and keep.dtype == torch.int64 and keep.dim() == 1
-                and keep.is_contiguous() and keep.is_cpu):
+        if not (isinstance(keep, torch.Tensor) and keep.dim() == 1 and cpu_rows(keep, torch.int64)):
             return
         small = few_rows_of(head)
         if small is not None:
@@ -54,20 +54,20 @@ class StackTail:
             return None
         weight, eps, small, keep = asked
         count = keep.numel()
-        if (count == 0 or count > x.shape[1] or not small.serves(x[0, :count]) or weight.dtype != x.dtype
-                or weight.shape != x.shape[2:] or not weight.is_contiguous() or not weight.is_cpu):
+        if (count == 0 or count > x.shape[1] or not small.serves(x[0, :count]) or not cpu_rows(weight, x.dtype)
+                or weight.shape != x.shape[2:]):
             return None
         made = self._head
         if made is None or made[0] is not small:
             made = self._head = small, linear_struct(small)
         normed = torch.empty(count, x.shape[2], dtype=x.dtype)
-        self.logits = torch.empty(1, count, small.out_features, dtype=x.dtype)
+        self._logits = torch.empty(1, count, small.out_features, dtype=x.dtype)
         self._held = keep, normed
         return TailStruct(weight.data_ptr(), eps, made[1], keep.data_ptr(), count, normed.data_ptr(),
-                          self.logits.data_ptr())
+                          self._logits.data_ptr())
 
     def take(self) -> torch.Tensor | None:
         """The logits the last stack call computed, once; None where it computed none."""
-        logits, self.logits, self._held, self._asked = self.logits, None, None, None
+        logits, self._logits, self._held, self._asked = self._logits, None, None, None
         self.served += logits is not None
         return logits
