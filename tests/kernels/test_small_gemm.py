@@ -100,10 +100,11 @@ def test_what_it_does_not_serve_is_left_to_the_callers_gemm():
 
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the CPU computes bf16 products natively only with it")
-def test_the_loop_for_cpus_without_avx512_bf16_gives_the_same_values():
+@pytest.mark.parametrize("m", [1, 3])  # one row of W at a time at one row of x, a few at once past it
+def test_the_loop_for_cpus_without_avx512_bf16_gives_the_same_values(m):
     """Built with -mno-avx512bf16 (Ice Lake, Skylake-X): bf16 widened to float32 and FMAs."""
     functions = small_gemm.functions(("-mno-avx512bf16",))
-    weights, biases, x, expected = _case(torch.bfloat16, 3, 200, [70, 9], True)
+    weights, biases, x, expected = _case(torch.bfloat16, m, 200, [70, 9], True)
     linear = SmallLinear(weights, biases, ("-mno-avx512bf16",))
     assert linear.function is functions[torch.bfloat16]
     _check(linear(x), expected, torch.bfloat16)
