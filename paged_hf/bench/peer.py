@@ -11,12 +11,17 @@ Q4_0; :data:`.peer_report.PRECISIONS`), one after the other on the same host:
 Then the machine's streaming read rate is measured (nothing else of ours running), and :mod:`.peer_report`
 prints per-stream and total tok/s, the ratios and each engine's fraction of the memory-read limit. Without a
 llama.cpp build (`make bench-llamacpp`) the bench says how to build one and runs paged_hf alone.
+
+`--rounds N` makes that N turns, the engines' order swapped each turn: a host whose read rate drifts by tens of
+percent within minutes (a shared VM) moves both engines of one turn alike, so the ratio reported is the median
+of the turns' own ratios (:func:`.peer_report.combine_turns`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +34,7 @@ from paged_hf.bench.llamacpp import LlamaCpp, find_llamacpp, run_batched_bench, 
 from paged_hf.bench.llamacpp_gguf import gguf_file, model_folder, step_weight_bytes
 from paged_hf.bench.model_shapes import resolve_model_shape
 from paged_hf.bench.peer_plot import write_curve_plot
-from paged_hf.bench.peer_report import PRECISIONS, format_report, precision_rows
+from paged_hf.bench.peer_report import PRECISIONS, combine_turns, format_report, precision_rows
 from paged_hf.bench.systems import stderr_fd
 
 PROMPT_TOKENS, NEW_TOKENS, ROUNDS = 32, 128, 3
@@ -67,6 +72,7 @@ def _log(message: str) -> None:
 
 def run_paged(model: str | None, precision: str, streams: list[int], threads: int, timeout_s: float | None) -> dict:
     """paged_hf at one precision, every stream count, in a fresh process (:mod:`.peer_paged`)."""
+    _log(f"{precision}: paged_hf, streams {streams} ...")
     dtype, quantization, _ = PRECISIONS[precision]
     with tempfile.TemporaryDirectory(prefix="paged_hf_bench_peer_") as tmp:
         spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
@@ -88,6 +94,7 @@ def run_llamacpp(build: LlamaCpp, folder: Path, precision: str, streams: list[in
                  timeout_s: float | None) -> dict:
     """llama.cpp at one precision: the GGUF file (converted once), llama-bench at batch 1, llama-batched-bench."""
     gguf_type = PRECISIONS[precision][2]
+    _log(f"{precision}: llama.cpp ({gguf_type}) ...")
     try:
         gguf = gguf_file(build, folder, gguf_type, timeout_s)
         result = {"gguf": str(gguf), "step_weight_bytes": step_weight_bytes(build, gguf)["step_weight_bytes"]}
@@ -97,6 +104,24 @@ def run_llamacpp(build: LlamaCpp, folder: Path, precision: str, streams: list[in
         return result
     except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def run_turn(args, precisions: list[str], streams: list[int], threads: int, build: LlamaCpp | None, reason: str,
+             llama_first: bool) -> dict:
+    """Both engines at every precision, one after the other -> {precision: {"paged_hf": ..., "llamacpp": ...}}."""
+    folder = model_folder(args.model) if build else None
+    order = ("llamacpp", "paged_hf") if llama_first else ("paged_hf", "llamacpp")
+    results = {}
+    for precision in precisions:
+        ran = {}
+        for engine in order:
+            if engine == "paged_hf":
+                ran[engine] = run_paged(args.model, precision, streams, threads, args.system_timeout)
+            else:
+                ran[engine] = run_llamacpp(build, folder, precision, streams, threads, args.system_timeout) \
+                    if build else {"skipped": reason}
+        results[precision] = {"paged_hf": ran["paged_hf"], "llamacpp": ran["llamacpp"]}
+    return results
 
 
 def _measure_read_bandwidth() -> float | None:
@@ -112,34 +137,33 @@ def _settings(args, streams: list[int], threads: int, build: LlamaCpp | None, lo
     spinning threads the most)."""
     return {"model": args.model or "SmolLM2-135M-Instruct (default)", "streams": streams, "threads": threads,
             "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "rounds": ROUNDS,
+            "turns": max(1, getattr(args, "rounds", 1) or 1),
             "llamacpp": str(build.root) if build else None, "load_average_before": load_before,
             "load_average_after": list(os.getloadavg()), **measured_where(args)}
 
 
 def run_peer_bench(args) -> int:
-    """Every precision, paged_hf then llama.cpp; the read bandwidth; the tables. 0 if everything ran (llama.cpp
-    missing counts as ran: it is reported and skipped), 1 if anything failed."""
+    """Every precision, paged_hf then llama.cpp (`--rounds` turns of it); the read bandwidth after each turn; the
+    tables. 0 if everything ran (llama.cpp missing counts as ran: it is reported and skipped), 1 if anything
+    failed."""
     streams, precisions = parse_counts(args.streams), parse_precisions(args.precisions)
     resolve_model_shape(args)  # --model-shape: its folder in --dtype, built once; every precision loads from it
     threads, load_before = args.threads or torch.get_num_threads(), list(os.getloadavg())
     build, reason = find_llamacpp(args.llamacpp_dir)
     if reason:
         _log(f"{reason}; running paged_hf alone")
-    folder = model_folder(args.model) if build else None
-    results = {}
-    for precision in precisions:
-        _log(f"{precision}: paged_hf, streams {streams} ...")
-        paged = run_paged(args.model, precision, streams, threads, args.system_timeout)
-        llama = {"skipped": reason}
-        if build:
-            _log(f"{precision}: llama.cpp ({PRECISIONS[precision][2]}) ...")
-            llama = run_llamacpp(build, folder, precision, streams, threads, args.system_timeout)
-        results[precision] = {"paged_hf": paged, "llamacpp": llama}
-    torch.set_num_threads(threads)
-    read_bps = _measure_read_bandwidth()
-    rows = [precision_rows(p, r["paged_hf"], r["llamacpp"], streams, read_bps) for p, r in results.items()]
+    turns, read_rates = [], []
+    for turn in range(max(1, getattr(args, "rounds", 1) or 1)):
+        # llama.cpp first every other turn: a steady drift of the host favours neither engine
+        turns.append(run_turn(args, precisions, streams, threads, build, reason, llama_first=turn % 2 == 1))
+        torch.set_num_threads(threads)
+        read_rates.append(_measure_read_bandwidth())
+    measured = [rate for rate in read_rates if rate]
+    read_bps = statistics.median(measured) if measured else None
+    rows = [combine_turns([precision_rows(p, t[p]["paged_hf"], t[p]["llamacpp"], streams, read_bps) for t in turns],
+                          streams, read_bps) for p in precisions]
     report = {"settings": _settings(args, streams, threads, build, load_before), "read_bytes_per_s": read_bps,
-              "rows": rows, "raw": results}
+              "read_bytes_per_s_turns": read_rates, "rows": rows, "turns": turns}
     print(format_report(report), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -149,4 +173,5 @@ def run_peer_bench(args) -> int:
         plot = write_curve_plot(report, args.out)
         if plot:
             _log(f"wrote {plot}")
-    return 1 if any(r["paged_hf"].get("error") or r["llamacpp"].get("error") for r in results.values()) else 0
+    return 1 if any(r["paged_hf"].get("error") or r["llamacpp"].get("error")
+                    for results in turns for r in results.values()) else 0

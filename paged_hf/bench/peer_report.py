@@ -6,9 +6,13 @@ a decode step reads every weight once for all N streams, so an engine at total t
 second and reads ``step weight bytes x T / N`` bytes per second, against the machine's measured streaming read
 rate (:func:`.machine.read_bandwidth`). At N = 1 that is the weight bytes per token x tok/s / read B/s, the
 fraction of the bandwidth a batch-1 decode can use (the KV cache's reads, small here, are not counted).
+Over several turns (`--rounds`) every figure is the median of the turns' and the ratio the median of the turns'
+own ratios, printed with their lowest and highest.
 """
 
 from __future__ import annotations
+
+import statistics
 
 #: precision -> (paged_hf's dtype, its quantization, the GGUF type llama.cpp runs against it)
 PRECISIONS = {
@@ -63,6 +67,35 @@ def precision_rows(name: str, paged: dict, llama: dict, streams: list[int], read
             "paged_hf_memory": paged.get("memory")}
 
 
+def combine_turns(rows: list[dict], streams: list[int], read_bps: float | None) -> dict:
+    """One precision's rows of several turns (`--rounds`) as one: each engine's tok/s the median of its turns',
+    each ratio the median of the turns' own ratios (a turn's two engines ran minutes apart: a drift of the host's
+    read rate moves both alike), those ratios kept beside it ("turn_ratios"). One turn: its row, as it is."""
+    if len(rows) == 1:
+        return rows[0]
+    first = rows[0]
+    ours_bytes, their_bytes = first["paged_hf_step_weight_bytes"], first["llamacpp_step_weight_bytes"]
+
+    def point(points: list[dict], count: int) -> dict:
+        ours = _median([p["paged_hf"]["total_tokens_per_s"] for p in points])
+        theirs = _median([p["llamacpp"]["total_tokens_per_s"] for p in points])
+        ratios = [p["ratio"] for p in points if p["ratio"] is not None]
+        return {"paged_hf": engine_figures(ours, count, ours_bytes, read_bps),
+                "llamacpp": engine_figures(theirs, count, their_bytes, read_bps),
+                "ratio": _median(ratios), "turn_ratios": ratios}
+
+    curve = [{"streams": count, **point([row["curve"][i] for row in rows], count)} for i, count in enumerate(streams)]
+    error = next((row["paged_hf_error"] for row in rows if row["paged_hf_error"]), None)
+    llama_error = next((row["llamacpp_error"] for row in rows if row["llamacpp_error"]), None)
+    return {**first, "batch1": point([row["batch1"] for row in rows], 1), "curve": curve,
+            "paged_hf_error": error, "llamacpp_error": llama_error}
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = sorted(v for v in values if v is not None)
+    return statistics.median(present) if present else None
+
+
 def _num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -78,8 +111,13 @@ def _total(figures: dict) -> str:
     return f"{figures['total_tokens_per_s']:.1f} ({figures['per_stream_tokens_per_s']:.1f})"
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"**{value:.2f}x**"
+def _ratio(figures: dict) -> str:
+    """'**1.05x**', and the turns' lowest and highest ratios beside it where there were several."""
+    value, turns = figures["ratio"], figures.get("turn_ratios") or []
+    if value is None:
+        return "-"
+    spread = f" ({min(turns):.2f}-{max(turns):.2f})" if len(turns) > 1 else ""
+    return f"**{value:.2f}x**{spread}"
 
 
 def _mb(value: int | None) -> str:
@@ -93,7 +131,7 @@ def format_batch1(rows: list[dict]) -> list[str]:
     for row in rows:
         ours, theirs = row["batch1"]["paged_hf"], row["batch1"]["llamacpp"]
         lines.append(f"| {row['label']} | {_num(ours['total_tokens_per_s'])} | {_num(theirs['total_tokens_per_s'])} "
-                     f"| {_ratio(row['batch1']['ratio'])} | {_mb(row['paged_hf_step_weight_bytes'])} / "
+                     f"| {_ratio(row['batch1'])} | {_mb(row['paged_hf_step_weight_bytes'])} / "
                      f"{_mb(row['llamacpp_step_weight_bytes'])} | {_pct(ours['read_fraction'])} / "
                      f"{_pct(theirs['read_fraction'])} |")
     return lines
@@ -106,7 +144,7 @@ def format_curve(rows: list[dict]) -> list[str]:
         for point in row["curve"]:
             ours, theirs = point["paged_hf"], point["llamacpp"]
             lines.append(f"| {row['label']} | {point['streams']} | {_total(ours)} | {_total(theirs)} "
-                         f"| {_ratio(point['ratio'])} | "
+                         f"| {_ratio(point)} | "
                          f"{_pct(ours['read_fraction'])} / {_pct(theirs['read_fraction'])} |")
     return lines
 
@@ -125,13 +163,18 @@ def format_memory(rows: list[dict]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def _turns(settings: dict) -> str:
+    turns = settings.get("turns", 1)
+    return f"{turns} turns, the engines' order swapped each turn; " if turns > 1 else ""
+
+
 def format_report(report: dict) -> str:
     """The two tables (markdown), what was measured where, and every error or skip."""
     settings = report["settings"]
     read = report.get("read_bytes_per_s")
     lines = [f"paged_hf vs llama.cpp on {settings['model']}, {settings['prompt_tokens']}-token prompts, "
              f"{settings['new_tokens']} greedy new tokens (EOS ignored), {settings['threads']} threads; "
-             f"{settings['cpu']}; measured read bandwidth {_num(read / 1e9 if read else None)} GB/s; "
+             f"{_turns(settings)}{settings['cpu']}; measured read bandwidth {_num(read / 1e9 if read else None)} GB/s; "
              f"{settings['date']}; `{settings['command']}`", ""]
     lines += format_batch1(report["rows"]) + [""] + format_curve(report["rows"])
     memory = format_memory(report["rows"])

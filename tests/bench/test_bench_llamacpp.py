@@ -92,6 +92,44 @@ def test_rows_pair_paged_hf_with_llama_bench_at_batch_1_and_batched_bench_beyond
     assert "| w4a16 vs Q4_0 | 4 | 300.0 (75.0) | 200.0 (50.0) | **1.50x** | 75% / 25% |" in table
 
 
+def test_turns_report_each_engines_median_and_the_median_of_the_turns_own_ratios():
+    """Three turns on a host whose read rate drifts: the ratio is the median of each turn's own ratio (0.8, 1.5,
+    1.1 -> 1.1), not the ratio of the medians (60 / 60); the turns' lowest and highest are printed."""
+    llama = [{"bench": {"tokens_per_s": t}, "step_weight_bytes": 50_000_000,
+              "batched": {"1": {"tokens_per_s": t}, "2": {"tokens_per_s": 2 * t}}} for t in (60.0, 40.0, 100.0)]
+    paged = [_paged({1: t, 2: 3 * t}) for t in (48.0, 60.0, 110.0)]
+    turns = [peer_report.precision_rows("bfloat16", p, q, [1, 2], 10e9) for p, q in zip(paged, llama)]
+    row = peer_report.combine_turns(turns, [1, 2], 10e9)
+    assert row["batch1"]["ratio"] == pytest.approx(1.1) and row["batch1"]["turn_ratios"] == pytest.approx([0.8, 1.5, 1.1])
+    batch1 = row["batch1"]
+    assert batch1["paged_hf"]["total_tokens_per_s"] == 60.0 and batch1["llamacpp"]["total_tokens_per_s"] == 60.0
+    two = row["curve"][1]
+    assert two["streams"] == 2 and two["ratio"] == pytest.approx(1.65) and two["paged_hf"]["total_tokens_per_s"] == 180.0
+    assert two["paged_hf"]["read_fraction"] == pytest.approx(100_000_000 * 90 / 10e9)
+    assert peer_report.combine_turns(turns[:1], [1, 2], 10e9) is turns[0]  # one turn: its row, as it is
+    settings = {"model": "m", "prompt_tokens": 32, "new_tokens": 128, "threads": 2, "cpu": "cpu", "date": "today",
+                "command": "c", "turns": 3}
+    table = peer_report.format_report({"settings": settings, "read_bytes_per_s": 10e9, "rows": [row]})
+    assert "| bfloat16 vs BF16 | 60.0 | 60.0 | **1.10x** (0.80-1.50) | 100 / 50 |" in table
+    assert "| bfloat16 vs BF16 | 2 | 180.0 (90.0) | 120.0 (60.0) | **1.65x** (1.20-2.25) |" in table
+    assert "3 turns, the engines' order swapped each turn" in table
+
+
+def test_turns_swap_which_engine_runs_first(monkeypatch):
+    """Every other turn llama.cpp runs first, so a steady drift of the host favours neither engine."""
+    ran = []
+    monkeypatch.setattr(peer, "run_paged", lambda model, precision, *rest: ran.append(("paged_hf", precision)) or {})
+    monkeypatch.setattr(peer, "run_llamacpp", lambda build, folder, precision, *rest:
+                        ran.append(("llamacpp", precision)) or {})
+    monkeypatch.setattr(peer, "model_folder", lambda model: None)
+    args = type("Args", (), {"model": None, "system_timeout": None})()
+    for llama_first in (False, True):
+        turn = peer.run_turn(args, ["int8", "w4a8"], [1], 2, object(), "", llama_first=llama_first)
+        assert set(turn) == {"int8", "w4a8"} and all(set(r) == {"paged_hf", "llamacpp"} for r in turn.values())
+    assert ran == [("paged_hf", "int8"), ("llamacpp", "int8"), ("paged_hf", "w4a8"), ("llamacpp", "w4a8"),
+                   ("llamacpp", "int8"), ("paged_hf", "int8"), ("llamacpp", "w4a8"), ("paged_hf", "w4a8")]
+
+
 def test_without_llama_cpp_the_table_says_how_to_build_it_once():
     missing, reason = llamacpp.find_llamacpp("/nonexistent/llamacpp")
     assert missing is None and "make bench-llamacpp" in reason
@@ -126,9 +164,9 @@ def test_bench_streams_runs_paged_hf_alone_without_llama_cpp(tmp_path, capsys, m
     table = capsys.readouterr().out
     assert "make bench-llamacpp" in table and "| float32 vs F32 | 2 |" in table
     report = json.loads((tmp_path / "out" / peer.REPORT_FILE).read_text())
-    streams = report["raw"]["float32"]["paged_hf"]["streams"]
+    streams = report["turns"][0]["float32"]["paged_hf"]["streams"]
     assert set(streams) == {"1", "2"} and all(s["tokens_per_s"] > 0 for s in streams.values())
-    memory = report["raw"]["float32"]["paged_hf"]["memory"]  # what loading added, beside weights and KV cache
+    memory = report["turns"][0]["float32"]["paged_hf"]["memory"]  # what loading added, beside weights and KV cache
     assert memory["weight_bytes"] > 0 and memory["kv_cache_bytes"] > 0 and memory["load_rss_bytes"] > 0
     assert memory["load_over_weights"] == (memory["load_rss_bytes"] - memory["kv_cache_bytes"]) / memory["weight_bytes"]
     assert (tmp_path / "out" / "bench_llamacpp.png").exists()  # the curve, drawn from the report
