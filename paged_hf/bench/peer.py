@@ -106,6 +106,11 @@ def run_llamacpp(build: LlamaCpp, folder: Path, precision: str, streams: list[in
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def turn_count(args) -> int:
+    """`--rounds`: how many turns of the whole comparison (1 where unset)."""
+    return max(1, getattr(args, "rounds", 1) or 1)
+
+
 def run_turn(args, precisions: list[str], streams: list[int], threads: int, build: LlamaCpp | None, reason: str,
              llama_first: bool) -> dict:
     """Both engines at every precision, one after the other -> {precision: {"paged_hf": ..., "llamacpp": ...}}."""
@@ -137,7 +142,7 @@ def _settings(args, streams: list[int], threads: int, build: LlamaCpp | None, lo
     spinning threads the most)."""
     return {"model": args.model or "SmolLM2-135M-Instruct (default)", "streams": streams, "threads": threads,
             "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "rounds": ROUNDS,
-            "turns": max(1, getattr(args, "rounds", 1) or 1),
+            "turns": turn_count(args),
             "llamacpp": str(build.root) if build else None, "load_average_before": load_before,
             "load_average_after": list(os.getloadavg()), **measured_where(args)}
 
@@ -153,7 +158,7 @@ def run_peer_bench(args) -> int:
     if reason:
         _log(f"{reason}; running paged_hf alone")
     turns, read_rates = [], []
-    for turn in range(max(1, getattr(args, "rounds", 1) or 1)):
+    for turn in range(turn_count(args)):
         # llama.cpp first every other turn: a steady drift of the host favours neither engine
         turns.append(run_turn(args, precisions, streams, threads, build, reason, llama_first=turn % 2 == 1))
         torch.set_num_threads(threads)

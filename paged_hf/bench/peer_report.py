@@ -92,7 +92,7 @@ def combine_turns(rows: list[dict], streams: list[int], read_bps: float | None) 
 
 
 def _median(values: list[float | None]) -> float | None:
-    present = sorted(v for v in values if v is not None)
+    present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
 
 
