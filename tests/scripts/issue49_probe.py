@@ -31,7 +31,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "serving")]
 import hostile_probe  # noqa: E402
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from hostile_probe import KEYS, Watch, auth, encoded, issue_49_rows  # noqa: E402
+from hostile_probe import KEYS, Watch, auth, encoded, issue_49_rows, rss_back_within, rss_mb  # noqa: E402
 
 from paged_hf.utils import describe_host  # noqa: E402
 
@@ -60,18 +60,6 @@ def start_server(store: str, isolation: str, max_stream_gap: float | None) -> tu
         time.sleep(0.5)
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
-def settled_rss(pid: int, baseline: float, wait_s: float = 3.0) -> float:
-    deadline = time.monotonic() + wait_s
-    while rss_mb(pid) - baseline >= 50 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return rss_mb(pid)
-
-
 def first_token_s(url: str, key: str, prompt: str) -> float:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
     start = time.monotonic()
@@ -87,7 +75,7 @@ def run_rows(url: str, pid: int, selected: list[str]) -> None:
             before, start = rss_mb(pid), time.monotonic()
             response = watch.post(path, body, BOB, label)
             elapsed = time.monotonic() - start
-            grown = settled_rss(pid, before) - before
+            grown = rss_back_within(before, 50, pid, wait_s=3.0) - before
             watch.wait_gaps(3)  # the stream's gaps after the answer count too
         worst, bound = max(watch.gaps), watch.bound(0.25)
         print(f"{label:40s} {response.status_code} (want {status}) {elapsed:6.2f} s  largest gap "
@@ -99,7 +87,7 @@ def run_rows(url: str, pid: int, selected: list[str]) -> None:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda i: client.responses.create(model="tiny", input=f"flood {i}", max_output_tokens=2),
                           range(64)))
-        elapsed, grown = time.monotonic() - start, settled_rss(pid, before) - before
+        elapsed, grown = time.monotonic() - start, rss_back_within(before, 50, pid, wait_s=3.0) - before
     print(f"{'a flood of 64 stored responses':40s} 200 {elapsed:6.2f} s  largest gap {max(watch.gaps) * 1e3:5.0f} ms "
           f"(bound {watch.bound(0.25) * 1e3:.0f})  RSS {grown:+.0f} MB", flush=True)
 

@@ -1,5 +1,5 @@
 """What the hostile-request tests share: a watch on a running stream and /health, bodies no client library
-would write (950 levels of JSON), and the process's resident memory."""
+would write (950 levels of JSON), and a process's resident memory."""
 
 from __future__ import annotations
 
@@ -19,18 +19,19 @@ def auth(key: str | None) -> dict:
     return {} if key is None else {"Authorization": f"Bearer {key}"}
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
+def rss_mb(pid: int | str = "self") -> float:
+    """Process `pid`'s resident memory (MB)."""
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def rss_back_within(baseline: float, margin_mb: float, wait_s: float = 2.0) -> float:
-    """The resident memory once it is within `margin_mb` of `baseline`, or after `wait_s` (the server gives a large
-    body's heap back after it answered: the client may read the answer first)."""
+def rss_back_within(baseline: float, margin_mb: float, pid: int | str = "self", wait_s: float = 2.0) -> float:
+    """Process `pid`'s resident memory once it is within `margin_mb` of `baseline`, or after `wait_s` (the server
+    gives a large body's heap back after it answered: the client may read the answer first)."""
     deadline = time.monotonic() + wait_s
-    while rss_mb() - baseline >= margin_mb and time.monotonic() < deadline:
+    while rss_mb(pid) - baseline >= margin_mb and time.monotonic() < deadline:
         time.sleep(0.05)
-    return rss_mb()
+    return rss_mb(pid)
 
 
 class Watch:
@@ -128,8 +129,8 @@ def encoded(body: dict) -> bytes:
 
 
 def post(url: str, path: str, body: dict | bytes, key: str | None = None) -> httpx.Response:
-    """`body`: a dict, or its JSON text already encoded (a megabyte body encoded in this process, where the server
-    runs too, would hold the GIL as the server's work does: encode it before the watch starts)."""
+    """`body`: a dict, or its JSON text already encoded (a megabyte body encoded while the watch runs would hold
+    the GIL of the process whose threads time the stream: encode it before the watch starts)."""
     content = body if isinstance(body, bytes) else encoded(body)
     return httpx.post(url + path, content=content, headers={"Content-Type": "application/json", **auth(key)},
                       timeout=POST_TIMEOUT_S)
