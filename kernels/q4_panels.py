@@ -3,14 +3,16 @@ activations quantized per block of 32 to int8 at run time, as llama.cpp computes
 Q4_0: the weights' integers times the activations' in exact int32 sums (AVX512-VNNI's vpdpbusd; AVX2's vpmaddubsw
 where the CPU has no AVX-512), each weight byte read once in memory order, one 64-byte load serving 16 channels.
 
-The weights are those of `quantization="w4a16"` (4-bit groups of 64 with zero points, `w = (u - z) * s`); only
-the activations differ: w4a16 multiplies them as they are, W4A8 rounds each to one of 255 levels of its block's
-largest magnitude first (`quantize_blocks`). That is a different computation, so it is its own mode
-(`quantization="w4a8"`), tested against its own torch reference (`reference`), never a silent stand-in for w4a16.
+The weights are those of `quantization="w4a16"` (4-bit groups of 64 with zero points, `w = (u - z) * s`), their
+scales rounded to float16 (`half_groups`: as Q4_0's and GPTQ's are; in float32, scale and zero point were a fifth of
+the bytes a token reads); the activations differ: w4a16 multiplies them as they are, W4A8 rounds each to one of 255
+levels of its block's largest magnitude first (`quantize_blocks`). That is a different computation, so it is its own
+mode (`quantization="w4a8"`), tested against its own torch reference (`reference`), never a silent stand-in for
+w4a16.
 
 Layouts (`repack` and its inverse `unrepack`): panels [n / 16, k / 32 * 256] uint8: per panel and block of 32 k,
 4 x 64 bytes (t = 0..3), channel r's 4 bytes at 4 r, byte i: u[32 b + 8 t + i] | u[32 b + 8 t + 4 + i] << 4;
-scales and zeros [n / 16, groups * 16] float32 (a panel's 16 channels side by side, group by group).
+scales and zeros [n / 16, groups * 16] float16 (a panel's 16 channels side by side, group by group).
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def unrepack(panels: torch.Tensor, k: int) -> torch.Tensor:
     return both.permute(0, 3, 1, 2, 5, 4).reshape(panels.shape[0] * PANEL, k)
 
 
+def half_groups(t: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or zero points [n, groups] -> [n / 16, groups * 16] float16, the kernel's layout (zero points
+    are integers: exact)."""
+    return repack_groups(t.to(torch.float16))
+
+
 def repack_groups(t: torch.Tensor) -> torch.Tensor:
     """Per-group values [n, groups] -> [n / 16, groups * 16] (a panel's channels side by side)."""
     n, groups = t.shape
@@ -92,7 +100,8 @@ def quantize_blocks(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference(x32: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               group_size: int) -> torch.Tensor:
-    """float32 [m, n] of x32 [m, k]: values [n, k] integers, scales and zeros [n, groups] float32 (not repacked).
+    """float32 [m, n] of x32 [m, k]: values [n, k] integers, scales and zeros [n, groups] (not repacked; as the
+    kernel reads them: float16 values).
     Per block b: t = float(sum q u) - z * float(sum q), y = sum over b of (s_x * s) * t (the kernel sums in k
     order with FMAs: equal up to the order and rounding of that float sum)."""
     q, sx = quantize_blocks(x32)  # [m, blocks, 32], [m, blocks]
@@ -102,15 +111,17 @@ def reference(x32: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, zer
     dots = torch.bmm(q.transpose(0, 1), u.permute(1, 2, 0)).transpose(0, 1)  # [m, blocks, n]
     sums = q.sum(-1)  # [m, blocks], exact
     per_group = group_size // BLOCK
-    s_b, z_b = scales.repeat_interleave(per_group, 1).T, zeros.repeat_interleave(per_group, 1).T  # [blocks, n]
+    s_b, z_b = (t.float().repeat_interleave(per_group, 1).T for t in (scales, zeros))  # [blocks, n]
     t = dots - z_b[None] * sums[..., None]  # [m, blocks, n]
     return ((sx[..., None] * s_b[None]) * t).sum(1)
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
            bias: torch.Tensor | None, extra_flags: tuple[str, ...] = ()) -> torch.Tensor | None:
-    """[m, n] in x's dtype (bf16 or float32; others None) of x [..., k]: panels, scales, zeros repacked (above),
-    bias [n] in x's dtype or None. None where the library is not built or x is not on the CPU."""
+    """[m, n] in x's dtype (bf16 or float32; others None) of x [..., k]: panels, scales, zeros repacked (above;
+    `half_groups`), bias [n] in x's dtype or None. None where the library is not built or x is not on the CPU."""
+    if scales.dtype != torch.float16 or zeros.dtype != torch.float16:
+        raise ValueError(f"W4A8's scales and zeros are float16 (half_groups), got {scales.dtype}, {zeros.dtype}")
     lib = library(extra_flags)
     if lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or x.requires_grad:
         return None

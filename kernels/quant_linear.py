@@ -116,9 +116,9 @@ class Int4Linear(QuantizedLinear):
         """values [out, in] integers in [0, 15] (any int dtype), scales [out, in / group_size], zeros likewise
         (None: symmetric, z = 8). `act_quant` (W4A8, kernels/q4_panels.py): the activations quantized per block of
         32 to int8, the weights kept repacked in panels of 16 channels (`qweight`, `scales`, `zeros` in that layout,
-        in place of the row-major ones; `panels`); where the sizes do not allow panels (`q4_panels.fits`): a
-        ValueError. `act_quant` switched off later (the engine probe) computes W4A16's arithmetic on the panels
-        (by the torch reference)."""
+        the last two float16, in place of the row-major ones; `panels`); where the sizes do not allow panels
+        (`q4_panels.fits`): a ValueError. `act_quant` switched off later (the engine probe) computes W4A16's
+        arithmetic on the panels (by the torch reference)."""
         out_features, in_features = values.shape
         if in_features % group_size or group_size % 2:
             raise ValueError(f"a group size of {group_size} does not divide in_features={in_features}")
@@ -132,7 +132,7 @@ class Int4Linear(QuantizedLinear):
         z = torch.full_like(scales, 8.0) if zeros is None else zeros.detach().float().reshape(out_features, -1)
         if act_quant:
             self.register_buffer("qweight", q4_panels.repack(values))
-            scales, z = q4_panels.repack_groups(scales), q4_panels.repack_groups(z)
+            scales, z = q4_panels.half_groups(scales), q4_panels.half_groups(z)
         else:
             self.register_buffer("qweight", pack_int4(values))
         self.register_buffer("scales", scales.clone())
@@ -154,8 +154,8 @@ class Int4Linear(QuantizedLinear):
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(values [out, in] uint8, scales, zeros [out, groups] float32) in the row-major layout."""
         if self.panels:
-            return (q4_panels.unrepack(self.qweight, self.in_features), q4_panels.unrepack_groups(self.scales),
-                    q4_panels.unrepack_groups(self.zeros))
+            return (q4_panels.unrepack(self.qweight, self.in_features), q4_panels.unrepack_groups(self.scales).float(),
+                    q4_panels.unrepack_groups(self.zeros).float())
         return unpack_int4(self.qweight, self.in_features), self.scales, self.zeros
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

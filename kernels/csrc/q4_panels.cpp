@@ -13,13 +13,13 @@
 // bytes = for channel r = 0..15, 4 bytes: byte i holds u[k = 32 b + 8 t + i] in its low nibble and
 // u[k = 32 b + 8 t + 4 + i] in its high nibble. So a 64-byte load masked to low nibbles is the 16 channels x 4 k of
 // vpdpbusd's u8 operand, and the activations' 4 int8 of those k are broadcast to every channel. Scales and zeros
-// (float32) per panel: [groups][16].
+// (float16, as Q4_0's scales: float32 made them a fifth of the bytes read) per panel: [groups][16].
 //
 // Instruction sets, chosen at build (-march=native; the tests build the AVX2 loops with -mno-avx512f and the
-// portable ones with -mno-avx2): AVX512-VNNI's vpdpbusd; AVX2 with vpmaddubsw + vpmaddwd (u <= 15 and
+// portable ones with -mno-avx2): AVX512-VNNI's vpdpbusd; AVX2 (with F16C) with vpmaddubsw + vpmaddwd (u <= 15 and
 // |q| <= 127: a pair's sum stays far from int16's saturation) on the two halves of a panel; else plain loops.
 #include <omp.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define Q4P_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -43,7 +43,7 @@ constexpr int kMaxRows = 8;     // rows of x per pass over the weights
 
 struct Weights {
   const uint8_t *panels;   // [n / 16, k / 32 * 256]
-  const float *s, *z;      // [n / 16, groups * 16]
+  const uint16_t *s, *z;   // [n / 16, groups * 16] float16 bits
   int64_t k, group;
 };
 
@@ -58,6 +58,12 @@ float bf16_to_float(uint16_t bits) {
   float value;
   std::memcpy(&value, &wide, sizeof(value));
   return value;
+}
+
+float half_to_float(uint16_t bits) {
+  _Float16 value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return float(value);
 }
 
 // one row's blocks: q, s_x and float(sum q)
@@ -80,12 +86,17 @@ void quantize_row(const float *x, int64_t k, int8_t *q, float *sx, float *sq) {
 }
 
 #if Q4P_VNNI
+// 16 float16 widened
+__m512 halves16(const uint16_t *at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(at)));
+}
+
 // outputs of MR rows x the 16 channels of panel p, as float32 [MR][16] in `y`
 template <int MR>
 void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]) {
   const int64_t groups = w.k / w.group, per_group = w.group / kBlock;
   const uint8_t *at = w.panels + p * (w.k / kBlock) * 256;
-  const float *s = w.s + p * groups * kPanel, *z = w.z + p * groups * kPanel;
+  const uint16_t *s = w.s + p * groups * kPanel, *z = w.z + p * groups * kPanel;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   __m512 total[MR];
   for (int i = 0; i < MR; ++i) total[i] = _mm512_setzero_ps();
@@ -107,7 +118,7 @@ void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]
       }
     }
     const int64_t g = b / per_group;
-    const __m512 scale = _mm512_loadu_ps(s + g * kPanel), zero = _mm512_loadu_ps(z + g * kPanel);
+    const __m512 scale = halves16(s + g * kPanel), zero = halves16(z + g * kPanel);
     for (int i = 0; i < MR; ++i) {
       const __m512 t = _mm512_fnmadd_ps(zero, _mm512_set1_ps(a.sq[i * a.blocks + b]), _mm512_cvtepi32_ps(acc[i]));
       total[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(_mm512_set1_ps(a.sx[i * a.blocks + b]), scale), total[i]);
@@ -116,11 +127,14 @@ void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y[i], total[i]);
 }
 #elif Q4P_AVX2
+// 8 float16 widened (F16C)
+__m256 halves8(const uint16_t *at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(at))); }
+
 // the AVX2 loops: the panel's two halves of 8 channels, vpmaddubsw + vpmaddwd for vpdpbusd
 template <int MR>
 void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]) {
   const int64_t groups = w.k / w.group, per_group = w.group / kBlock;
-  const float *s = w.s + p * groups * kPanel, *z = w.z + p * groups * kPanel;
+  const uint16_t *s = w.s + p * groups * kPanel, *z = w.z + p * groups * kPanel;
   const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {
     const uint8_t *at = w.panels + p * (w.k / kBlock) * 256 + 32 * half;
@@ -141,8 +155,7 @@ void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]
         }
       }
       const int64_t g = b / per_group;
-      const __m256 scale = _mm256_loadu_ps(s + g * kPanel + 8 * half);
-      const __m256 zero = _mm256_loadu_ps(z + g * kPanel + 8 * half);
+      const __m256 scale = halves8(s + g * kPanel + 8 * half), zero = halves8(z + g * kPanel + 8 * half);
       for (int i = 0; i < MR; ++i) {
         const __m256 t = _mm256_fnmadd_ps(zero, _mm256_set1_ps(a.sq[i * a.blocks + b]), _mm256_cvtepi32_ps(acc[i]));
         total[i] = _mm256_fmadd_ps(t, _mm256_mul_ps(_mm256_set1_ps(a.sx[i * a.blocks + b]), scale), total[i]);
@@ -156,7 +169,7 @@ void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]
 template <int MR>
 void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]) {
   const int64_t groups = w.k / w.group, per_group = w.group / kBlock;
-  const float *s = w.s + p * groups * kPanel, *z = w.z + p * groups * kPanel;
+  const uint16_t *s = w.s + p * groups * kPanel, *z = w.z + p * groups * kPanel;
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < kPanel; ++r) y[i][r] = 0.0f;
   for (int64_t b = 0; b < a.blocks; ++b) {
@@ -171,8 +184,8 @@ void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]
             const uint8_t byte = at[64 * t + 4 * r + j];
             d += int32_t(byte & 15) * xq[8 * t + j] + int32_t(byte >> 4) * xq[8 * t + 4 + j];
           }
-        const float t = std::fma(-z[g * kPanel + r], a.sq[i * a.blocks + b], float(d));
-        y[i][r] = std::fma(t, a.sx[i * a.blocks + b] * s[g * kPanel + r], y[i][r]);
+        const float t = std::fma(-half_to_float(z[g * kPanel + r]), a.sq[i * a.blocks + b], float(d));
+        y[i][r] = std::fma(t, a.sx[i * a.blocks + b] * half_to_float(s[g * kPanel + r]), y[i][r]);
       }
     }
   }
@@ -241,13 +254,13 @@ extern "C" {
 // What a compiled caller hands over for one repacked linear (worker/fast_paths/native_layer.py).
 struct Q4PanelLinear {
   const uint8_t *panels;
-  const float *s, *z;
+  const uint16_t *s, *z;  // float16 bits
   const void *bias;
   int64_t k, group, n;
 };
 
 int q4_panels_linear(const void *x, int64_t x_stride, int bf16, int64_t m, int64_t k, const uint8_t *panels,
-                     const float *s, const float *z, int64_t group, const void *bias, int64_t n, void *out,
+                     const uint16_t *s, const uint16_t *z, int64_t group, const void *bias, int64_t n, void *out,
                      int64_t out_stride, int8_t *q, float *sx, float *sq, int threads) {
   return linear(x, x_stride, bf16, m, Weights{panels, s, z, k, group}, bias, n, out, out_stride, q, sx, sq, threads);
 }

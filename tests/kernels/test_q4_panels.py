@@ -1,7 +1,7 @@
 """W4A8 on repacked 4-bit panels (kernels/q4_panels.py, csrc/q4_panels.cpp): the repack round-trips, every build this
 CPU can run (AVX512-VNNI, the AVX2 loops built with -mno-avx512f, the portable loops with -mno-avx2) equals the torch
 reference for 1..8 rows and odd shapes, in float32 and bf16, and `Int4Linear(act_quant=True)` computes it, stacked
-and with its panels switched off (the engine probe's W4A16 arithmetic)."""
+and with its panels switched off (the engine probe's W4A16 arithmetic); its scales and zero points are float16."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def _weights(n: int, k: int, group: int, seed: int = 0):
     return quantize_int4_groups(torch.randn(n, k, generator=generator), group)
 
 
+def _as_kept(scales: torch.Tensor) -> torch.Tensor:
+    """Scales as the kernel reads them: rounded to float16."""
+    return scales.half().float()
+
+
 def test_the_native_build_names_its_instructions():
     _flags("native")
     flags = cpu_flags()
@@ -51,6 +56,9 @@ def test_the_repack_round_trips():
     assert panels.shape == (3, 192 // 32 * 256) and panels.dtype == torch.uint8
     assert torch.equal(q4_panels.unrepack(panels, 192), values)
     assert torch.equal(q4_panels.unrepack_groups(q4_panels.repack_groups(scales)), scales)
+    halves = q4_panels.half_groups(scales)
+    assert halves.dtype == torch.float16 and torch.equal(q4_panels.unrepack_groups(halves).float(), _as_kept(scales))
+    assert torch.equal(q4_panels.unrepack_groups(q4_panels.half_groups(zeros)).float(), zeros)  # integers: exact
     # channel 17's k = 40..43 and 44..47: panel 1, block 1, t = 1, its 4 bytes at 4 * 1
     byte = panels[1, 256 + 64 + 4:256 + 64 + 8]
     assert torch.equal(byte & 15, values[17, 40:44]) and torch.equal(byte >> 4, values[17, 44:48])
@@ -65,9 +73,9 @@ def test_the_kernel_equals_the_reference(build, dtype):
         x = (torch.randn(m, k, generator=torch.Generator().manual_seed(100 + index)) * 3).to(dtype)
         x[0, :32] = 0  # an all-zero block: scale 0, q 0
         bias = torch.randn(n).to(dtype)
-        got = q4_panels.linear(x, q4_panels.repack(values), q4_panels.repack_groups(scales),
-                               q4_panels.repack_groups(zeros), group, bias, flags)
-        expected = (q4_panels.reference(x.float(), values, scales, zeros, group) + bias.float()).to(dtype)
+        got = q4_panels.linear(x, q4_panels.repack(values), q4_panels.half_groups(scales),
+                               q4_panels.half_groups(zeros), group, bias, flags)
+        expected = (q4_panels.reference(x.float(), values, _as_kept(scales), zeros, group) + bias.float()).to(dtype)
         assert got is not None and got.dtype == dtype
         tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(got, expected, **tolerance, msg=f"{build} {dtype} {(m, n, k, group)}")
@@ -99,3 +107,16 @@ def test_w4a8_linear_stacks_and_keeps_the_w4a16_arithmetic_when_switched_off():
     assert parts[1].__dict__.get("_scaled_zeros") is None and plain.__dict__.get("_scaled_zeros") is not None
     with pytest.raises(ValueError, match="W4A8"):
         Int4Linear(*_weights(24, 128, 64), 64, None, torch.float32, act_quant=True)
+
+
+def test_w4a8_keeps_float16_scales_and_refuses_float32_ones():
+    """The panels' scales and zero points are float16 (a fifth of the bytes read in float32): kept so by
+    Int4Linear, and a float32 pair is refused, never read as float16 bits."""
+    values, scales, zeros = _weights(32, 128, 64)
+    linear = Int4Linear(values, scales, zeros, 64, None, torch.float32, act_quant=True)
+    assert linear.scales.dtype == linear.zeros.dtype == torch.float16
+    _, kept_scales, kept_zeros = linear.unpacked()
+    assert torch.equal(kept_scales, _as_kept(scales)) and torch.equal(kept_zeros, zeros)
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="float16"):
+        q4_panels.linear(x, linear.qweight, q4_panels.repack_groups(scales), linear.zeros, 64, None)
