@@ -2,7 +2,8 @@
 tokenizer (49,152 tokens, real xgrammar), two named API keys, the fair policy, a Responses store, and the limits
 issues 33 and 49 probe. Its resident memory is the server's alone: read in the pytest process, it also counted
 whatever the suite's earlier tests left behind (a row past its 50 MB once there, 20 minutes into the suite, that
-the file alone never showed).
+the file alone never showed). Unlike serve_process.py's CLI server, which is killed at the end, it stops when
+asked, and then checks that no block or request was left behind.
 
     python tests/serving/probe_server.py STORE_DIR   # prints the base URL; serves until its stdin closes
 """
