@@ -90,12 +90,18 @@ def render_chat(request, tokenizer, tools: ToolMode | None = None, tool_call_par
     except ApiError:
         raise
     except RenderLimitError as exc:
-        if cancel is not None and cancel.is_set():
-            raise ApiError(499, "client disconnected", "client_disconnected") from None
-        raise ApiError(400, str(exc), "chat_template_too_slow", "chat_template") from None
+        failure = ApiError(499, "client disconnected", "client_disconnected") if cancel is not None \
+            and cancel.is_set() else ApiError(400, str(exc), "chat_template_too_slow", "chat_template")
     except Exception as exc:  # noqa: BLE001 - a template error is about these messages: the client's
-        raise ApiError(400, f"the chat messages do not fit the chat template: {exc}", "invalid_messages",
-                       "messages") from None
+        failure = ApiError(400, f"the chat messages do not fit the chat template: {exc}", "invalid_messages",
+                           "messages")
+    else:
+        failure = None
+    # raised outside the handlers, so that the render's own error is not chained to it: that error's frames hold what
+    # the render made (55 MB of encodings for a 1 MB system message's tokens), freed now in this thread, not when the
+    # last reference to the answer's error goes, which may come after the answer's heap trim (memory.py)
+    if failure is not None:
+        raise failure
     if isinstance(rendered, str) and len(rendered) > policy.max_rendered_chars:
         raise ApiError(400, f"the chat template rendered {len(rendered)} characters; at most "
                        f"{policy.max_rendered_chars} are accepted (--max-rendered-chat-chars)",
