@@ -129,8 +129,8 @@ def encoded(body: dict) -> bytes:
 
 
 def post(url: str, path: str, body: dict | bytes, key: str | None = None) -> httpx.Response:
-    """`body`: a dict, or its JSON text already encoded (a megabyte body encoded while the watch runs would hold
-    the GIL of the process whose threads time the stream: encode it before the watch starts)."""
+    """`body`: a dict, or its JSON text already encoded (a megabyte body encoded in this process, where the server
+    runs too, would hold the GIL as the server's work does: encode it before the watch starts)."""
     content = body if isinstance(body, bytes) else encoded(body)
     return httpx.post(url + path, content=content, headers={"Content-Type": "application/json", **auth(key)},
                       timeout=POST_TIMEOUT_S)
