@@ -60,12 +60,6 @@ float bf16_to_float(uint16_t bits) {
   return value;
 }
 
-float half_to_float(uint16_t bits) {
-  _Float16 value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return float(value);
-}
-
 // one row's blocks: q, s_x and float(sum q)
 void quantize_row(const float *x, int64_t k, int8_t *q, float *sx, float *sq) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -165,6 +159,12 @@ void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]
   }
 }
 #else
+float half_to_float(uint16_t bits) {
+  _Float16 value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return float(value);
+}
+
 // the portable loops, the same sums in the same order
 template <int MR>
 void panel(const Weights &w, const Acts &a, int64_t p, float y[kMaxRows][kPanel]) {

@@ -90,8 +90,9 @@ def render_chat(request, tokenizer, tools: ToolMode | None = None, tool_call_par
     except ApiError:
         raise
     except RenderLimitError as exc:
-        failure = ApiError(499, "client disconnected", "client_disconnected") if cancel is not None \
-            and cancel.is_set() else ApiError(400, str(exc), "chat_template_too_slow", "chat_template")
+        left = cancel is not None and cancel.is_set()
+        failure = (ApiError(499, "client disconnected", "client_disconnected") if left
+                   else ApiError(400, str(exc), "chat_template_too_slow", "chat_template"))
     except Exception as exc:  # noqa: BLE001 - a template error is about these messages: the client's
         failure = ApiError(400, f"the chat messages do not fit the chat template: {exc}", "invalid_messages",
                            "messages")
