@@ -265,7 +265,9 @@ def stack_linears(linears: list[torch.nn.Module]) -> QuantizedLinear | None:
     names = ("qweight", "scales", "zeros") if isinstance(first, Int4Linear) else ("qweight", "weight_scale")
     with torch.inference_mode(False):  # plain tensors, whatever mode the step runs in: they become the linears'
         for name in (*names, *(() if first.bias is None else ("bias",))):
-            stack.register_buffer(name, torch.cat([getattr(linear, name) for linear in linears]))
+            parts = [getattr(linear, name) for linear in linears]
+            in_place = _rows_in_place(parts)
+            stack.register_buffer(name, torch.cat(parts) if in_place is None else in_place)
             sizes = [_buffer_rows(lin, name) for lin in linears]
             for linear, rows in zip(linears, getattr(stack, name).split(sizes)):
                 linear._buffers[name] = rows
@@ -295,6 +297,20 @@ def stackable(linears: list[torch.nn.Module]) -> bool:
     return all(linear.act_quant == first.act_quant for linear in linears) and (
         all(scale is None for scale in scales)
         or all(scale is not None and torch.equal(scale, scales[0]) for scale in scales))
+
+
+def _rows_in_place(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose rows `parts` are, one after another in one storage (a stack made before, whose memory was
+    moved since: worker/huge_pages.py), as a view: made again without a copy. None where they are not."""
+    first = parts[0]
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    for part in parts:
+        if (not part.is_contiguous() or part.untyped_storage().data_ptr() != storage.data_ptr()
+                or part.storage_offset() != offset or part.shape[1:] != first.shape[1:] or part.dtype != first.dtype):
+            return None
+        offset += part.numel()
+    shape = (sum(part.shape[0] for part in parts), *first.shape[1:])
+    return first.new_empty(0).set_(storage, first.storage_offset(), shape)
 
 
 def _buffer_rows(linear: QuantizedLinear, name: str) -> int:

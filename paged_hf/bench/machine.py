@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from paged_hf.bench.workloads import Workload
 from paged_hf.loader.default_model import ensure_default_checkpoint, is_default_model
 from paged_hf.worker.fast_paths.packed_linears import PackedLinear, packable_dtypes
+from paged_hf.worker.huge_pages import into_huge_pages
 
 
 @dataclass
@@ -117,8 +118,11 @@ def copy_bandwidth(num_bytes: int = 256 << 20, device="cpu", min_seconds: float 
 
 def read_bandwidth(num_bytes: int = 256 << 20, device="cpu", min_seconds: float = 0.5) -> float:
     """Measured bytes/s of a streaming read (a large tensor's sum: one pass over memory, nothing written back):
-    the rate a decode step's weight reads can approach, which a copy (half of its bytes written) does not show."""
+    the rate a decode step's weight reads can approach, which a copy (half of its bytes written) does not show.
+    On the CPU from 2 MB pages where Linux offers them, as the engine's weights are (worker/huge_pages.py)."""
     src = torch.ones(num_bytes // 4, device=device)
+    if src.device.type == "cpu":
+        into_huge_pages([src])
     elapsed, iterations = _time_op(lambda: src.sum(), device, min_seconds)
     return num_bytes * iterations / elapsed
 

@@ -25,6 +25,7 @@ from paged_hf.worker.fast_paths.llama_forward import LlamaForward
 from paged_hf.worker.kv_tier.offload import make_kv_offload
 from paged_hf.worker.model_info import ModelInfo, text_config
 from paged_hf.worker.families.registry import FamilyStandIns
+from paged_hf.worker.huge_pages import into_huge_pages
 from paged_hf.worker.hybrid.recurrent_mixers import RecurrentMixers
 from paged_hf.worker.hybrid.recurrent_state import RecurrentStates
 from paged_hf.worker.cache_sizing import state_slot_count
@@ -63,6 +64,9 @@ class ModelRunner:
         self.packing = PackingSwitch()  # the packed copies are made once a step's batch is past the few-row loops
         fused_layers = FusedLayers(model, config.pack_linear_weights, self.packing) if config.fuse_layers else None
         self.fused_layers = fused_layers or contextlib.nullcontext()
+        # the weights (and the quantized groups' stacks, made now) into 2 MB pages, before anything holds them
+        stacked = fused_layers.stacked_weights() if fused_layers is not None else []
+        self.huge_page_bytes = into_huge_pages([*model.parameters(), *model.buffers(), *stacked])
         fused = fused_layers.fused_linears if fused_layers is not None else set()
         self.packed_linears = (PackedLinears(model, fused, self.packing) if config.pack_linear_weights
                                else contextlib.nullcontext())

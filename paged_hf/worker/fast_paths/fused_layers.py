@@ -287,6 +287,11 @@ class FusedLayers(ModuleSwaps):
         self._add_mlps(model)
         self._add_decoder_layers(model)
 
+    def stacked_weights(self) -> list[torch.Tensor]:
+        """The quantized groups' stacked buffers (made now where not yet): weights the engine holds beside the
+        model's modules (the linears' buffers are their rows)."""
+        return [buffer for group in self.groups if group.quantized for buffer in group.current().stack.buffers()]
+
     @property
     def fused_linears(self) -> set[int]:
         """ids of the Linears computed by a group (the packed linears leave them alone)."""
