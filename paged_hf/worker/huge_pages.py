@@ -54,16 +54,18 @@ def into_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None) ->
         return 0
     views: dict[int, list[torch.Tensor]] = {}  # a storage's address -> the tensors viewing it
     storages: dict[int, torch.UntypedStorage] = {}
-    for tensor in tensors:
-        if not movable(tensor):
-            continue
-        storage = tensor.untyped_storage()
-        if storage.nbytes() < MIN_BYTES:
-            continue
-        pointer = storage.data_ptr()
-        storages.setdefault(pointer, storage)
-        if all(view is not tensor for view in views.setdefault(pointer, [])):
-            views[pointer].append(tensor)
+    for given in tensors:
+        # a view's base too (it would hold the old storage: `pack_int4`'s weights are views of a [n, k/32, 16] one)
+        for tensor in (given, given._base) if given._base is not None else (given,):
+            if not movable(tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() < MIN_BYTES:
+                continue
+            pointer = storage.data_ptr()
+            storages.setdefault(pointer, storage)
+            if all(view is not tensor for view in views.setdefault(pointer, [])):
+                views[pointer].append(tensor)
     if not storages:
         return 0
     sizes = {pointer: -(-storage.nbytes() // PAGE) * PAGE for pointer, storage in storages.items()}

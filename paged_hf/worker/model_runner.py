@@ -12,6 +12,7 @@ from paged_hf.core.scheduler_output import SchedulerOutput
 from paged_hf.integrations.transformers import ATTENTION_NAME, STEP_MASK_SENTINEL, register
 from paged_hf.kernels.selection import select_kernels
 from paged_hf.kernels.quant import storage_dtype
+from paged_hf.loader.mapped_weights import copy_out_of_files
 from paged_hf.multimodal.embeddings import has_images, step_embeds
 from paged_hf.multimodal.encoder_cache import EncoderCache
 from paged_hf.multimodal.registry import vision_family
@@ -67,6 +68,8 @@ class ModelRunner:
         # the weights (and the quantized groups' stacks, made now) into 2 MB pages, before anything holds them
         stacked = fused_layers.stacked_weights() if fused_layers is not None else []
         self.huge_page_bytes = into_huge_pages([*model.parameters(), *model.buffers(), *stacked])
+        if self.huge_page_bytes:  # what stays in a checkpoint's mapping (a norm) would keep every page read of it
+            copy_out_of_files(model)
         fused = fused_layers.fused_linears if fused_layers is not None else set()
         self.packed_linears = (PackedLinears(model, fused, self.packing) if config.pack_linear_weights
                                else contextlib.nullcontext())

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import hf_greedy, random_prompts
 
 import paged_hf
 from paged_hf import SamplingParams
 from paged_hf.kernels.quant_linear import Int8Linear, quantize_int8_per_channel, stack_linears
+from paged_hf.loader.mapped_weights import file_mappings
 from paged_hf.worker import huge_pages
 from paged_hf.worker.huge_pages import MIN_BYTES, huge_pages_mode, into_huge_pages
 
@@ -76,6 +78,18 @@ def test_moved_weights_keep_their_values_parameters_ties_and_views(mode):
     assert torch.equal(out, torch.nn.functional.linear(torch.ones(2, 256), before["up.weight"], before["up.bias"]))
 
 
+def test_a_weight_that_is_a_view_takes_its_base_along():
+    """`pack_int4` gives its weights as views of a [n, k/32, 16] tensor: left behind, that base would hold the old
+    memory (a view keeps its base alive)."""
+    base = torch.randint(0, 255, (256, 16, 16), dtype=torch.uint8)
+    weight = base.reshape(256, 256)
+    assert weight._base is base
+    old = base.data_ptr()
+    into_huge_pages([weight], mode="madvise")
+    assert weight._base.data_ptr() == weight.data_ptr() != old
+    assert torch.equal(weight._base.reshape(256, 256), weight)
+
+
 def test_nothing_moves_where_the_kernel_offers_no_huge_pages():
     model = _model()
     pointers = [tensor.data_ptr() for tensor in model.state_dict().values()]
@@ -115,16 +129,20 @@ def test_a_quantized_stack_made_again_over_moved_rows_copies_nothing():
     assert torch.equal(again(x), expected) and torch.equal(stack(x), expected)
 
 
-@needs_huge_pages
-def test_an_engine_over_moved_weights_gives_transformers_tokens():
-    """A float32 Llama whose linears are past MIN_BYTES: the runner moves them at load, every step reads them."""
-    import transformers
-
+def _llama() -> torch.nn.Module:
+    """A float32 Llama whose linears are past MIN_BYTES (its norms are not)."""
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
+    return model
+
+
+@needs_huge_pages
+def test_an_engine_over_moved_weights_gives_transformers_tokens():
+    """The runner moves the linears at load, every step reads them."""
+    model = _llama()
     prompts = [[p % 512 for p in prompt] for prompt in random_prompts([7, 12], seed=1)]
     expected = [hf_greedy(model, prompt, 10) for prompt in prompts]
     pointer = model.model.layers[0].mlp.up_proj.weight.data_ptr()
@@ -134,3 +152,20 @@ def test_an_engine_over_moved_weights_gives_transformers_tokens():
     assert model.model.layers[0].mlp.up_proj.weight.numel() * 4 >= MIN_BYTES
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0), use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
+
+
+@needs_huge_pages
+def test_a_checkpoints_mapping_is_let_go_once_its_weights_moved(tmp_path):
+    """A checkpoint loaded in its own dtype reads the file's mapping; the norms, under MIN_BYTES, stay behind when
+    the linears move, and would keep every page of the file that was read: they are copied out of it too."""
+    _llama().save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+
+    def in_files() -> list[str]:
+        ranges = file_mappings()
+        return [name for name, tensor in model.state_dict().items()
+                if any(start <= tensor.data_ptr() < end for start, end in ranges)]
+
+    assert "model.norm.weight" in in_files()  # (what the test is about: the loader mapped the file)
+    paged_hf.wrap(model, num_blocks=16)
+    assert in_files() == []
