@@ -9,9 +9,10 @@ always; torch's allocations do not ask, and a weight under 2 MB never fills an a
 
 So the weights' storages are copied into one private anonymous mapping advised for huge pages, each at a page
 boundary, and every tensor that viewed a storage is pointed at its copy in place (`Tensor.set_`: the same
-parameter objects, ties and views kept, as `.data =` keeps them); the old storages are freed. The engine's caches
-of a weight (packed copies, compiled calls' pointers) follow its address and are made again. Where Linux does
-not offer huge pages (`never`, or no such setting: another OS) nothing moves.
+parameter objects, ties and views kept, as `.data =` keeps them); the old storages are freed as they are copied.
+The engine's caches of a weight (packed copies, compiled calls' pointers) follow its address and are made again.
+Where Linux does not offer huge pages (`never`, or no such setting: another OS), or a checkpoint read from its
+file would not fit in memory twice, nothing moves.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import mmap
 from collections.abc import Iterable
 
 import torch
+
+from paged_hf.loader.mapped_weights import file_mappings
+from paged_hf.worker.model_info import free_memory_bytes
 
 HUGE_PAGE = 2 << 20
 PAGE = 4096
@@ -45,10 +49,11 @@ def movable(tensor: torch.Tensor) -> bool:
             and not tensor.is_meta and tensor.numel() > 0)
 
 
-def into_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None) -> int:
+def into_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None, available: int | None = None) -> int:
     """Every storage of `tensors` of at least MIN_BYTES copied into one mapping advised for 2 MB pages, each
-    tensor pointed at its storage's copy (same offset, shape and strides). `mode`: the kernel's setting (read
-    when None). Returns the bytes moved (0 where huge pages are not offered)."""
+    tensor pointed at its storage's copy (same offset, shape and strides). `mode`: the kernel's setting,
+    `available`: the memory free for the copies (both read when None). Returns the bytes moved (0 where huge
+    pages are not offered, or the copies would need more memory than is free)."""
     mode = huge_pages_mode() if mode is None else mode
     if mode not in ("always", "madvise"):
         return 0
@@ -68,6 +73,8 @@ def into_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None) ->
                 views[pointer].append(tensor)
     if not storages:
         return 0
+    if _new_bytes(storages) > (free_memory_bytes(torch.device("cpu")) if available is None else available):
+        return 0  # (a checkpoint larger than memory, read from its file's pages: left there)
     sizes = {pointer: -(-storage.nbytes() // PAGE) * PAGE for pointer, storage in storages.items()}
     used = sum(sizes.values())
     arena = mmap.mmap(-1, used + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -85,6 +92,17 @@ def into_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None) ->
                 tensor.set_(copy, tensor.storage_offset(), tensor.shape, tensor.stride())
         offset += sizes[pointer]
     return used
+
+
+def _new_bytes(storages: dict[int, torch.UntypedStorage]) -> int:
+    """What the copies need beyond the memory they free as they are made: the storages that read a file's mapping
+    (its pages are the page cache's, which the system can drop again; the copies' it cannot) and the largest other
+    one."""
+    ranges = file_mappings()
+    in_files = [any(start <= pointer < end for start, end in ranges) for pointer in storages]
+    sizes = [storage.nbytes() for storage in storages.values()]
+    return sum(size for size, mapped in zip(sizes, in_files) if mapped) + max(
+        (size for size, mapped in zip(sizes, in_files) if not mapped), default=0)
 
 
 def _address(arena: mmap.mmap) -> int:

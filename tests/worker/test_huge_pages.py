@@ -90,12 +90,15 @@ def test_a_weight_that_is_a_view_takes_its_base_along():
     assert torch.equal(weight._base.reshape(256, 256), weight)
 
 
-def test_nothing_moves_where_the_kernel_offers_no_huge_pages():
+def test_nothing_moves_where_the_kernel_offers_no_huge_pages_or_memory_is_short():
     model = _model()
     pointers = [tensor.data_ptr() for tensor in model.state_dict().values()]
     for mode in ("never", "unknown"):  # (and a kernel without the setting reads as None: the test above)
         assert into_huge_pages(model.parameters(), mode=mode) == 0
+    # nor where the copies would need more memory than is free (the largest storage, here: the embedding's 256 KB)
+    assert into_huge_pages(model.parameters(), mode="madvise", available=(256 << 10) - 1) == 0
     assert [tensor.data_ptr() for tensor in model.state_dict().values()] == pointers
+    assert into_huge_pages(model.parameters(), mode="madvise", available=256 << 10) > 0  # (just enough)
 
 
 def test_an_inference_tensor_moves_and_a_meta_one_stays():
@@ -167,5 +170,9 @@ def test_a_checkpoints_mapping_is_let_go_once_its_weights_moved(tmp_path):
                 if any(start <= tensor.data_ptr() < end for start, end in ranges)]
 
     assert "model.norm.weight" in in_files()  # (what the test is about: the loader mapped the file)
+    # the file's pages are the page cache's: their copies need all of their bytes free, not just the largest
+    mapped = sum(tensor.nbytes for tensor in model.parameters() if tensor.nbytes >= MIN_BYTES)
+    assert into_huge_pages(model.parameters(), mode="madvise", available=mapped - 1) == 0
+    assert "model.norm.weight" in in_files()
     paged_hf.wrap(model, num_blocks=16)
     assert in_files() == []
