@@ -33,18 +33,27 @@ def file_mappings() -> list[tuple[int, int]]:
     return sorted(ranges)
 
 
-def copy_out_of_files(model: torch.nn.Module) -> int:
-    """Every parameter and buffer of `model` whose memory lies in a file's mapping given memory of its own (tied
-    and other views of one storage still share their copy). Returns the bytes copied."""
+def in_file_mappings():
+    """-> a test of an address: whether it lies in one of this process's mappings of a file (read now); None where
+    the mappings cannot be read."""
     ranges = file_mappings()
     if not ranges:
-        return 0
+        return None
     starts = [start for start, _ in ranges]
 
     def mapped(pointer: int) -> bool:
         index = bisect.bisect_right(starts, pointer) - 1
         return index >= 0 and pointer < ranges[index][1]
 
+    return mapped
+
+
+def copy_out_of_files(model: torch.nn.Module) -> int:
+    """Every parameter and buffer of `model` whose memory lies in a file's mapping given memory of its own (tied
+    and other views of one storage still share their copy). Returns the bytes copied."""
+    mapped = in_file_mappings()
+    if mapped is None:
+        return 0
     copies: dict[int, torch.UntypedStorage] = {}  # the file's storage (its address) -> its copy
     copied = 0
     for tensor in [*model.parameters(), *model.buffers()]:  # (a tied tensor once)

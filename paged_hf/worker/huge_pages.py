@@ -18,11 +18,12 @@ file would not fit in memory twice, nothing moves.
 from __future__ import annotations
 
 import mmap
+import weakref
 from collections.abc import Iterable
 
 import torch
 
-from paged_hf.loader.mapped_weights import file_mappings
+from paged_hf.loader.mapped_weights import in_file_mappings
 from paged_hf.worker.model_info import free_memory_bytes
 
 HUGE_PAGE = 2 << 20
@@ -30,6 +31,9 @@ PAGE = 4096
 #: storages smaller than this stay where they are (norms, biases: nothing a stream of them gains)
 MIN_BYTES = 64 << 10
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+#: the mappings made here, while a tensor reads one: (the mapping, its first address, its last + 1). A storage in
+#: one stays where it is (a model wrapped again: copying it anew was ~1.2 s of a float32 default-model `wrap`)
+_MAPPINGS: list[tuple[weakref.ref, int, int]] = []
 
 
 def huge_pages_mode(path: str = THP_SETTING) -> str | None:
@@ -68,6 +72,8 @@ def into_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None, av
             if storage.nbytes() < MIN_BYTES:
                 continue
             pointer = storage.data_ptr()
+            if _in_mappings(pointer):
+                continue
             storages.setdefault(pointer, storage)
             if all(view is not tensor for view in views.setdefault(pointer, [])):
                 views[pointer].append(tensor)
@@ -78,7 +84,10 @@ def into_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None, av
     sizes = {pointer: -(-storage.nbytes() // PAGE) * PAGE for pointer, storage in storages.items()}
     used = sum(sizes.values())
     arena = mmap.mmap(-1, used + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -_address(arena) % HUGE_PAGE  # the first 2 MB boundary in it
+    address = _address(arena)
+    start = -address % HUGE_PAGE  # the first 2 MB boundary in it
+    _MAPPINGS[:] = [entry for entry in _MAPPINGS if entry[0]() is not None]
+    _MAPPINGS.append((weakref.ref(arena), address, address + len(arena)))
     if used >= HUGE_PAGE:  # (the last partial 2 MB stays in small pages: a huge one there would be mostly unused)
         arena.madvise(mmap.MADV_HUGEPAGE, start, used // HUGE_PAGE * HUGE_PAGE)
     offset = start
@@ -94,12 +103,16 @@ def into_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None, av
     return used
 
 
+def _in_mappings(pointer: int) -> bool:
+    return any(start <= pointer < end and mapping() is not None for mapping, start, end in _MAPPINGS)
+
+
 def _new_bytes(storages: dict[int, torch.UntypedStorage]) -> int:
     """What the copies need beyond the memory they free as they are made: the storages that read a file's mapping
     (its pages are the page cache's, which the system can drop again; the copies' it cannot) and the largest other
     one."""
-    ranges = file_mappings()
-    in_files = [any(start <= pointer < end for start, end in ranges) for pointer in storages]
+    mapped = in_file_mappings() or (lambda pointer: False)
+    in_files = [mapped(pointer) for pointer in storages]
     sizes = [storage.nbytes() for storage in storages.values()]
     return sum(size for size, mapped in zip(sizes, in_files) if mapped) + max(
         (size for size, mapped in zip(sizes, in_files) if not mapped), default=0)

@@ -78,6 +78,15 @@ def test_moved_weights_keep_their_values_parameters_ties_and_views(mode):
     assert torch.equal(out, torch.nn.functional.linear(torch.ones(2, 256), before["up.weight"], before["up.bias"]))
 
 
+def test_weights_already_moved_stay_where_they_are():
+    """A model wrapped a second time: its weights are in 2 MB pages already, nothing is copied again."""
+    model = _model()
+    assert into_huge_pages(model.parameters(), mode="madvise") > 0
+    pointers = [tensor.data_ptr() for tensor in model.parameters()]
+    assert into_huge_pages(model.parameters(), mode="madvise") == 0
+    assert [tensor.data_ptr() for tensor in model.parameters()] == pointers
+
+
 def test_a_weight_that_is_a_view_takes_its_base_along():
     """`pack_int4` gives its weights as views of a [n, k/32, 16] tensor: left behind, that base would hold the old
     memory (a view keeps its base alive)."""
